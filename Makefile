@@ -1,0 +1,49 @@
+# Routine commands. Each target sets up .venv from env/requirements-cpu.lock first (idempotent).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SETUP := bash env/setup.sh
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast tour lab aot bench-gpu lock clean info doctor plan
+
+setup:
+	@$(SETUP)
+
+## The main job: every notebook headless on the embedded defaults -> build/tour/index.html
+tour: setup
+	$(PY) -m ds4lab tour
+
+## The whole test suite (CPU: Triton interpreter lane, sm_89/sm_90 compile report, real vLLM, notebooks)
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## Everything but the slow lanes (vLLM server, notebooks)
+test-fast: setup
+	$(PY) -m pytest -m "not vllm and not notebook" $(PYTEST_ARGS)
+
+lab: setup
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+
+info: setup
+	$(PY) -m ds4lab info
+
+## sm_89 / sm_90 compile report of every registered kernel config
+aot: setup
+	$(PY) -m ds4lab aot
+
+## On the H200 image (no venv): python3 -m ds4lab.bench --out results/
+bench-gpu:
+	python3 -m ds4lab.bench --out results
+
+doctor: setup
+	$(PY) -m ds4lab doctor
+
+plan: setup
+	$(PY) -m ds4lab plan
+
+## Re-resolve env/requirements-cpu.in into the lock (needs network to PyPI)
+lock:
+	bash env/lock.sh
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,47 @@
+"""``ds4lab`` command line: a thin face over the functions the notebooks call.
+
+Each sub-command lives in its own module, which defines ``add_arguments(parser)`` and
+``main(args) -> int``; this file only routes (modules import lazily so ``ds4lab --help`` is fast).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("ds4lab.geometry_cli", "version banner and the model geometry's per-rank op shapes"),
+    "aot": ("ds4lab.aot", "compile every registered kernel config for sm_89/sm_90 and report resources"),
+    "bench": ("ds4lab.bench", "check-then-time registered kernels on a CUDA GPU; append rows to results/"),
+    "tiny": ("ds4lab.tiny", "write the tiny DeepSeek-V4 checkpoint used as the embedded default"),
+    "plan": ("ds4lab.memory", "plan GPU memory: gpu-memory-utilization against KV headroom"),
+    "serve": ("ds4lab.serve", "launch the OpenAI-compatible vLLM server (MTP speculative decoding)"),
+    "doctor": ("ds4lab.doctor", "check the serving stack for the known traps"),
+    "tour": ("ds4lab.tour", "run the notebook tour headless and write build/tour/index.html"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    out = {}
+    for name, (mod, helptext) in COMMANDS.items():
+        if importlib.util.find_spec(mod) is not None:
+            out[name] = (mod, helptext)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds4lab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    cmds = _available()
+    for name, (mod, helptext) in cmds.items():
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        p.set_defaults(_module=mod)
+        # argument definitions are cheap (no torch import at module top in these modules)
+        importlib.import_module(mod).add_arguments(p)
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

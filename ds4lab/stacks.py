@@ -1,0 +1,24 @@
+"""The known software stacks (``env/stacks.toml``) as data for the doctor and the launcher."""
+from __future__ import annotations
+
+import os
+import tomllib
+from functools import lru_cache
+
+__all__ = ["STACKS_PATH", "stacks", "stack"]
+
+STACKS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "env", "stacks.toml")
+
+
+@lru_cache(maxsize=1)
+def stacks() -> dict[str, dict]:
+    with open(STACKS_PATH, "rb") as f:
+        return tomllib.load(f)
+
+
+def stack(name: str) -> dict:
+    """One stack by name; ValueError naming the known ones otherwise."""
+    s = stacks()
+    if name not in s:
+        raise ValueError(f"stack {name!r}: known stacks are {sorted(s)}")
+    return s[name]

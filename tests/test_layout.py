@@ -1,0 +1,77 @@
+"""The package layout promises of the foundation issue."""
+import importlib
+import os
+import subprocess
+import sys
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_subpackage_is_listed_for_wheels():
+    cfg = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    found = set()
+    for top, name in (("ds4lab", "ds4lab"), ("kernels", "ds4lab_kernels")):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            if "__init__.py" in files and "__pycache__" not in dirpath:
+                rel = os.path.relpath(dirpath, os.path.join(ROOT, top))
+                found.add(name if rel == "." else name + "." + rel.replace(os.sep, "."))
+    assert found == listed
+
+
+def test_kernels_import_without_path_tricks_from_elsewhere(tmp_path):
+    # run from an unrelated folder: only the installed mapping can find the package
+    code = "import ds4lab_kernels, ds4lab, os; print(os.path.dirname(ds4lab_kernels.__file__))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == os.path.join(ROOT, "kernels")
+
+
+def test_kernels_files_import_only_torch_and_triton():
+    allowed = {"torch", "triton", "math", "functools", "typing", "__future__", "dataclasses", "os"}
+    kdir = os.path.join(ROOT, "kernels")
+    for f in os.listdir(kdir):
+        if not f.endswith(".py"):
+            continue
+        for line in open(os.path.join(kdir, f)):
+            s = line.strip()
+            if s.startswith(("import ", "from ")) and not s.startswith("from ."):
+                mod = s.split()[1].split(".")[0]
+                assert mod in allowed, f"kernels/{f} imports {mod}: kernels/ must stand alone"
+
+
+def test_reference_never_imports_kernels():
+    rdir = os.path.join(ROOT, "ds4lab", "reference")
+    for f in os.listdir(rdir):
+        if f.endswith(".py"):
+            src = open(os.path.join(rdir, f)).read()
+            assert "ds4lab_kernels" not in src, f"reference/{f} imports the kernels it checks"
+
+
+def test_banner_names_every_component():
+    ds4lab = importlib.import_module("ds4lab")
+    b = ds4lab.env_banner()
+    for word in ("python", "torch", "triton", "vllm", "CUDA"):
+        assert word in b
+    e = ds4lab.environment()
+    assert e["torch"] and e["triton"]
+    if e["device"] == "cpu":
+        assert "CPU (Triton interpreter)" in b
+    assert e["git_sha"] != ""
+
+
+def test_cli_info_runs():
+    out = subprocess.run([sys.executable, "-m", "ds4lab", "info", "--tp", "4", "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert '"wq_b"' in out.stdout and '"tp": 4' in out.stdout
+
+
+def test_stacks_data_readable():
+    from ds4lab.stacks import stack, stacks
+    assert {"cpu", "h200-bench", "ada-upstream", "community-sm89-fork"} <= set(stacks())
+    assert stack("community-sm89-fork")["transformers"] == "5.8.1"
+    import pytest
+    with pytest.raises(ValueError, match="known stacks"):
+        stack("nope")
