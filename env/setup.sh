@@ -19,6 +19,8 @@ PY
 want=$(cat "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   t0=$(date +%s)
+  # the machine's pip config lists file:// indexes that may be absent; their warnings are noise
+  exec 3>&2; exec 2> >(grep -v "^WARNING: Location 'file://" >&3)
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "pip==25.3"
   # --no-deps: nothing outside the lock can be resolved in; --only-binary: no local builds.
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: -r "$LOCK"
