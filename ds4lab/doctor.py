@@ -889,7 +889,7 @@ def check_triton_compile(ctx: DoctorContext) -> CheckResult:
     Shared memory is compared with the per-block limit (over-limit is only caught at launch)."""
     name = "triton-compile"
     if "triton" not in (ctx.get_facts().get("modules") or {}):
-        status = "fail" if ctx.profile.get("triton") else "warn"
+        status = "fail" if (ctx.profile.get("triton") or ctx.profile.get("vllm") or ctx.gpu_profile) else "warn"
         return CheckResult(name, status, f"triton not importable in {ctx.python}", f"pip install triton=={ctx.profile.get('triton', '3.7.1')}")
     c = ctx.get_compile_facts()
     arch = ctx.target_arch()
