@@ -31,7 +31,7 @@ from .stacks import stack, stacks
 __all__ = [
     "CheckResult", "DoctorContext", "Report", "CHECKS", "STATUSES",
     "gather_context", "run_checks", "run_doctor", "probe_python", "probe_triton_compile",
-    "default_profile", "hf_cache_dir", "find_nvccs", "add_arguments", "main",
+    "default_profile", "describe_checks", "hf_cache_dir", "find_nvccs", "add_arguments", "main",
 ]
 
 STATUSES = ("pass", "warn", "fail")
@@ -570,7 +570,7 @@ def check_install_order(ctx: DoctorContext) -> CheckResult:
         return CheckResult(name, "pass", ev + f"; transformers is the pin {pin}")
     after = tt is not None and vt is not None and tt <= vt
     if after or not t.get("requested"):
-        return CheckResult(name, "fail", ev + f"; vLLM's install replaced the pin {pin}", fix)
+        return CheckResult(name, "fail", ev + f"; transformers came in with vLLM's install instead of the pin {pin}", fix)
     return CheckResult(name, "warn", ev + f"; transformers was installed after vLLM but is not the pin {pin}", fix)
 
 
@@ -812,7 +812,7 @@ def check_driver_cuda(ctx: DoctorContext) -> CheckResult:
                            "install the NVIDIA driver (580+ for CUDA 13) and check `nvidia-smi`")
     if ctx.gpu_profile and not runtime:
         return CheckResult(name, "fail", ev + "; torch is a CPU build", f"pip install torch=={ctx.profile.get('torch')}")
-    if runtime and _major_minor(runtime) > _major_minor(drv):
+    if runtime and _major_minor(runtime) and _major_minor(drv) and _major_minor(runtime) > _major_minor(drv):
         return CheckResult(name, "fail", ev + ": the runtime is newer than the driver",
                            f"upgrade the driver to one supporting CUDA {runtime}, or install a torch built for CUDA <= {drv}")
     if nv and runtime and nv["release"] and _major_minor(nv["release"])[0] != _major_minor(runtime)[0]:
@@ -1022,6 +1022,15 @@ class Report:
 
     def _repr_html_(self) -> str:
         return self.to_html()
+
+
+def describe_checks() -> list[dict]:
+    """One row per check: ``name`` and ``what`` (the first sentence of its docstring)."""
+    out = []
+    for n, fn in CHECKS.items():
+        doc = " ".join((fn.__doc__ or "").split())
+        out.append({"name": n, "what": doc.split(". ")[0].rstrip(".") + "."})
+    return out
 
 
 def run_checks(ctx: DoctorContext, only: list[str] | None = None) -> Report:
