@@ -1,0 +1,197 @@
+"""Unit tests of the memory planner core (pure Python) and its views."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ds4lab import memory as M
+from ds4lab.geometry import DEFAULT_CONFIG, ModelConfig
+
+HAS_TINY = importlib.util.find_spec("ds4lab.tiny") is not None
+
+
+# ---- KV accounting: SPEC.md §3 numbers re-derived from the geometry -------------------------
+def test_page_sizes_official_geometry():
+    pages = {}
+    for s in M.kv_cache_specs(DEFAULT_CONFIG):
+        pages.setdefault(s.role, set()).add((s.block_size, s.page_bytes, s.window))
+    assert pages == {
+        "swa": {(64, 37440, 128)}, "c4_kv": {(256, 37440, None)}, "c128_kv": {(256, 1728, None)},
+        "indexer_k": {(256, 8640, None)}, "c4_state": {(4, 32832, 8)}, "c128_state": {(8, 32832, 128)},
+        "indexer_state": {(4, 8640, 8)},
+    }
+    roles = [s.role for s in M.kv_cache_specs(DEFAULT_CONFIG)]
+    assert roles.count("swa") == 43 and roles.count("c4_kv") == 21 and roles.count("c128_kv") == 20
+    assert [s.role for s in M.kv_cache_specs(DEFAULT_CONFIG, mtp=True)].count("swa") == 44
+
+
+def test_bf16_pages_use_plain_rows():
+    pages = {s.role: s.page_bytes for s in M.kv_cache_specs(DEFAULT_CONFIG, kv_cache_dtype="bf16")}
+    assert pages["swa"] == 64 * 512 * 2 and pages["c128_kv"] == 2 * 1024 and pages["c4_state"] == 32768
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        M.kv_cache_specs(DEFAULT_CONFIG, kv_cache_dtype="int8")
+
+
+def test_pool_block_is_spec_1002240():
+    lay = M.kv_layout(M.kv_cache_specs(DEFAULT_CONFIG))
+    assert lay.bytes_per_block == 21 * (37440 + 8640) + 20 * 1728 == 1_002_240
+    assert lay.bytes_per_block // 256 == 3915
+    # SWA layers split in two groups (approximate gcd of the repeat counts = 22)
+    assert lay.repeats_per_group == 22
+    assert sorted(len(g.layers) for g in lay.groups) == [20, 21, 22, 42, 62]
+
+
+def test_fixed_blocks_spec_26_only_without_in_flight_tokens():
+    """SPEC.md §3's ~26 blocks/request is vLLM 0.32's count with ~1 token in flight; 0.32 reserves
+    the sliding-window/compressor blocks for every in-flight (scheduled, unsettled) token."""
+    lay = M.kv_layout(M.kv_cache_specs(DEFAULT_CONFIG))
+    assert lay.fixed_blocks_per_request(98304, 1) == 2 * 3 + 3 + 17 == 26
+    # seeds' corner on a 48 GB card: B = 2048 (server default < 70 GiB), async -> 4096 in flight
+    assert lay.fixed_blocks_per_request(98304, 4096) == 2 * 67 + 1027 + 529
+    assert lay.blocks_per_request(98304, 4096) == 1690 + 384
+
+
+def test_capacity_and_refusal_boundary():
+    lay = M.kv_layout(M.kv_cache_specs(DEFAULT_CONFIG))
+    per = lay.blocks_per_request(98304, 1024)
+    need = lay.bytes_per_block * (per + 1)            # + the null block
+    ok = M.kv_capacity(lay, need, 98304, 1024)
+    assert not ok.refused and ok.num_blocks == per + 1 and ok.message == ""
+    assert ok.tokens == int((per + 1) / per * 98304)
+    bad = M.kv_capacity(lay, need - 1, 98304, 1024)
+    assert bad.refused and bad.message.startswith("To serve at least one request with the model's max seq len (98304)")
+    est = bad.estimated_max_model_len
+    assert 0 < est < 98304 and f"estimated maximum model length is {est}." in bad.message
+    assert lay.bytes_per_block * lay.blocks_per_request(est, 1024) <= bad.available_bytes
+    assert lay.bytes_per_block * lay.blocks_per_request(est + 1, 1024) > bad.available_bytes
+    none = M.kv_capacity(lay, lay.bytes_per_block, 4096, 1024)
+    assert none.refused and none.message.startswith("No available memory for the cache blocks")
+
+
+def test_single_repeat_layout_tiny_like():
+    """One C4A + one C128A layer: every bucket is balanced with one repeat (the tiny checkpoint)."""
+    cfg = ModelConfig(hidden_size=256, num_hidden_layers=4, compress_ratios=(0, 0, 4, 128, 0),
+                      num_attention_heads=8, o_groups=2, q_lora_rank=128, o_lora_rank=128,
+                      n_routed_experts=64, moe_intermediate_size=128, num_hash_layers=2, vocab_size=512)
+    lay = M.kv_layout(M.kv_cache_specs(cfg))
+    assert lay.repeats_per_group == 1
+    assert lay.bytes_per_block == 8640 + 37440 + 1728             # the MLA group is widest
+    assert [g.roles for g in lay.groups].count(("swa",)) == 4    # one SWA layer per group
+    assert ("indexer_state", "c4_state") in [g.roles for g in lay.groups]
+
+
+# ---- per-rank model --------------------------------------------------------------------------
+def test_weights_match_spec_totals():
+    tot = sum(t.bytes for t in M.weight_terms(DEFAULT_CONFIG, "community", 1))
+    assert tot == pytest.approx(159e9, rel=0.05)           # SPEC.md §1: ~159 GB
+    per = sum(t.bytes for t in M.weight_terms(DEFAULT_CONFIG, "community", 4)) / M.GiB
+    assert per == pytest.approx(38, rel=0.05)              # ~38 GiB/GPU at TP=4
+    with pytest.raises(ValueError, match="fmt="):
+        M.weight_terms(DEFAULT_CONFIG, "gguf", 1)
+
+
+@pytest.mark.skipif(not HAS_TINY, reason="ds4lab.tiny (issue 11) does not exist yet")
+def test_bf16_weights_match_tiny_checkpoint_tensors():
+    """Planner's bf16 weight bytes vs the tiny checkpoint's actual tensor list (same names as the real one)."""
+    from ds4lab.tiny import TINY_CONFIG, tensor_specs
+
+    size = {"bfloat16": 2, "bf16": 2, "float32": 4, "fp32": 4, "int64": 8, "int32": 4}
+    real = sum(math.prod(shape) * size[dt] for shape, dt in tensor_specs().values())
+    ours = sum(t.bytes for t in M.weight_terms(TINY_CONFIG, "bf16", 1))
+    assert ours == pytest.approx(real, rel=0.01)
+
+
+def test_plan_terms_sum_to_total_and_name_sources():
+    p = M.plan(DEFAULT_CONFIG, gpu="l40s", fmt="community", tp=4, gpu_memory_utilization=0.95)
+    assert sum(t.bytes for t in p.terms) == p.total_bytes
+    assert all(t.source for t in p.terms)
+    assert p.max_num_batched_tokens == 2048 and p.max_in_flight_tokens == 4096
+    g = p.by_group()
+    assert g["headroom"] == p.total_bytes - math.ceil(p.total_bytes * 0.95)
+    eager = M.plan(DEFAULT_CONFIG, gpu="l40s", gpu_memory_utilization=0.95, cuda_graphs=False)
+    assert eager.kv.kv_bytes > p.kv.kv_bytes
+    pinned = M.plan(DEFAULT_CONFIG, gpu="h200", tp=1, fmt="official", kv_cache_memory_bytes=4 * M.GiB)
+    assert pinned.kv.kv_bytes == 4 * M.GiB
+
+
+def test_defaults_follow_vllm_batch_rule():
+    assert M.default_max_num_batched_tokens(48 * M.GiB, 1, 98304) == 2048
+    assert M.default_max_num_batched_tokens(141 * M.GiB, 1, 98304) == 8192
+    assert M.default_max_num_batched_tokens(141 * M.GiB, 1, 4096) == 4096
+    assert M.default_max_num_batched_tokens(192 * M.GiB, 4, 98304) == 16384
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"gpu": "a100"}, "gpu="), ({"gpu": -5}, "gpu="), ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization"),
+    ({"tp": 3}, "tp="), ({"max_model_len": 0}, "max_model_len"), ({"max_num_batched_tokens": 2, "max_num_seqs": 4},
+                                                                  "max_num_batched_tokens"),
+])
+def test_plan_rejects_bad_settings(kw, match):
+    with pytest.raises(ValueError, match=match):
+        M.plan(DEFAULT_CONFIG, **kw)
+
+
+def test_gpu_table_and_bytes():
+    assert M.resolve_gpu("L40S").total_bytes == 46068 * M.MiB
+    assert M.resolve_gpu(48 * 10**9).total_bytes == 48 * 10**9
+    assert {"rtx4090", "rtx6000ada", "l40s", "h200"} <= set(M.GPUS)
+
+
+# ---- recommend -------------------------------------------------------------------------------
+def test_recommend_seeds_corner_with_small_batch():
+    """4x L40S, TP=4, community checkpoint, max-model-len 98304, max-num-seqs 1: with a 512-token
+    prefill budget and no async scheduling the seeds' window (0.95-0.97) comes out."""
+    r = M.recommend(DEFAULT_CONFIG, gpu="l40s", fmt="community", tp=4, max_model_len=98304, max_num_seqs=1,
+                    max_num_batched_tokens=512, async_scheduling=False)
+    assert r.util_min is not None and r.util_min < 0.95
+    assert r.watched == 0.97 and 0.95 <= r.unattended < r.watched
+    assert any("JIT" in x for x in r.reasons) and any("cannot hold one 98304-token request" in x for x in r.reasons)
+    assert r.plans["watched"].headroom_bytes >= M.JIT_HEADROOM["watched"]
+
+
+def test_recommend_explains_impossible():
+    r = M.recommend(DEFAULT_CONFIG, gpu="l40s", fmt="community", tp=4, max_model_len=98304, max_num_seqs=1)
+    assert r.watched is None and r.unattended is None
+    assert r.fixes and "max-num-batched-tokens" in r.fixes[0]
+    r2 = M.recommend(DEFAULT_CONFIG, gpu="rtx4090", fmt="official", tp=1)
+    assert r2.util_min is None and "refuses to start" in r2.reasons[0]
+
+
+# ---- hot path stays pure, CLI ------------------------------------------------------------------
+def test_core_imports_no_torch_and_is_slider_fast():
+    code = ("import sys, time; t = time.time(); import ds4lab.memory as M; M.sweep(); M.recommend();"
+            "assert 'torch' not in sys.modules and 'ds4lab.memory_views' not in sys.modules;"
+            "print(time.time() - t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout.strip()) < 2.0
+
+
+def test_cli_plan_json(capsys):
+    from ds4lab.cli import main
+
+    assert main(["plan", "--gpu", "l40s", "--max-num-batched-tokens", "512", "--no-async-scheduling",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["recommendation"]["watched"] == 0.97 and d["plan"]["refused"] is False
+    assert main(["plan", "--gpu-memory-utilization", "0.9"]) == 0
+    assert "REFUSES TO START" in capsys.readouterr().out
+
+
+# ---- views ---------------------------------------------------------------------------------------
+def test_views_rows_and_figure():
+    pytest.importorskip("plotly")
+    from ds4lab import memory_views as V
+
+    plans = M.sweep(cfg=DEFAULT_CONFIG, max_num_batched_tokens=512, async_scheduling=False)
+    rows = V.budget_rows(plans)
+    assert len(rows) == len(plans) and set(V.GROUP_ORDER) <= set(rows[0])
+    assert rows[0]["refused"] and not rows[-1]["refused"] and rows[-1]["jit_oom_risk"]
+    fig = V.budget_figure(plans)
+    assert len(fig.data) == len(V.GROUP_ORDER) and len(fig.layout.shapes) >= 2
+    assert V.plan_rows(plans[-1])[-1]["group"] == "verdict"
