@@ -1,0 +1,194 @@
+"""sm_89 / sm_90 compile report: every registered (kernel, config), compiled ahead of time on a
+machine with no GPU, with the resources and matrix instructions ptxas produced.
+
+How: the real launcher is called on CPU tensors while ``JITFunction.run`` is replaced by a
+compile-only hook. The hook uses Triton's own binder for a ``GPUTarget("cuda", cc, 32)`` backend,
+so the signature, constexprs and divisibility hints (``tt.divisibility`` from pointer alignment and
+integer values) are exactly what the JIT would use on that GPU with those arguments. Each compiled
+kernel's cubin is inspected with the wheel's ``cuobjdump`` (registers, local memory, SASS) and its
+PTX re-assembled with ``ptxas -v`` for spill bytes.
+
+A row fails when shared memory exceeds the architecture's per-block opt-in limit
+(101,376 B on sm_89, 232,448 B on sm_90; Triton only notices at first launch) or when ptxas spills.
+
+Must run WITHOUT ``TRITON_INTERPRET`` (``@triton.jit`` must build JITFunctions): the CLI and the
+tests run it in a subprocess with that variable removed.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["SMEM_LIMIT", "AotRow", "capture_compiles", "compile_spec", "report", "main", "add_arguments",
+           "ptx_for_other_arch"]
+
+SMEM_LIMIT = {"sm_89": 101_376, "sm_90": 232_448}
+ARCH_CC = {"sm_89": 89, "sm_90": 90}
+MMA_OPS = ("QMMA", "HMMA", "HGMMA", "QGMMA", "IMMA", "DMMA")
+
+
+@dataclass
+class AotRow:
+    kernel: str            # registry name
+    triton_fn: str         # the @triton.jit function compiled
+    arch: str
+    config: str
+    shape: dict
+    num_warps: int = 0
+    num_stages: int = 0
+    shared: int = 0        # bytes of shared memory per block (Triton metadata)
+    registers: int = 0
+    spill_stores: int = 0  # bytes (ptxas -v)
+    spill_loads: int = 0
+    local: int = 0         # bytes of local memory per thread (cuobjdump)
+    mma: dict = field(default_factory=dict)  # SASS matrix instruction counts
+    ok: bool = True
+    why: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tool(name: str) -> str:
+    import triton
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{name} not found in the triton wheel at {path}")
+    return path
+
+
+@contextlib.contextmanager
+def capture_compiles(arch: str):
+    """Within the block, launching any ``@triton.jit`` kernel compiles it for ``arch`` and records
+    the CompiledKernel instead of running it. Yields the list of ``(jit_fn, compiled)``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime import jit as jitmod
+
+    if arch not in ARCH_CC:
+        raise ValueError(f"arch={arch!r}: expected one of {sorted(ARCH_CC)}")
+    target = GPUTarget("cuda", ARCH_CC[arch], 32)
+    backend = make_backend(target)
+    captured: list = []
+    orig_run = jitmod.JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kwargs["debug"] = kwargs.get("debug", self.debug) or False
+        binder = jitmod.create_function_from_signature(self.signature, self.params, backend)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
+        compiled = compile(ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__)
+        captured.append((self, compiled))
+        return None
+
+    jitmod.JITFunction.run = run
+    try:
+        yield captured
+    finally:
+        jitmod.JITFunction.run = orig_run
+
+
+def _inspect(compiled, arch: str) -> dict:
+    md = compiled.metadata
+    out = {"shared": int(md.shared), "num_warps": int(md.num_warps), "num_stages": int(md.num_stages)}
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res, re.S)
+        out["registers"], out["local"] = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+        out["mma"] = {op: len(re.findall(rf"\b{op}\b", sass)) for op in MMA_OPS}
+        out["mma"] = {k: v for k, v in out["mma"].items() if v}
+        out["mma"]["LDL/STL"] = len(re.findall(r"\b(LDL|STL)\b", sass))
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([_tool("ptxas"), "-v", f"--gpu-name={arch}", ptx, "-o", os.path.join(d, "x.cubin")],
+                             capture_output=True, text=True).stderr
+        st = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        out["spill_stores"] = sum(int(a) for a, _ in st)
+        out["spill_loads"] = sum(int(b) for _, b in st)
+    return out
+
+
+def ptx_for_other_arch(ptx: str, arch: str = "sm_90") -> str:
+    """Retarget PTX text (``.target`` line) so an sm_89 build can be assembled for the H200."""
+    return re.sub(r"^\.target\s+sm_\d+a?", f".target {arch}", ptx, count=1, flags=re.M)
+
+
+def compile_spec(spec, arch: str, label: str, shape: dict | None = None) -> list[AotRow]:
+    """Compile one (kernel, config) for ``arch`` by calling its launcher on CPU tensors."""
+    shape = shape or spec.aot_shape or spec.test_shapes[-1]
+    cfg = spec.configs[arch][label]
+    inputs = spec.make_inputs(shape, spec.cases[0], 0, "cpu")
+    rows = []
+    try:
+        with capture_compiles(arch) as captured:
+            spec.launcher_fn()(**inputs, config=cfg)
+    except Exception as e:  # a compile error is a failing row, not a crash of the report
+        return [AotRow(spec.name, "?", arch, label, shape, ok=False, why=f"{type(e).__name__}: {e}"[:400])]
+    if not captured:
+        return [AotRow(spec.name, "?", arch, label, shape, ok=False, why="launcher compiled no Triton kernel")]
+    for fn, compiled in captured:
+        info = _inspect(compiled, arch)
+        row = AotRow(spec.name, fn.__name__, arch, label, shape, **info)
+        why = []
+        if row.shared > SMEM_LIMIT[arch]:
+            why.append(f"shared {row.shared} B > {SMEM_LIMIT[arch]} B limit")
+        if row.spill_stores or row.spill_loads:
+            why.append(f"spills {row.spill_stores}/{row.spill_loads} B")
+        row.ok, row.why = not why, "; ".join(why)
+        rows.append(row)
+    return rows
+
+
+def report(names: list[str] | None = None, archs=("sm_89", "sm_90")) -> list[AotRow]:
+    from .registry import all_specs
+    rows = []
+    for spec in all_specs():
+        if names and spec.name not in names and spec.family not in names:
+            continue
+        for arch in archs:
+            shape = spec.aot_shape or spec.test_shapes[-1]
+            for label in spec.config_labels(arch, shape):
+                rows.extend(compile_spec(spec, arch, label, shape))
+    return rows
+
+
+def format_table(rows: list[AotRow]) -> str:
+    head = f"{'kernel':<28} {'triton fn':<36} {'arch':<6} {'config':<10} {'warps':>5} {'smem B':>8} {'regs':>4} {'spill':>6} {'local':>5}  mma / verdict"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        mma = ",".join(f"{k}:{v}" for k, v in r.mma.items() if v) or "-"
+        lines.append(f"{r.kernel:<28} {r.triton_fn[:36]:<36} {r.arch:<6} {r.config:<10} {r.num_warps:>5} {r.shared:>8} "
+                     f"{r.registers:>4} {r.spill_stores:>6} {r.local:>5}  {mma} {'OK' if r.ok else 'FAIL: ' + r.why}")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("kernels", nargs="*", help="kernel names or families (default: all registered)")
+    p.add_argument("--arch", action="append", choices=sorted(ARCH_CC), help="default: sm_89 and sm_90")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+
+
+def main(args) -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        # JITFunctions are needed: re-run ourselves without the interpreter
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.call([sys.executable, "-m", "ds4lab", "aot", *sys.argv[2:]], env=env)
+    rows = report(args.kernels or None, tuple(args.arch or ("sm_89", "sm_90")))
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.to_dict() for r in rows], f, indent=1)
+    bad = [r for r in rows if not r.ok]
+    print(f"{len(rows)} compiled kernels, {len(bad)} failing")
+    return 1 if bad or not rows else 0

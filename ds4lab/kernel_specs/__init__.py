@@ -1,0 +1,1 @@
+"""One module per kernel family; each registers its KernelSpecs on import."""

@@ -1,0 +1,56 @@
+"""Shared FP8 device helpers: exact fp32 -> e4m3 rounding, power-of-two scales, UE8M0 decode.
+
+Why pre-round: Triton's own fp32 -> e4m3 cast rounds through fp16 on sm_89 (double rounding, ~0.35%
+of values one step off) and the CPU interpreter's cast neither rounds to nearest even nor saturates.
+``to_e4m3`` first rounds to the e4m3 grid in fp32 (RTNE, saturating to ±448, NaN kept), so the
+final cast only ever converts exactly representable values and is exact on every backend.
+"""
+import triton
+import triton.language as tl
+
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def round_to_e4m3_grid(x):
+    """fp32 -> fp32 on the e4m3 grid: clamp to ±448 (NaN propagates), round to nearest even."""
+    x = tl.minimum(tl.maximum(x, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                   propagate_nan=tl.PropagateNan.ALL)
+    ax = tl.abs(x)
+    # normal e4m3 (|x| >= 2^-6): keep 3 mantissa bits, RTNE on the fp32 bit pattern (carry into
+    # the exponent is the correct rounding up to the next binade)
+    bits = x.to(tl.int32, bitcast=True)
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
+    normal = tl.where(x != x, x, rb.to(tl.float32, bitcast=True))  # NaN payloads must not wrap
+    # subnormal e4m3 (|x| < 2^-6): multiples of 2^-9; 2^23 + v rounds v to an integer (RTNE)
+    sub = ((ax * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+    # copy the sign bit (``-sub`` is lowered as ``0 - sub`` and would turn -0.0 into +0.0)
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return tl.where(ax < 0.015625, sub, normal)
+
+
+@triton.jit
+def to_e4m3(x):
+    """fp32 -> float8e4nv, RTNE with saturation (``cvt.rn.satfinite`` semantics) on every backend."""
+    return round_to_e4m3_grid(x).to(tl.float8e4nv)
+
+
+@triton.jit
+def ceil_pow2(y):
+    """Smallest power of two >= y for positive normal fp32 y (bit arithmetic; no libdevice)."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    e = e + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ue8m0_to_fp32(b):
+    """UE8M0 exponent byte (uint8/int32) -> fp32 scale 2^(b-127); b=0 decodes to 0.0 (not 2^-127)."""
+    return (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp32_pow2_to_ue8m0(s):
+    """fp32 power of two -> its UE8M0 exponent byte (as int32)."""
+    return (s.to(tl.int32, bitcast=True) >> 23) & 0xFF

@@ -1,0 +1,94 @@
+"""The sm_89 / sm_90 compile report runs on this GPU-less machine and every config passes
+(shared memory within the per-block limit, no spills); fp8-dot kernels show QMMA on sm_89."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.aot
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "ds4lab", "aot", "--json", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    print(p.stdout[-5000:])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_every_registered_config_compiles_for_both_archs(rows):
+    from ds4lab.registry import all_specs
+    for spec in all_specs():
+        for arch in ("sm_89", "sm_90"):
+            got = {r["config"] for r in rows if r["kernel"] == spec.name and r["arch"] == arch}
+            shape = spec.aot_shape or spec.test_shapes[-1]
+            assert got == set(spec.config_labels(arch, shape)), (spec.name, arch)
+
+
+def test_limits(rows):
+    for r in rows:
+        assert r["ok"], r
+        assert r["shared"] <= {"sm_89": 101_376, "sm_90": 232_448}[r["arch"]]
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0
+
+
+def test_fp8_mma_on_sm89(rows):
+    from ds4lab.registry import all_specs
+    for spec in all_specs():
+        for fn, op in spec.sm89_mma.items():
+            hits = [r for r in rows if r["kernel"] == spec.name and r["arch"] == "sm_89" and r["triton_fn"] == fn]
+            assert hits, (spec.name, fn, "not compiled")
+            for r in hits:
+                assert r["mma"].get(op, 0) > 0, (spec.name, fn, r["config"], r["mma"])
+
+
+PROBE = r"""
+import json, torch, triton, triton.language as tl
+from ds4lab.aot import compile_spec
+from ds4lab.registry import KernelSpec
+
+@triton.jit
+def big_tile(a_ptr, c_ptr, BM: tl.constexpr, BK: tl.constexpr):
+    r = tl.arange(0, BM); k = tl.arange(0, BK)
+    acc = tl.zeros((BM, BM), tl.float32)
+    for i in range(0, 4):
+        a = tl.load(a_ptr + r[:, None] * BK + k[None, :] + i)
+        b = tl.load(a_ptr + k[:, None] * BM + r[None, :] + i)
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + r[:, None] * BM + r[None, :], acc)
+
+def launch(a, config=None):
+    c = torch.empty(config["BM"], config["BM"], dtype=torch.float32)
+    big_tile[(1,)](a, c, BM=config["BM"], BK=config["BK"], num_stages=config["num_stages"])
+    return c
+
+import sys; sys.modules["probe"] = sys.modules["__main__"]
+spec = KernelSpec(name="probe", family="probe", launcher="probe:launch", reference="probe:launch",
+    make_inputs=lambda shape, case, seed, dev: {"a": torch.randn(256 * 256 + 8).half()},
+    cases=("random", "x"), test_shapes=[{}], bench_shapes=lambda c, t: [{}], flops=lambda s: 0,
+    min_bytes=lambda s: 1, check=lambda o, r, i: [],
+    configs={"sm_89": {"huge": {"BM": 256, "BK": 128, "num_stages": 4},
+                       "small": {"BM": 32, "BK": 32, "num_stages": 2}}, "sm_90": {}})
+out = {lab: [r.to_dict() for r in compile_spec(spec, "sm_89", lab, {})] for lab in ("huge", "small")}
+print(json.dumps(out))
+"""
+
+
+def test_overlimit_shared_memory_is_flagged(tmp_path):
+    """The check can fail: a config that needs more than 101,376 B on sm_89 is a failing row,
+    a small one passes and shows HMMA (fp16 dot)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    (tmp_path / "probe.py").write_text(PROBE)
+    p = subprocess.run([sys.executable, str(tmp_path / "probe.py")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    huge, small = out["huge"][0], out["small"][0]
+    assert huge["shared"] > 101_376 and not huge["ok"] and "shared" in huge["why"]
+    assert small["ok"] and small["mma"].get("HMMA", 0) > 0
