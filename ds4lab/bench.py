@@ -134,8 +134,12 @@ def _n_sets(inputs: dict, l2_bytes: int) -> int:
     return max(1, min(32, -(-2 * l2_bytes // max(b, 1))))
 
 
-def run_bench(names=None, tps=(1,), build="native", quick=False, log=print) -> list[dict]:
-    """Check-then-time every selected (kernel, shape, config) and baseline; returns CSV rows."""
+def run_bench(names=None, tps=(1,), build="native", quick=False, log=print, shape_filter=None,
+              config_filter=None, baselines=True) -> list[dict]:
+    """Check-then-time every selected (kernel, shape, config) and baseline; returns CSV rows.
+
+    ``shape_filter`` (dict) keeps one shape, ``config_filter`` (label) one config, ``baselines``
+    times each spec's baselines next to it."""
     import torch
     import triton
 
@@ -161,7 +165,9 @@ def run_bench(names=None, tps=(1,), build="native", quick=False, log=print) -> l
         fn, ref = spec.launcher_fn(), spec.reference_fn()
         for tp in tps:
             shapes = spec.bench_shapes(DEFAULT_CONFIG, tp)
-            if quick:
+            if shape_filter is not None:
+                shapes = [s for s in shapes if s == shape_filter] or [shape_filter]
+            elif quick:
                 shapes = shapes[:: max(1, len(shapes) // 3)]
             for shape in shapes:
                 inputs = spec.make_inputs(shape, spec.cases[0], 0, dev)
@@ -177,6 +183,8 @@ def run_bench(names=None, tps=(1,), build="native", quick=False, log=print) -> l
                 except Exception as e:
                     want, ref_err = None, f"reference failed: {type(e).__name__}: {e}"
                 for label in spec.config_labels(arch, shape):
+                    if config_filter and label != config_filter:
+                        continue
                     cfg = spec.configs[arch][label]
                     row = {**common, "impl": "ds4lab", "config_label": label, "config": json.dumps(cfg),
                            "repro": repro + f" --config {label}"}
@@ -196,9 +204,9 @@ def run_bench(names=None, tps=(1,), build="native", quick=False, log=print) -> l
                     (p20, p50, p80), mode = time_calls([lambda s=s: fn(**s, config=cfg) for s in sets])
                     rows.append(_finish(row, spec, p20, p50, p80, mode, roofs))
                     log(_fmt(rows[-1]))
-                for bname, make in spec.baselines.items():
+                for bname, make in (spec.baselines.items() if baselines else ()):
                     row = {**common, "impl": bname, "config_label": "", "config": "", "numerics": "",
-                           "repro": repro + " --baselines"}
+                           "repro": repro + f" --config none"}
                     try:
                         (p20, p50, p80), mode = time_calls([make(s) for s in sets])
                     except Exception as e:
@@ -248,6 +256,9 @@ def add_arguments(p) -> None:
                    help="native build, or the sm_89 build assembled for this GPU")
     p.add_argument("--out", default="results", help="folder; rows are appended to OUT/bench.csv")
     p.add_argument("--quick", action="store_true", help="a third of the shapes")
+    p.add_argument("--shape", type=json.loads, help="one shape as JSON (as printed in a row's repro)")
+    p.add_argument("--config", help="one config label; 'none' times the baselines only")
+    p.add_argument("--no-baselines", action="store_true", help="skip the baseline rows")
 
 
 def main(args) -> int:
@@ -257,7 +268,12 @@ def main(args) -> int:
         print("ds4lab bench: no CUDA device here. The committed rows in results/*.csv were measured on "
               "the H200; run this on a GPU machine (see README).", file=sys.stderr)
         return 2
-    rows = run_bench(args.kernels or None, tuple(args.tp or (1, 4)), args.arch, args.quick)
+    from .srctree import ensure_kernels_importable
+    ensure_kernels_importable()
+    only_baselines = args.config == "none"
+    rows = run_bench(args.kernels or None, tuple(args.tp or (1, 4)), args.arch, args.quick,
+                     shape_filter=args.shape, config_filter="\0" if only_baselines else args.config,
+                     baselines=not args.no_baselines)
     path = os.path.join(args.out, "bench.csv")
     write_csv(rows, path)
     bad = [r for r in rows if r.get("status") != "OK"]

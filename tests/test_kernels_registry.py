@@ -42,6 +42,8 @@ def test_kernel_matches_reference(spec, shape, case, arch, label):
 
 def test_registry_entries_are_complete():
     from ds4lab.geometry import DEFAULT_CONFIG
+    from ds4lab.registry import LOAD_ERRORS
+    assert not LOAD_ERRORS, LOAD_ERRORS
     names = set()
     for spec in SPECS:
         assert spec.name not in names
