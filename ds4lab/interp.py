@@ -7,7 +7,9 @@ The interpreter (``triton/runtime/interpreter.py``, 3.6-3.9) has silent wrong-re
    carry handling) and do not saturate (triton issue 8322). GPUs round to nearest even and, for
    e4m3, saturate to ±448 (``cvt.rn.satfinite``).
 2. fp32 -> bf16 casts (``cast_impl``) truncate instead of rounding to nearest even.
-3. ``tl.dot`` on bf16 operands multiplies the raw uint16 bit patterns (triton issue 11584).
+3. ``tl.dot`` on bf16 operands multiplies the raw uint16 bit patterns (triton issue 11584); on fp8
+   operands it widens bit-wise to fp16, so an e4m3fn NaN (0x7F/0xFF) enters the product as ±480
+   (the GPU's QMMA/wgmma propagate NaN).
 4. ``tl.device_assert`` is a no-op: kernels must not rely on it; launchers check on the host.
 
 ``install()`` replaces the three builder methods with versions that compute through torch's
@@ -96,7 +98,9 @@ def install() -> None:
         return orig_cast(self, src, dst_type)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+        fp8 = (tl.float8e4nv, tl.float8e5)
+        if a.dtype.scalar in fp8 or b.dtype.scalar in fp8 or \
+                a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
             af = _to_torch(a.data, a.dtype.scalar).float().numpy()
             bf = _to_torch(b.data, b.dtype.scalar).float().numpy()
             return TensorHandle(np.matmul(af, bf, dtype=np.float32) + d.data, d.dtype.scalar)

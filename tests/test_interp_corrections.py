@@ -121,6 +121,25 @@ def test_bf16_dot_corrected_and_uncorrected():
     assert not torch.allclose(bad, want, rtol=1e-2, atol=1e-2)
 
 
+def test_fp8_dot_nan_corrected_and_uncorrected():
+    """An e4m3fn NaN operand makes its dot products NaN (as on the GPU), not a product with 480."""
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(16, 16, generator=g) * 8).to(torch.float8_e4m3fn)
+    b = (torch.randn(16, 16, generator=g) * 8).to(torch.float8_e4m3fn)
+    a.view(torch.uint8)[2, 5] = 0x7F  # NaN
+    want = a.float() @ b.float()
+    assert want[2].isnan().all() and want[:2].isfinite().all()
+    interp.install()
+    got = _run_dot(a, b)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[:2], want[:2])
+    interp.uninstall()
+    try:
+        bad = _run_dot(a, b)
+    finally:
+        interp.install()
+    assert not bad[2].isnan().any()
+
+
 def test_kernel_rounding_helper_is_exact_without_corrections():
     """kernels/_fp8.to_e4m3 pre-rounds on the e4m3 grid, so it is exact for every non-NaN input
     even on the uncorrected interpreter (and on sm_89, where Triton's cast rounds twice through
