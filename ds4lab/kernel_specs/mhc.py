@@ -1,0 +1,261 @@
+"""Registry entries: mHC hyper-connections (SPEC.md §2 item 8).
+
+Six launchers share one input generator: the pre-norm GEMM, pre, layer-0 broadcast pre, post, the fused
+post+pre between sublayers and hc_head. Shapes come from ``geometry.op_shapes()["hc_prenorm_gemm"]``
+(``K = hc * D = 16384``, ``N = 24``). mHC weights and work are replicated on every TP rank, so TP=4 runs
+exactly the TP=1 work; its bench list is one decode shape to keep the GPU suite short.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..geometry import op_shapes
+from ..numerics import Tolerance, compare, compare_exact, tolerance_for
+from ..registry import KernelSpec, register
+
+HC = 4
+CASES = ("random", "large_rows", "zero_rows", "sharp_comb")
+POST_CASES = ("random", "large_rows", "zero_rows", "nan_row")
+
+# Normalised mixes (mix * rsqrt(mean x^2)) are O(1). fp32 (interpreter / ieee): accumulation-order noise only.
+# TF32: operands keep 10 mantissa bits (2^-11 relative per product), over K=16384 random-signed products of
+# size ~1/sqrt(K) that is ~5e-4 absolute on an O(1) mix; gates (sigmoid slope <= 1/4, x2 for post) and the
+# Sinkhorn comb (a contraction of the softmax) inherit about that.
+_TOL_FP32 = Tolerance(atol=2e-5, rtol=1e-4, max_diff=1e-8)
+_TOL_TF32 = Tolerance(atol=3e-3, rtol=3e-3, max_diff=2e-5)
+
+
+def _dims(shape):
+    return shape["T"], shape["D"], shape.get("hc", HC), shape.get("N", (2 + HC) * HC)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _residual(T, hc, D, case, g):
+    """bf16 residual streams with per-token log-uniform magnitudes (1e-2..1e2); adversarial rows on top."""
+    mag = torch.exp(torch.empty(T, 1, 1).uniform_(-4.6, 4.6, generator=g))
+    r = torch.randn(T, hc, D, generator=g) * mag * (1 + 0.5 * torch.rand(1, hc, 1, generator=g))
+    if case == "large_rows" and T:
+        r[::2] *= 1e3                       # massive activations ~1e4..1e5 (fp32 sum of squares ~1e14)
+        r[1::4] *= 1e-4
+    elif case == "zero_rows" and T:
+        r[::3] = 0.0                         # rsqrt(0 + eps) path; the collapse and its norm stay finite
+    return r
+
+
+def _params(hc, D, n_mix, case, g, head=False):
+    K = hc * D
+    fn = torch.randn(n_mix, K, generator=g) * (2.0 / math.sqrt(K))
+    if head:
+        return fn, torch.tensor([1.0]) + 0.5 * torch.rand(1, generator=g), 0.5 * torch.randn(hc, generator=g)
+    scale = torch.tensor([1.0, 1.0, 1.5]) * (0.5 + torch.rand(3, generator=g))
+    base = 0.5 * torch.randn(n_mix, generator=g)
+    if case == "sharp_comb":
+        # near one-hot softmax rows (bias spread of +-10): Sinkhorn far from converged, eps terms matter
+        base[2 * hc:] = 10.0 * torch.randn(hc * hc, generator=g)
+        base[:2 * hc] = torch.tensor([-12.0, 12.0, 0.0, 3.0] * 2)[: 2 * hc]   # saturated gates
+    return fn, scale, base
+
+
+def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu", kind: str = "pre") -> dict:
+    """Inputs for one mHC launcher ``kind`` in (gemm, pre, broadcast, post, fused, head)."""
+    if case not in CASES and case not in POST_CASES:
+        raise ValueError(f"case={case!r}: known cases {sorted(set(CASES + POST_CASES))}")
+    T, D, hc, n_mix = _dims(shape)
+    g = _gen(seed)
+    dev = torch.device(device)
+    res = _residual(T, hc, D, case if case != "nan_row" else "random", g)
+    if kind == "head":
+        fn, scale, base = _params(hc, D, hc, case, g, head=True)
+        return {"residual": res.to(torch.bfloat16).to(dev), "fn": fn.to(dev), "hc_scale": scale.to(dev),
+                "hc_base": base.to(dev), "rms_eps": 1e-6, "hc_eps": 1e-6}
+    fn, scale, base = _params(hc, D, n_mix, case, g)
+    if kind == "gemm":
+        return {"x": res.reshape(T, hc * D).to(torch.bfloat16).to(dev), "fn": fn.to(dev)}
+    w = (1.0 + 0.2 * torch.randn(D, generator=g)).to(torch.bfloat16)
+    common = {"fn": fn.to(dev), "hc_scale": scale.to(dev), "hc_base": base.to(dev), "norm_weight": w.to(dev),
+              "rms_eps": 1e-6, "hc_pre_eps": 1e-6, "hc_sinkhorn_eps": 1e-6, "hc_post_mult": 2.0,
+              "sinkhorn_iters": 20, "norm_eps": 1e-6}
+    if kind == "pre":
+        return {"residual": res.to(torch.bfloat16).to(dev), **common}
+    if kind == "broadcast":
+        return {"x": res[:, 0].contiguous().to(torch.bfloat16).to(dev), **common}
+    # post / fused: the previous sublayer's output and a valid (post, comb) pair from the reference gates
+    x = torch.randn(T, D, generator=g) * torch.exp(torch.empty(T, 1).uniform_(-4.6, 4.6, generator=g))
+    if case == "nan_row" and T:
+        x[0, 3] = float("nan")
+        if T > 1:
+            x[-1, -1] = float("inf")
+    post = 2.0 * torch.sigmoid(torch.randn(T, hc, 1, generator=g))
+    logits = torch.randn(T, hc, hc, generator=g) * (3.0 if case == "sharp_comb" else 1.0)
+    from ..reference.mhc import sinkhorn
+    comb = sinkhorn(logits.double(), 20, 1e-6).float()
+    io = {"x": x.to(torch.bfloat16).to(dev), "residual": res.to(torch.bfloat16).to(dev),
+          "post_mix": post.to(dev), "comb_mix": comb.to(dev)}
+    return io if kind == "post" else {**io, **common}
+
+
+# ---- checks ------------------------------------------------------------------------------------------
+def _tol(inputs) -> Tolerance:
+    t = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
+    return _TOL_TF32 if (t.device.type == "cuda" and inputs.get("precision", "tf32") == "tf32") else _TOL_FP32
+
+
+def _rowwise(out, ref, name, tol="bfloat16"):
+    """Compare with every token row scaled by 1/rms(finite ref row): a fixed budget then means the same
+    relative accuracy for a 1e-3 token and a 1e4 token (magnitudes differ by orders across tokens)."""
+    o, r = out.detach().double().cpu(), ref.detach().double().cpu()
+    T = r.shape[0]
+    rf = torch.where(r.isfinite(), r, torch.zeros_like(r)).reshape(T, -1)
+    rms = rf.square().mean(-1).sqrt()
+    s = torch.where(rms > 0, 1.0 / rms, torch.ones_like(rms)).reshape(T, *([1] * (r.dim() - 1)))
+    return compare(o * s, r * s, tol, name=name + " (rows / rms)")
+
+
+def _mixes_norm(mixes, sqrsum, numel, eps=1e-6):
+    return mixes * torch.rsqrt(sqrsum / numel + eps).unsqueeze(-1)
+
+
+def check_gemm(out, ref, inputs):
+    (m, s), (rm, rs) = out, ref
+    K = inputs["x"].shape[1]
+    rsq = rs.sum(0).double().cpu()
+    norm = lambda v: _mixes_norm(v.sum(0).double().cpu(), rsq, K)  # noqa: E731
+    return [compare(norm(m), norm(rm), _tol(inputs), "mixes * rsqrt(mean x^2) (sum over splits)"),
+            compare(s.sum(0), rs.sum(0), tolerance_for("float32"), "sqrsum (sum over splits)")]
+
+
+def _check_pre_outputs(post, comb, out, rpost, rcomb, rout, inputs, norm=True):
+    tol = _tol(inputs)
+    return [compare(post, rpost, tol, "post_mix"), compare(comb, rcomb, tol, "comb_mix (Sinkhorn)"),
+            compare(out, rout, "bfloat16", "layer_input") if norm else _rowwise(out, rout, "layer_input")]
+
+
+def check_pre(out, ref, inputs):
+    return _check_pre_outputs(*out, *ref, inputs, norm=inputs.get("norm_weight") is not None)
+
+
+def check_broadcast(out, ref, inputs):
+    return [compare_exact(out[0], ref[0], "residual (4 copies)"),
+            *_check_pre_outputs(*out[1:], *ref[1:], inputs, norm=inputs.get("norm_weight") is not None)]
+
+
+def check_post(out, ref, inputs):
+    return [_rowwise(out, ref, "new residual")]
+
+
+def check_fused(out, ref, inputs):
+    return [_rowwise(out[0], ref[0], "residual_cur"),
+            *_check_pre_outputs(*out[1:], *ref[1:], inputs, norm=inputs.get("norm_weight") is not None)]
+
+
+def check_head(out, ref, inputs):
+    return [_rowwise(out, ref, "hc_head out")]
+
+
+# ---- shapes, bytes, flops ----------------------------------------------------------------------------
+def _geo(cfg, tp):
+    d = op_shapes(cfg, tp)["hc_prenorm_gemm"].dims
+    return {"D": d["D"], "hc": d["hc"], "N": d["N"]}
+
+
+def _bench(ts1, ts4):
+    def bench_shapes(cfg, tp):
+        g = _geo(cfg, tp)
+        return [{"T": t, **g} for t in (ts1 if tp == 1 else ts4)]
+    return bench_shapes
+
+
+def _coef_bytes(T, hc):
+    return T * (hc + hc * hc) * 4
+
+
+def _bytes(kind):
+    def f(s):
+        T, D, hc, N = _dims(s)
+        K = hc * D
+        if kind == "gemm":
+            return T * K * 2 + N * K * 4 + T * (N + 1) * 4
+        if kind == "pre":
+            return T * K * 2 + N * K * 4 + D * 2 + T * D * 2 + _coef_bytes(T, hc)
+        if kind == "broadcast":
+            return T * D * 2 + N * K * 4 + D * 2 + T * K * 2 + T * D * 2 + _coef_bytes(T, hc)
+        if kind == "post":
+            return T * K * 2 + T * D * 2 + _coef_bytes(T, hc) + T * K * 2
+        if kind == "fused":
+            return T * K * 2 + T * D * 2 + 2 * _coef_bytes(T, hc) + N * K * 4 + D * 2 + T * K * 2 + T * D * 2
+        if kind == "head":
+            return T * K * 2 + hc * K * 4 + T * D * 2
+        raise ValueError(kind)
+    return f
+
+
+def _flops(kind):
+    def f(s):
+        T, D, hc, N = _dims(s)
+        K = hc * D
+        if kind == "post":
+            return 2.0 * T * K * (hc + 1)
+        if kind == "head":
+            return 2.0 * T * K * hc + 2.0 * T * K
+        gemm = 2.0 * T * (D if kind == "broadcast" else K) * N
+        return gemm + (2.0 * T * K * (hc + 1) if kind == "fused" else 0.0)
+    return f
+
+
+def _configs():
+    from ds4lab_kernels.mhc import CONFIGS
+    return CONFIGS
+
+
+def _config_for(arch, shape):
+    return list(_configs()[arch])
+
+
+def _eager(ref_name):
+    def make(inputs):
+        from ..reference import mhc as R
+        fn = getattr(R, ref_name)
+        return lambda: fn(**inputs, compute_dtype=torch.float32)
+    return make
+
+
+TEST_SHAPES = [{"T": 1, "D": 128}, {"T": 3, "D": 256}, {"T": 33, "D": 128}]
+AOT_SHAPE = {"T": 8, "D": 4096, "hc": 4, "N": 24}
+
+_KINDS = [
+    # name, kind, check, cases, bench (tp=1, tp=4), bound
+    ("hc_prenorm_gemm", "gemm", check_gemm, CASES[:3], ((1, 8, 512, 4096), (8,)), "memory"),
+    ("mhc_pre", "pre", check_pre, CASES, ((1, 8, 512), (8,)), "memory"),
+    ("mhc_pre_broadcast", "broadcast", check_broadcast, CASES, ((8, 512), (8,)), "memory"),
+    ("mhc_post", "post", check_post, POST_CASES, ((1, 512, 4096), (8,)), "memory"),
+    ("mhc_fused_post_pre", "fused", check_fused, CASES, ((1, 8, 512, 2048, 8192), (8,)), "memory"),
+    ("hc_head", "head", check_head, CASES[:3], ((1, 8, 512), (8,)), "memory"),
+]
+
+for _name, _kind, _check, _cases, (_b1, _b4), _bound in _KINDS:
+    register(KernelSpec(
+        name=_name,
+        family="mhc",
+        launcher=f"ds4lab_kernels.mhc:{_name}",
+        reference=f"ds4lab.reference.mhc:{_name}",
+        make_inputs=(lambda shape, case="random", seed=0, device="cpu", _k=_kind:
+                     make_inputs(shape, case, seed, device, kind=_k)),
+        cases=_cases,
+        test_shapes=TEST_SHAPES,
+        bench_shapes=_bench(_b1, _b4),
+        flops=_flops(_kind),
+        min_bytes=_bytes(_kind),
+        check=_check,
+        configs=_configs(),
+        config_for=_config_for,
+        baselines={"torch_eager": _eager(_name)},
+        bound=_bound,
+        aot_shape=AOT_SHAPE,
+        sm89_mma={"_hc_prenorm_gemm_kernel": "HMMA"} if _kind in ("gemm", "pre", "broadcast", "head")
+        else ({"_mhc_post_kernel": "HMMA"} if _kind == "fused" else {}),
+    ))

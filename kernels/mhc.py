@@ -1,0 +1,676 @@
+"""mHC (manifold-constrained hyper-connections) for DeepSeek-V4: TF32 pre-norm GEMM, pre (gates, Sinkhorn,
+collapse + RMSNorm), post, fused post+pre between sublayers, and hc_head.
+
+Semantics (vLLM ``model_executor/kernels/mhc/torch.py`` ``mhc_pre_torch`` / ``mhc_post_torch``, the TileLang
+kernels in ``tilelang_kernels.py`` used by ``models/deepseek_v4/nvidia/model.py``, DeepGEMM
+``tf32_hc_prenorm_gemm``). The residual has ``hc = 4`` streams ``res[T, 4, D]``; ``K = 4 D``.
+
+- pre-norm GEMM: ``mixes = res.view(T, K) @ fn[24, K]^T`` and ``sqrsum = sum(res^2)`` per token, split-K
+  into ``S`` partials ``[S, T, 24]`` / ``[S, T]`` whose sums are the full values.
+- ``r = rsqrt(sqrsum / K + rms_eps)``; mixes order: pre ``[0:4]``, post ``[4:8]``, comb ``[8:24]`` (row-major 4x4):
+  ``pre = sigmoid(mix[0:4] r scale[0] + base[0:4]) + hc_pre_eps``,
+  ``post = sigmoid(mix[4:8] r scale[1] + base[4:8]) * hc_post_mult`` (2.0),
+  ``comb = softmax_rows(mix[8:24] r scale[2] + base[8:24]) + eps``, then column-normalise, then
+  ``sinkhorn_iters - 1`` times (row-normalise, column-normalise), each ``x / (sum + eps)``.
+- collapse ``y = bf16(sum_i pre_i res_i)``; with a norm weight ``layer_input = bf16(y rsqrt(mean(y^2) + norm_eps) w)``.
+- post: ``new[:, j] = sum_i comb[:, i, j] res[:, i] + post[:, j] x`` -> bf16.
+- hc_head: 4 mixes, ``pre = sigmoid(mix r scale[0] + base) + hc_eps``, ``out = bf16(sum_i pre_i res_i)``.
+"""
+import torch
+import triton
+import triton.language as tl
+
+HC = 4  # DeepSeek-V4 hc_mult
+PRECISIONS = ("tf32", "ieee")
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+@triton.jit
+def _hc_prenorm_gemm_kernel(
+    x_ptr, fn_ptr, mix_ptr, sq_ptr,
+    T, N, K, k_per_split,
+    stride_xt, stride_fn, stride_ms, stride_mt, stride_ss,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Split-K partials: program (m, s) sums k in [s*k_per_split, (s+1)*k_per_split)."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    tmask = rm < T
+    nmask = rn < N
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    x_row = x_ptr + rm.to(tl.int64)[:, None] * stride_xt
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        kmask = kk < k_hi
+        x = tl.load(x_row + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + rn[None, :] * stride_fn + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        sq += tl.sum(x * x, axis=1)
+    m_off = pid_s * stride_ms + rm.to(tl.int64)[:, None] * stride_mt + rn[None, :]
+    tl.store(mix_ptr + m_off, acc, mask=tmask[:, None] & nmask[None, :])
+    tl.store(sq_ptr + pid_s * stride_ss + rm, sq, mask=tmask)
+
+
+@triton.jit
+def _col(ptr, rows, stride, j, mask):
+    """``ptr[rows, j]`` as an fp32 vector (per-token coefficient)."""
+    return tl.load(ptr + rows.to(tl.int64) * stride + j, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _post_stream(x, r0, r1, r2, r3, p, c0, c1, c2, c3):
+    """new_j = post_j x + sum_i comb[i, j] r_i for one output stream j (fp32)."""
+    return (p[:, None] * x + c0[:, None] * r0 + c1[:, None] * r1 + c2[:, None] * r2 + c3[:, None] * r3)
+
+
+@triton.jit
+def _mhc_post_kernel(
+    x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, mix_ptr, sq_ptr,
+    T, D, N, d_per_split,
+    stride_xt, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh,
+    stride_fn, stride_ms, stride_mt, stride_ss,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRENORM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (m, s): tokens [m*BLOCK_M, ...), hidden columns [s*d_per_split, ...) of all 4 streams.
+
+    Writes ``out = post(x, res)`` in bf16; with PRENORM also the split-K partials of the next sublayer's
+    pre-norm GEMM over the bf16-rounded new residual (fn column ``j*D + d`` meets stream j, column d).
+    """
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    tmask = rm < T
+    p0 = _col(post_ptr, rm, stride_pt, 0, tmask)
+    p1 = _col(post_ptr, rm, stride_pt, 1, tmask)
+    p2 = _col(post_ptr, rm, stride_pt, 2, tmask)
+    p3 = _col(post_ptr, rm, stride_pt, 3, tmask)
+    # comb[t, i, j] at comb_ptr + t*stride_ct + 4 i + j: cIJ multiplies res stream I into output stream J
+    c00 = _col(comb_ptr, rm, stride_ct, 0, tmask)
+    c01 = _col(comb_ptr, rm, stride_ct, 1, tmask)
+    c02 = _col(comb_ptr, rm, stride_ct, 2, tmask)
+    c03 = _col(comb_ptr, rm, stride_ct, 3, tmask)
+    c10 = _col(comb_ptr, rm, stride_ct, 4, tmask)
+    c11 = _col(comb_ptr, rm, stride_ct, 5, tmask)
+    c12 = _col(comb_ptr, rm, stride_ct, 6, tmask)
+    c13 = _col(comb_ptr, rm, stride_ct, 7, tmask)
+    c20 = _col(comb_ptr, rm, stride_ct, 8, tmask)
+    c21 = _col(comb_ptr, rm, stride_ct, 9, tmask)
+    c22 = _col(comb_ptr, rm, stride_ct, 10, tmask)
+    c23 = _col(comb_ptr, rm, stride_ct, 11, tmask)
+    c30 = _col(comb_ptr, rm, stride_ct, 12, tmask)
+    c31 = _col(comb_ptr, rm, stride_ct, 13, tmask)
+    c32 = _col(comb_ptr, rm, stride_ct, 14, tmask)
+    c33 = _col(comb_ptr, rm, stride_ct, 15, tmask)
+    rm64 = rm.to(tl.int64)[:, None]
+    x_row = x_ptr + rm64 * stride_xt
+    r_row = res_ptr + rm64 * stride_rt
+    o_row = out_ptr + rm64 * stride_ot
+    d_lo = pid_s * d_per_split
+    d_hi = tl.minimum(d_lo + d_per_split, D)
+    if PRENORM:
+        rn = tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        w_col = fn_ptr + rn[None, :] * stride_fn
+    for d0 in range(d_lo, d_hi, BLOCK_K):
+        dd = d0 + rk
+        m2 = tmask[:, None] & (dd < d_hi)[None, :]
+        x = tl.load(x_row + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        r0 = tl.load(r_row + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        r1 = tl.load(r_row + stride_rh + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        r2 = tl.load(r_row + 2 * stride_rh + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        r3 = tl.load(r_row + 3 * stride_rh + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        n0 = _post_stream(x, r0, r1, r2, r3, p0, c00, c10, c20, c30).to(tl.bfloat16)
+        n1 = _post_stream(x, r0, r1, r2, r3, p1, c01, c11, c21, c31).to(tl.bfloat16)
+        n2 = _post_stream(x, r0, r1, r2, r3, p2, c02, c12, c22, c32).to(tl.bfloat16)
+        n3 = _post_stream(x, r0, r1, r2, r3, p3, c03, c13, c23, c33).to(tl.bfloat16)
+        tl.store(o_row + dd[None, :], n0, mask=m2)
+        tl.store(o_row + stride_oh + dd[None, :], n1, mask=m2)
+        tl.store(o_row + 2 * stride_oh + dd[None, :], n2, mask=m2)
+        tl.store(o_row + 3 * stride_oh + dd[None, :], n3, mask=m2)
+        if PRENORM:
+            wm = nmask[None, :] & (dd < d_hi)[:, None]
+            f0 = n0.to(tl.float32)
+            f1 = n1.to(tl.float32)
+            f2 = n2.to(tl.float32)
+            f3 = n3.to(tl.float32)
+            sq += tl.sum(f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3, axis=1)
+            acc = tl.dot(f0, tl.load(w_col + dd[:, None], mask=wm, other=0.0), acc, input_precision=PRECISION)
+            acc = tl.dot(f1, tl.load(w_col + (D + dd)[:, None], mask=wm, other=0.0), acc,
+                         input_precision=PRECISION)
+            acc = tl.dot(f2, tl.load(w_col + (2 * D + dd)[:, None], mask=wm, other=0.0), acc,
+                         input_precision=PRECISION)
+            acc = tl.dot(f3, tl.load(w_col + (3 * D + dd)[:, None], mask=wm, other=0.0), acc,
+                         input_precision=PRECISION)
+    if PRENORM:
+        m_off = pid_s * stride_ms + rm64 * stride_mt + rn[None, :]
+        tl.store(mix_ptr + m_off, acc, mask=tmask[:, None] & nmask[None, :])
+        tl.store(sq_ptr + pid_s * stride_ss + rm, sq, mask=tmask)
+
+
+@triton.jit
+def _mhc_apply_kernel(
+    mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, w_ptr,
+    post_ptr, comb_ptr, out_ptr, res_out_ptr,
+    T, S, D, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps,
+    stride_ms, stride_mt, stride_ss, stride_rt, stride_rh, stride_ot, stride_rot, stride_roh,
+    HC_: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, BROADCAST: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Per token block: reduce the S partials, gates (+ Sinkhorn unless HEAD), collapse (+ RMSNorm).
+
+    HEAD: hc_head (4 mixes, pre gates only, no norm). BROADCAST: the residual is one ``[T, D]`` row read for
+    every stream (layer 0); the 4 copies are written to ``res_out``.
+    """
+    pid = tl.program_id(0)
+    rt = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = rt < T
+    rt64 = rt.to(tl.int64)
+    h = tl.arange(0, HC_)
+    hh = tl.arange(0, HC_ * HC_)
+    pre_acc = tl.zeros((BLOCK_T, HC_), dtype=tl.float32)
+    post_acc = tl.zeros((BLOCK_T, HC_), dtype=tl.float32)
+    comb_acc = tl.zeros((BLOCK_T, HC_ * HC_), dtype=tl.float32)
+    sq_acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        rs = s0 + tl.arange(0, BLOCK_S)
+        m2 = (rs < S)[:, None] & tmask[None, :]
+        off = rs.to(tl.int64)[:, None] * stride_ms + rt64[None, :] * stride_mt            # [BS, BT]
+        pre_acc += tl.sum(tl.load(mix_ptr + off[:, :, None] + h[None, None, :], mask=m2[:, :, None], other=0.0),
+                          axis=0)
+        if not HEAD:
+            post_acc += tl.sum(tl.load(mix_ptr + off[:, :, None] + HC_ + h[None, None, :], mask=m2[:, :, None],
+                                       other=0.0), axis=0)
+            comb_acc += tl.sum(tl.load(mix_ptr + off[:, :, None] + 2 * HC_ + hh[None, None, :],
+                                       mask=m2[:, :, None], other=0.0), axis=0)
+        sq_acc += tl.sum(tl.load(sq_ptr + rs.to(tl.int64)[:, None] * stride_ss + rt64[None, :], mask=m2, other=0.0),
+                         axis=0)
+    rms = tl.math.rsqrt(sq_acc / rms_numel + rms_eps)[:, None]                         # [BT, 1]
+    pre = tl.sigmoid(pre_acc * rms * tl.load(scale_ptr) + tl.load(base_ptr + h)[None, :]) + pre_eps
+    if not HEAD:
+        post = tl.sigmoid(post_acc * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC_ + h)[None, :]) * post_mult
+        tl.store(post_ptr + rt64[:, None] * HC_ + h[None, :], post, mask=tmask[:, None])
+        logits = comb_acc * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC_ + hh)[None, :]
+        cm = tl.reshape(logits, (BLOCK_T, HC_, HC_))                                  # [t, i, j]
+        cm = tl.exp(cm - tl.max(cm, axis=2)[:, :, None])
+        cm = cm / tl.sum(cm, axis=2)[:, :, None] + sk_eps
+        cm = cm / (tl.sum(cm, axis=1)[:, None, :] + sk_eps)
+        for _ in range(1, n_iters):
+            cm = cm / (tl.sum(cm, axis=2)[:, :, None] + sk_eps)
+            cm = cm / (tl.sum(cm, axis=1)[:, None, :] + sk_eps)
+        tl.store(comb_ptr + rt64[:, None] * (HC_ * HC_) + hh[None, :], tl.reshape(cm, (BLOCK_T, HC_ * HC_)),
+                 mask=tmask[:, None])
+    # collapse y = sum_i pre_i res_i over the whole hidden row
+    rd = tl.arange(0, BLOCK_D)
+    dmask = rd < D
+    m2d = tmask[:, None] & dmask[None, :]
+    r_row = res_ptr + rt64[:, None] * stride_rt + rd[None, :]
+    if BROADCAST:
+        r = tl.load(r_row, mask=m2d, other=0.0)
+        for i in tl.static_range(HC_):
+            tl.store(res_out_ptr + rt64[:, None] * stride_rot + i * stride_roh + rd[None, :], r, mask=m2d)
+        y = tl.sum(pre, axis=1)[:, None] * r.to(tl.float32)
+    else:
+        y = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for i in tl.static_range(HC_):
+            p_i = tl.sum(tl.where(h[None, :] == i, pre, 0.0), axis=1)
+            y += p_i[:, None] * tl.load(r_row + i * stride_rh, mask=m2d, other=0.0).to(tl.float32)
+    yb = y.to(tl.bfloat16)
+    o_row = out_ptr + rt64[:, None] * stride_ot + rd[None, :]
+    if HAS_NORM:
+        yf = yb.to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(yf * yf, axis=1) / D + norm_eps)
+        w = tl.load(w_ptr + rd, mask=dmask, other=0.0).to(tl.float32)
+        tl.store(o_row, (yf * inv[:, None] * w[None, :]).to(tl.bfloat16), mask=m2d)
+    else:
+        tl.store(o_row, yb, mask=m2d)
+
+
+# ---- input checks --------------------------------------------------------------------------------
+def _tensor(name, t, dtypes, ndim=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} not supported ({', '.join(str(d) for d in dtypes)})")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device} (same device as the residual)")
+    return t
+
+
+def _shape(name, t, shape):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _contig(name, t):
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
+
+
+def _check_hidden(name, D):
+    if D % 16 or D <= 0 or D > 16384:
+        raise ValueError(f"{name}: hidden size {D} must be a positive multiple of 16, at most 16384")
+
+
+def _check_precision(precision):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+
+
+def _check_mhc_params(fn, hc_scale, hc_base, norm_weight, K, D, dev, n_mix=(2 + HC) * HC, n_scale=3):
+    _tensor("fn", fn, (torch.float32,), 2, dev)
+    _shape("fn", fn, (n_mix, K))
+    if fn.stride(1) != 1:
+        raise ValueError(f"fn: last dim must be contiguous, got strides {tuple(fn.stride())}")
+    _tensor("hc_scale", hc_scale, (torch.float32,), 1, dev)
+    _shape("hc_scale", hc_scale, (n_scale,))
+    _contig("hc_scale", hc_scale)
+    _tensor("hc_base", hc_base, (torch.float32,), 1, dev)
+    _shape("hc_base", hc_base, (n_mix,))
+    _contig("hc_base", hc_base)
+    if norm_weight is not None:
+        _tensor("norm_weight", norm_weight, (torch.bfloat16, torch.float32), 1, dev)
+        _shape("norm_weight", norm_weight, (D,))
+        _contig("norm_weight", norm_weight)
+
+
+def _check_eps(**kw):
+    for k, v in kw.items():
+        if not (isinstance(v, (int, float)) and v >= 0 and v == v and v != float("inf")):
+            raise ValueError(f"{k}={v!r}: must be a finite number >= 0")
+
+
+def _check_residual(name, residual):
+    _tensor(name, residual, (torch.bfloat16,), 3)
+    if residual.shape[1] != HC:
+        raise ValueError(f"{name}: hc_mult={residual.shape[1]} (shape {tuple(residual.shape)}); "
+                         f"these kernels are built for DeepSeek-V4's hc_mult={HC}")
+    _check_hidden(name, residual.shape[2])
+    _contig(name, residual)
+    return residual.shape[0], residual.shape[2]
+
+
+# ---- config plumbing -----------------------------------------------------------------------------
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "sm_89"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm_90" if major >= 9 else "sm_89"
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few splits, so split-K is exercised without many program instances
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def pick_config(num_tokens: int, device: torch.device) -> dict:
+    table = CONFIGS[arch_of(device)]
+    return table["decode"] if num_tokens <= 64 else table["prefill"]
+
+
+def _splits(n_tiles_m: int, n_blocks_k: int, device, cfg) -> int:
+    """Split count so that about ``WAVES`` x SMs programs run, each with >= MIN_K_BLOCKS k-blocks."""
+    want = max(1, (cfg["WAVES"] * _num_sms(device)) // max(n_tiles_m, 1))
+    return max(1, min(want, n_blocks_k // cfg["MIN_K_BLOCKS"], 128))
+
+
+def _prenorm_partials(x2d, fn, num_splits, precision, cfg):
+    T, K = x2d.shape
+    N = fn.shape[0]
+    BM, BK = cfg["GEMM_BLOCK_M"], cfg["GEMM_BLOCK_K"]
+    n_kb = triton.cdiv(K, BK)
+    S = num_splits or _splits(triton.cdiv(T, BM), n_kb, x2d.device, cfg)
+    kps = triton.cdiv(n_kb, S) * BK
+    S = triton.cdiv(K, kps)
+    mixes = torch.empty((S, T, N), dtype=torch.float32, device=x2d.device)
+    sqrsum = torch.empty((S, T), dtype=torch.float32, device=x2d.device)
+    if T == 0:
+        return mixes, sqrsum
+    _hc_prenorm_gemm_kernel[(triton.cdiv(T, BM), S)](
+        x2d, fn, mixes, sqrsum, T, N, K, kps,
+        x2d.stride(0), fn.stride(0), mixes.stride(0), mixes.stride(1), sqrsum.stride(0),
+        BLOCK_M=BM, BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_K=BK, PRECISION=precision,
+        num_warps=cfg["GEMM_WARPS"], num_stages=cfg["GEMM_STAGES"])
+    return mixes, sqrsum
+
+
+def _apply(mixes, sqrsum, hc_scale, hc_base, res, res_strides, norm_weight, D, rms_numel, rms_eps, pre_eps,
+           sk_eps, post_mult, n_iters, norm_eps, cfg, head=False, res_out=None):
+    S, T = sqrsum.shape
+    dev = sqrsum.device
+    out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
+    post = torch.empty((T, HC, 1), dtype=torch.float32, device=dev)
+    comb = torch.empty((T, HC, HC), dtype=torch.float32, device=dev)
+    if T == 0:
+        return post, comb, out
+    BT = cfg["APPLY_BLOCK_T"]
+    _mhc_apply_kernel[(triton.cdiv(T, BT),)](
+        mixes, sqrsum, hc_scale, hc_base, res, norm_weight if norm_weight is not None else out,
+        post, comb, out, res_out if res_out is not None else out,
+        T, S, D, float(rms_numel), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
+        float(norm_eps),
+        mixes.stride(0), mixes.stride(1), sqrsum.stride(0), res_strides[0], res_strides[1], out.stride(0),
+        res_out.stride(0) if res_out is not None else 0, res_out.stride(1) if res_out is not None else 0,
+        HC_=HC, HEAD=head, HAS_NORM=norm_weight is not None, BROADCAST=res_out is not None,
+        BLOCK_T=BT, BLOCK_S=min(64, triton.next_power_of_2(S)), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=cfg["APPLY_WARPS"], num_stages=1)
+    return post, comb, out
+
+
+def _post(x, residual, post_mix, comb_mix, out, cfg, fn=None, precision="tf32", num_splits=None):
+    T, _, D = residual.shape
+    BM, BK = cfg["POST_BLOCK_M"], cfg["POST_BLOCK_K"]
+    n_kb = triton.cdiv(D, BK)
+    prenorm = fn is not None
+    S = num_splits or _splits(triton.cdiv(T, BM), n_kb, residual.device, cfg)
+    S = max(1, min(S, n_kb))
+    dps = triton.cdiv(n_kb, S) * BK
+    S = triton.cdiv(D, dps)
+    N = fn.shape[0] if prenorm else 0
+    mixes = torch.empty((S, T, N), dtype=torch.float32, device=residual.device) if prenorm else None
+    sqrsum = torch.empty((S, T), dtype=torch.float32, device=residual.device) if prenorm else None
+    if T == 0:
+        return mixes, sqrsum
+    _mhc_post_kernel[(triton.cdiv(T, BM), S)](
+        x, residual, post_mix, comb_mix, out,
+        fn if prenorm else out, mixes if prenorm else out, sqrsum if prenorm else out,
+        T, D, N, dps,
+        x.stride(0), residual.stride(0), residual.stride(1), post_mix.stride(0), comb_mix.stride(0),
+        out.stride(0), out.stride(1),
+        fn.stride(0) if prenorm else 0, mixes.stride(0) if prenorm else 0, mixes.stride(1) if prenorm else 0,
+        sqrsum.stride(0) if prenorm else 0,
+        BLOCK_M=BM, BLOCK_N=max(16, triton.next_power_of_2(max(N, 1))), BLOCK_K=BK,
+        PRENORM=prenorm, PRECISION=precision,
+        num_warps=cfg["POST_WARPS"], num_stages=cfg["POST_STAGES"])
+    return mixes, sqrsum
+
+
+def _check_post_inputs(x, residual, post_mix, comb_mix):
+    T, D = _check_residual("residual", residual)
+    dev = residual.device
+    _tensor("x", x, (torch.bfloat16,), 2, dev)
+    _shape("x", x, (T, D))
+    if x.stride(1) != 1:
+        raise ValueError(f"x: last dim must be contiguous, got strides {tuple(x.stride())}")
+    _tensor("post_mix", post_mix, (torch.float32,), None, dev)
+    if tuple(post_mix.shape) not in ((T, HC), (T, HC, 1)):
+        raise ValueError(f"post_mix: expected shape ({T}, {HC}) or ({T}, {HC}, 1), got {tuple(post_mix.shape)}")
+    _contig("post_mix", post_mix)
+    _tensor("comb_mix", comb_mix, (torch.float32,), 3, dev)
+    _shape("comb_mix", comb_mix, (T, HC, HC))
+    _contig("comb_mix", comb_mix)
+    return T, D
+
+
+# ---- public launchers ----------------------------------------------------------------------------
+def hc_prenorm_gemm(x: torch.Tensor, fn: torch.Tensor, num_splits: int | None = None, precision: str = "tf32",
+                    config: dict | None = None):
+    """Split-K pre-norm GEMM of mHC: partial mixes and partial sums of squares.
+
+    Semantics: DeepGEMM ``tf32_hc_prenorm_gemm(x, fn, out, sqrsum, num_splits)``:
+    ``sum_s mixes[s] = x.float() @ fn.T`` and ``sum_s sqrsum[s] = (x.float() ** 2).sum(-1)``.
+
+    Args:
+        x: ``(num_tokens, K)`` bfloat16, last dim contiguous; the residual ``(T, 4, 4096)`` viewed as
+            ``(T, 16384)``.
+        fn: ``(N, K)`` float32 (``N = 24`` mixes: pre 4, post 4, comb 16; or 4 for hc_head), last dim contiguous.
+        num_splits: number of K partials ``S``; default picks from the SM count so ~2 waves run. The result
+            may have fewer splits than asked if ``K`` has fewer ``BLOCK_K`` blocks.
+        precision: ``"tf32"`` (tensor cores, DeepGEMM's choice; ~1e-3 relative per product) or ``"ieee"``
+            (fp32 FMA). The CPU interpreter computes fp32 either way.
+        config: a row of ``CONFIGS`` (keys ``GEMM_*``, ``WAVES``, ``MIN_K_BLOCKS``).
+
+    Returns:
+        ``(mixes, sqrsum)``: ``(S, num_tokens, N)`` and ``(S, num_tokens)`` float32 partials over contiguous
+        K ranges; callers sum over the first axis.
+
+    Raises:
+        TypeError: wrong dtypes. ValueError: shapes, strides, devices, ``K % 16``, precision, num_splits < 1.
+    """
+    _tensor("x", x, (torch.bfloat16,), 2)
+    T, K = x.shape
+    _tensor("fn", fn, (torch.float32,), 2, x.device)
+    if fn.shape[1] != K or not 1 <= fn.shape[0] <= 64:
+        raise ValueError(f"fn: expected shape (N <= 64, {K}), got {tuple(fn.shape)}")
+    if K % 16 or K == 0:
+        raise ValueError(f"x: K={K} must be a positive multiple of 16")
+    if x.stride(1) != 1 or fn.stride(1) != 1:
+        raise ValueError(f"x / fn: last dim must be contiguous, got strides {tuple(x.stride())} / {tuple(fn.stride())}")
+    _check_precision(precision)
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits={num_splits!r}: expected a positive int or None")
+    cfg = config or pick_config(T, x.device)
+    return _prenorm_partials(x, fn, num_splits, precision, cfg)
+
+
+def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
+            norm_weight: torch.Tensor | None = None, rms_eps: float = 1e-6, hc_pre_eps: float = 1e-6,
+            hc_sinkhorn_eps: float = 1e-6, hc_post_mult: float = 2.0, sinkhorn_iters: int = 20,
+            norm_eps: float = 1e-6, precision: str = "tf32", config: dict | None = None):
+    """mHC pre block: gates, Sinkhorn-normalised 4x4 comb, collapsed and RMS-normalised layer input.
+
+    Semantics: vLLM ``mhc_pre_tilelang`` (pre-norm GEMM + ``mhc_pre_big_fuse_with_norm``) and
+    ``mhc_pre_torch``; see the module docstring for the formulas.
+
+    Args:
+        residual: ``(num_tokens, 4, hidden)`` bfloat16, contiguous (the hyper-connection streams).
+        fn: ``(24, 4*hidden)`` float32 mix projection (rows: pre 0-3, post 4-7, comb 8-23 row-major).
+        hc_scale: ``(3,)`` float32 (pre, post, comb logit scales). hc_base: ``(24,)`` float32 logit biases.
+        norm_weight: ``(hidden,)`` bfloat16/float32 RMSNorm weight of the sublayer, or None (raw collapse).
+        rms_eps: eps of the mix pre-norm (``rms_norm_eps``). hc_pre_eps / hc_sinkhorn_eps: ``hc_eps``.
+        hc_post_mult: post gate multiplier (2.0). sinkhorn_iters: ``hc_sinkhorn_iters`` (20), >= 1.
+        norm_eps: eps of the layer-input RMSNorm. precision: ``"tf32"`` or ``"ieee"`` for the GEMM.
+        config: a row of ``CONFIGS``.
+
+    Returns:
+        ``(post_mix, comb_mix, layer_input)``: ``(num_tokens, 4, 1)`` float32, ``(num_tokens, 4, 4)`` float32
+        (``comb[t, i, j]`` weighs residual stream i into new stream j), ``(num_tokens, hidden)`` bfloat16.
+
+    Raises:
+        TypeError / ValueError naming the offending argument (dtype, shape, contiguity, device, hc_mult != 4).
+    """
+    T, D = _check_residual("residual", residual)
+    _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, residual.device)
+    _check_eps(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
+    _check_precision(precision)
+    if int(sinkhorn_iters) < 1:
+        raise ValueError(f"sinkhorn_iters={sinkhorn_iters}: must be >= 1")
+    cfg = config or pick_config(T, residual.device)
+    mixes, sqrsum = _prenorm_partials(residual.view(T, HC * D), fn, None, precision, cfg)
+    return _apply(mixes, sqrsum, hc_scale, hc_base, residual, (residual.stride(0), residual.stride(1)),
+                  norm_weight, D, HC * D, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters,
+                  norm_eps, cfg)
+
+
+def mhc_pre_broadcast(x: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
+                      norm_weight: torch.Tensor | None = None, rms_eps: float = 1e-6, hc_pre_eps: float = 1e-6,
+                      hc_sinkhorn_eps: float = 1e-6, hc_post_mult: float = 2.0, sinkhorn_iters: int = 20,
+                      norm_eps: float = 1e-6, fn_broadcast: torch.Tensor | None = None, precision: str = "tf32",
+                      config: dict | None = None):
+    """Layer-0 mHC pre: the residual is the embedding broadcast to 4 identical streams.
+
+    Semantics: vLLM ``mhc_pre_broadcast_tilelang`` (``fn_broadcast = fn.view(24, 4, hidden).sum(1)``; the
+    GEMM runs over ``hidden`` only; the mean of squares over the 4 copies equals the mean over ``hidden``).
+    Equal to ``mhc_pre(x[:, None].expand(T, 4, hidden))`` and also returns that expanded residual.
+
+    Args:
+        x: ``(num_tokens, hidden)`` bfloat16, contiguous (token embeddings).
+        fn_broadcast: optional precomputed ``(24, hidden)`` float32; computed from ``fn`` when None.
+        Others: as :func:`mhc_pre`.
+
+    Returns:
+        ``(residual, post_mix, comb_mix, layer_input)``: ``(num_tokens, 4, hidden)`` bfloat16 (4 copies of x),
+        then as :func:`mhc_pre`.
+
+    Raises:
+        TypeError / ValueError naming the offending argument.
+    """
+    _tensor("x", x, (torch.bfloat16,), 2)
+    T, D = x.shape
+    _check_hidden("x", D)
+    _contig("x", x)
+    _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, x.device)
+    _check_eps(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
+    _check_precision(precision)
+    if int(sinkhorn_iters) < 1:
+        raise ValueError(f"sinkhorn_iters={sinkhorn_iters}: must be >= 1")
+    n_mix = fn.shape[0]
+    if fn_broadcast is None:
+        fn_broadcast = fn.view(n_mix, HC, D).sum(dim=1)
+    else:
+        _tensor("fn_broadcast", fn_broadcast, (torch.float32,), 2, x.device)
+        _shape("fn_broadcast", fn_broadcast, (n_mix, D))
+        _contig("fn_broadcast", fn_broadcast)
+    cfg = config or pick_config(T, x.device)
+    res_out = torch.empty((T, HC, D), dtype=torch.bfloat16, device=x.device)
+    mixes, sqrsum = _prenorm_partials(x, fn_broadcast, None, precision, cfg)
+    post, comb, out = _apply(mixes, sqrsum, hc_scale, hc_base, x, (x.stride(0), 0), norm_weight, D, D, rms_eps,
+                             hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg,
+                             res_out=res_out)
+    return res_out, post, comb, out
+
+
+def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, comb_mix: torch.Tensor,
+             out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """mHC post block: ``new[:, j] = sum_i comb[:, i, j] residual[:, i] + post[:, j] x`` in fp32, bf16 out.
+
+    Semantics: vLLM ``mhc_post_torch`` / ``mhc_post_tilelang``.
+
+    Args:
+        x: ``(num_tokens, hidden)`` bfloat16, last dim contiguous (the sublayer output).
+        residual: ``(num_tokens, 4, hidden)`` bfloat16, contiguous.
+        post_mix: ``(num_tokens, 4)`` or ``(num_tokens, 4, 1)`` float32, contiguous.
+        comb_mix: ``(num_tokens, 4, 4)`` float32, contiguous.
+        out: optional ``(num_tokens, 4, hidden)`` bfloat16 contiguous destination (may not alias residual).
+        config: a row of ``CONFIGS`` (keys ``POST_*``).
+
+    Returns:
+        ``(num_tokens, 4, hidden)`` bfloat16.
+
+    Raises:
+        TypeError / ValueError naming the offending argument.
+    """
+    T, D = _check_post_inputs(x, residual, post_mix, comb_mix)
+    if out is None:
+        out = torch.empty_like(residual)
+    else:
+        _tensor("out", out, (torch.bfloat16,), 3, residual.device)
+        _shape("out", out, residual.shape)
+        _contig("out", out)
+        if out.data_ptr() == residual.data_ptr() and T:
+            raise ValueError("out: must not alias residual (other programs still read it)")
+    cfg = config or pick_config(T, residual.device)
+    _post(x, residual, post_mix, comb_mix, out, cfg)
+    return out
+
+
+def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, comb_mix: torch.Tensor,
+                       fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
+                       norm_weight: torch.Tensor | None = None, rms_eps: float = 1e-6, hc_pre_eps: float = 1e-6,
+                       hc_sinkhorn_eps: float = 1e-6, hc_post_mult: float = 2.0, sinkhorn_iters: int = 20,
+                       norm_eps: float = 1e-6, precision: str = "tf32", config: dict | None = None):
+    """mHC post of one sublayer fused with the pre of the next (the per-sublayer seam).
+
+    Semantics: vLLM ``mhc_fused_post_pre_tilelang``: ``residual_cur = mhc_post(x, residual, post, comb)``
+    (bf16), then ``mhc_pre(residual_cur, fn, ...)``. The pre-norm GEMM runs on the bf16-rounded new
+    residual, so the result equals the unfused pair exactly in semantics.
+
+    Pass 1 (one kernel) reads ``residual`` and ``x``, writes ``residual_cur`` and the split-K partial mixes
+    of the next pre; pass 2 reduces the partials, computes gates and Sinkhorn, and collapses ``residual_cur``
+    (L2-resident for moderate T) into the normalised layer input.
+
+    Args: as :func:`mhc_post` then :func:`mhc_pre`.
+
+    Returns:
+        ``(residual_cur, post_mix, comb_mix, layer_input)``: ``(num_tokens, 4, hidden)`` bfloat16,
+        ``(num_tokens, 4, 1)`` float32, ``(num_tokens, 4, 4)`` float32, ``(num_tokens, hidden)`` bfloat16.
+
+    Raises:
+        TypeError / ValueError naming the offending argument.
+    """
+    T, D = _check_post_inputs(x, residual, post_mix, comb_mix)
+    _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, residual.device)
+    _check_eps(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
+    _check_precision(precision)
+    if int(sinkhorn_iters) < 1:
+        raise ValueError(f"sinkhorn_iters={sinkhorn_iters}: must be >= 1")
+    cfg = config or pick_config(T, residual.device)
+    res_cur = torch.empty_like(residual)
+    mixes, sqrsum = _post(x, residual, post_mix, comb_mix, res_cur, cfg, fn=fn, precision=precision)
+    post, comb, out = _apply(mixes, sqrsum, hc_scale, hc_base, res_cur, (res_cur.stride(0), res_cur.stride(1)),
+                             norm_weight, D, HC * D, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult,
+                             sinkhorn_iters, norm_eps, cfg)
+    return res_cur, post, comb, out
+
+
+def hc_head(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
+            rms_eps: float = 1e-6, hc_eps: float = 1e-6, precision: str = "tf32",
+            config: dict | None = None) -> torch.Tensor:
+    """hc_head: collapse the 4 streams at the model exit (and the MTP head) with sigmoid gates.
+
+    Semantics: vLLM ``hc_head_fused_kernel_tilelang``: ``mix = res.view(T, 4 hidden) @ fn.T``,
+    ``pre = sigmoid(mix rsqrt(mean(res^2) + rms_eps) scale[0] + base) + hc_eps``,
+    ``out = bf16(sum_i pre_i res_i)`` (the model's final RMSNorm follows separately).
+
+    Args:
+        residual: ``(num_tokens, 4, hidden)`` bfloat16, contiguous.
+        fn: ``(4, 4*hidden)`` float32. hc_scale: ``(1,)`` float32. hc_base: ``(4,)`` float32.
+
+    Returns:
+        ``(num_tokens, hidden)`` bfloat16.
+
+    Raises:
+        TypeError / ValueError naming the offending argument.
+    """
+    T, D = _check_residual("residual", residual)
+    _check_mhc_params(fn, hc_scale, hc_base, None, HC * D, D, residual.device, n_mix=HC, n_scale=1)
+    _check_eps(rms_eps=rms_eps, hc_eps=hc_eps)
+    _check_precision(precision)
+    cfg = config or pick_config(T, residual.device)
+    mixes, sqrsum = _prenorm_partials(residual.view(T, HC * D), fn, None, precision, cfg)
+    _, _, out = _apply(mixes, sqrsum, hc_scale, hc_base, residual, (residual.stride(0), residual.stride(1)),
+                       None, D, HC * D, rms_eps, hc_eps, 0.0, 1.0, 1, 0.0, cfg, head=True)
+    return out
+
+
+# ---- config table --------------------------------------------------------------------------------
+# GEMM_*: split-K pre-norm GEMM tiles (x tile bf16 -> fp32 in registers, fn^T tile fp32, N=24 padded to 32).
+# POST_*: post (+ fused partial GEMM) tiles over (tokens, hidden columns of all 4 streams).
+# APPLY_*: gates/Sinkhorn/collapse, one token per program, whole hidden row in registers.
+# WAVES x SMs programs are targeted by choosing the split count; each split keeps >= MIN_K_BLOCKS blocks.
+CONFIGS = {
+    "sm_89": {
+        "decode": {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 2,
+                   "POST_BLOCK_M": 16, "POST_BLOCK_K": 64, "POST_WARPS": 4, "POST_STAGES": 1,
+                   "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1},
+        "prefill": {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 64, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
+                    "POST_BLOCK_M": 32, "POST_BLOCK_K": 64, "POST_WARPS": 8, "POST_STAGES": 1,
+                    "APPLY_BLOCK_T": 1, "APPLY_WARPS": 8, "WAVES": 2, "MIN_K_BLOCKS": 2},
+    },
+    "sm_90": {
+        "decode": {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
+                   "POST_BLOCK_M": 16, "POST_BLOCK_K": 64, "POST_WARPS": 4, "POST_STAGES": 1,
+                   "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1},
+        "prefill": {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
+                    "POST_BLOCK_M": 32, "POST_BLOCK_K": 64, "POST_WARPS": 8, "POST_STAGES": 1,
+                    "APPLY_BLOCK_T": 1, "APPLY_WARPS": 8, "WAVES": 2, "MIN_K_BLOCKS": 2},
+    },
+}
