@@ -1,0 +1,319 @@
+"""Registry entries: the lightning indexer (SPEC.md §2 items 4 and 10, §3): indexer K cache
+writer, ragged prefill FP8 MQA logits, paged decode FP8 MQA logits."""
+from __future__ import annotations
+
+import torch
+
+from ..geometry import op_shapes
+from ..numerics import Tolerance, compare, compare_exact, compare_mask
+from ..reference import indexer as R
+from ..registry import KernelSpec, register
+
+D = R.HEAD_DIM
+BS = 64                      # compressed entries per indexer cache block (256 tokens / ratio 4)
+BLOCK_BYTES = R.block_bytes(BS)  # 8,640
+
+
+def _gen(seed, device):
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def _heads(cfg=None):
+    from ..geometry import DEFAULT_CONFIG
+    return op_shapes(cfg or DEFAULT_CONFIG, 1)["mqa_logits"].dims["H"]
+
+
+# ---- cache writer ------------------------------------------------------------------------------
+INSERT_CASES = ("random", "zero_rows", "tiny_rows", "outliers", "padding_slots")
+
+
+def _fill_pattern(n: int, device) -> torch.Tensor:
+    """Bytes a fresh cache holds before the writer runs: the check proves untouched bytes survive."""
+    return ((torch.arange(n, device=device) * 7 + 3) % 251).to(torch.uint8)
+
+
+def make_cache(num_blocks: int, device, block_size: int = BS, block_bytes: int = BLOCK_BYTES):
+    store = _fill_pattern(num_blocks * block_bytes, device)
+    return torch.as_strided(store, (num_blocks, block_size, D + 4), (block_bytes, D + 4, 1))
+
+
+def make_insert_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
+    """``T`` bf16 keys written to shuffled slots of a padded cache of ``num_blocks`` blocks."""
+    T, nb = shape["T"], shape["num_blocks"]
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp(torch.empty(T, 1).uniform_(-4, 4, generator=g))
+    k = torch.randn(T, D, generator=g) * mag
+    if case == "zero_rows":
+        k[::3] = 0.0
+    elif case == "tiny_rows":
+        k[::2] *= 1e-30
+    elif case == "outliers":
+        k[:, 5] = 3e4
+    slots = torch.randperm(nb * BS, generator=g)[:T]
+    if case == "padding_slots":
+        slots[::4] = -1
+    elif case not in INSERT_CASES:
+        raise ValueError(f"case={case!r}: known cases {INSERT_CASES}")
+    return {"k": k.to(torch.bfloat16).to(device), "kv_cache": make_cache(nb, device),
+            "slot_mapping": slots.to(device)}
+
+
+def check_insert(out, ref, inputs) -> list:
+    kv = inputs["kv_cache"]
+    reps = [compare_exact(out.cpu(), ref.cpu(), "cache bytes")]
+    # bytes outside the written entries must still hold the fill pattern (no stray writes)
+    span = (kv.shape[0] - 1) * kv.stride(0) + kv.shape[1] * kv.shape[2]
+    flat = torch.as_strided(out, (span,), (1,)).cpu()
+    touched = torch.zeros(span, dtype=torch.bool)
+    for s in inputs["slot_mapping"].cpu().tolist():
+        if s >= 0:
+            vo, so = R.entry_offsets(s, kv.stride(0), kv.shape[1], D)
+            touched[vo:vo + D] = True
+            touched[so:so + 4] = True
+    pat = _fill_pattern(kv.shape[0] * kv.stride(0), "cpu")[:span]
+    reps.append(compare_exact(flat[~touched], pat[~touched], "untouched bytes"))
+    return reps
+
+
+def _configs(table):
+    def get():
+        from ds4lab_kernels.indexer import CONFIGS
+        return CONFIGS[table]
+    return get
+
+
+register(KernelSpec(
+    name="indexer_k_cache_insert",
+    family="indexer",
+    launcher="ds4lab_kernels.indexer:indexer_k_cache_insert",
+    reference="ds4lab.reference.indexer:indexer_k_cache_insert",
+    make_inputs=make_insert_inputs,
+    cases=INSERT_CASES,
+    test_shapes=[{"T": 1, "num_blocks": 1}, {"T": 300, "num_blocks": 6}],
+    bench_shapes=lambda cfg, tp: [{"T": t, "num_blocks": -(-t // BS) * 2} for t in ((32, 8192) if tp == 1 else (32,))],
+    flops=lambda s: 0.0,
+    min_bytes=lambda s: s["T"] * (D * 2 + D + 4 + 8),
+    check=check_insert,
+    configs=_configs("insert")(),
+    bound="memory",
+    aot_shape={"T": 300, "num_blocks": 6},
+))
+
+
+# ---- ragged prefill logits ---------------------------------------------------------------------
+MQA_CASES = ("causal", "ragged", "tile_boundaries", "zero_rows", "tiny_scales")
+
+
+def _q_w(M, H, g, device):
+    q = (torch.randn(M, H, D, generator=g, device=device) * 4).to(torch.float8_e4m3fn)
+    # weights carry the q scale and 128^-0.5 * 64^-0.5 in DeepSeek-V4; signed
+    w = torch.randn(M, H, generator=g, device=device) * (D ** -0.5 * H ** -0.5)
+    return q, w
+
+
+def make_mqa_inputs(shape: dict, case: str = "causal", seed: int = 0, device="cpu") -> dict:
+    """``causal``: a prefill chunk of ``M`` tokens at the end of a context of ``4N`` tokens: query
+    ``t`` sees compressed entries ``[0, N - (M-1-t)//4)`` (realistic). ``ragged``: random ranges,
+    some empty, some starting late. ``tile_boundaries``: ends at 127/128/129/255/256. ``zero_rows``:
+    zero q rows and zero weights. ``tiny_scales``: k scales down to 2^-40."""
+    M, N, H = shape["M"], shape["N"], shape.get("H", 64)
+    g = _gen(seed, device)
+    q, w = _q_w(M, H, g, device)
+    k = (torch.randn(N, D, generator=g, device=device) * 4).to(torch.float8_e4m3fn)
+    ks = torch.exp2(torch.randint(-10, -2, (N,), generator=g, device=device).float())
+    t = torch.arange(M, device=device)
+    ks_start = torch.zeros(M, dtype=torch.int32, device=device)
+    ke = (N - (M - 1 - t) // 4).clamp(min=0).to(torch.int32)
+    if case == "ragged":
+        ks_start = torch.randint(0, max(N, 1), (M,), generator=g, device=device).to(torch.int32)
+        ke = (ks_start + torch.randint(0, max(N, 1), (M,), generator=g, device=device)).clamp(max=N).to(torch.int32)
+        ke[::3] = ks_start[::3]  # empty rows
+    elif case == "tile_boundaries":
+        ends = torch.tensor([127, 128, 129, 255, 256, 1, 0, N], device=device)
+        ke = ends[t % len(ends)].clamp(max=N).to(torch.int32)
+        ks_start = torch.where(t % 2 == 1, 64, 0).clamp(max=N).to(torch.int32).minimum(ke)
+    elif case == "zero_rows":
+        q[::2] = 0.0
+        w[1::3] = 0.0
+    elif case == "tiny_scales":
+        ks = torch.exp2(torch.randint(-40, -30, (N,), generator=g, device=device).float())
+    elif case != "causal":
+        raise ValueError(f"case={case!r}: known cases {MQA_CASES}")
+    return {"q": q, "kv": (k, ks), "weights": w, "cu_seqlen_ks": ks_start, "cu_seqlen_ke": ke}
+
+
+def _logit_tol(ref: torch.Tensor) -> Tolerance:
+    """fp32 accumulation of exact fp8 products (128 terms) then a 64-term signed weighted sum:
+    error ~ 2^-24 * sqrt(terms) * magnitude; the budget is relative to the row scale."""
+    fin = ref[torch.isfinite(ref)]
+    scale = float(fin.abs().max()) if fin.numel() else 0.0
+    return Tolerance(atol=max(2e-5 * scale, 1e-30), rtol=1e-4, max_diff=1e-7)
+
+
+def check_logits(out, ref, inputs) -> list:
+    return [compare(out, ref, _logit_tol(ref.cpu()), "logits"), compare_mask(out, ref, "logits")]
+
+
+def _mqa_flops(s):
+    # useful: in-range entries of the causal shape; ~= M*N minus the causal triangle
+    M, N, H = s["M"], s["N"], s.get("H", 64)
+    valid = sum(max(0, N - (M - 1 - t) // 4) for t in range(M))
+    return 2.0 * H * D * valid
+
+
+def _tf32_mqa(inputs, chunk=256):
+    """The forks' formulation: dequantize to fp32, TF32 matmul, relu, weighted head sum, mask."""
+    q, (k, ks), w = inputs["q"], inputs["kv"], inputs["weights"]
+    kss, kse = inputs["cu_seqlen_ks"], inputs["cu_seqlen_ke"]
+
+    def run():
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        M, H, _ = q.shape
+        kf = k.float() * ks[:, None]
+        out = torch.empty(M, k.shape[0], dtype=torch.float32, device=q.device)
+        j = torch.arange(k.shape[0], device=q.device)
+        for t0 in range(0, M, chunk):
+            qf = q[t0:t0 + chunk].float()
+            s = torch.matmul(qf.reshape(-1, D), kf.t()).view(qf.shape[0], H, -1).relu_()
+            lg = torch.einsum("thn,th->tn", s, w[t0:t0 + chunk])
+            m = (j[None, :] >= kss[t0:t0 + chunk, None]) & (j[None, :] < kse[t0:t0 + chunk, None])
+            out[t0:t0 + chunk] = lg.masked_fill_(~m, float("-inf"))
+        torch.backends.cuda.matmul.allow_tf32 = prev
+        return out
+    return run
+
+
+def _mqa_config_for(arch, shape):
+    from ds4lab_kernels.indexer import CONFIGS
+    return list(CONFIGS["mqa"][arch])
+
+
+register(KernelSpec(
+    name="fp8_mqa_logits",
+    family="indexer",
+    launcher="ds4lab_kernels.indexer:fp8_mqa_logits",
+    reference="ds4lab.reference.indexer:fp8_mqa_logits",
+    make_inputs=make_mqa_inputs,
+    cases=MQA_CASES,
+    test_shapes=[{"M": 9, "N": 300, "H": 64}, {"M": 3, "N": 513, "H": 64}],
+    bench_shapes=lambda cfg, tp: [{"M": 4096, "N": 32768, "H": _heads(cfg)}] + (
+        [{"M": 1024, "N": 8192, "H": _heads(cfg)}] if tp == 1 else []),
+    flops=_mqa_flops,
+    min_bytes=lambda s: s["M"] * s.get("H", 64) * (D + 4) + s["N"] * (D + 4) + s["M"] * s["N"] * 4,
+    check=check_logits,
+    configs=_configs("mqa")(),
+    config_for=_mqa_config_for,
+    baselines={"torch_tf32": _tf32_mqa},
+    bound="compute",
+    aot_shape={"M": 64, "N": 1024, "H": 64},
+    sm89_mma={"_fp8_mqa_logits_kernel": "QMMA"},
+))
+
+
+# ---- paged decode logits -----------------------------------------------------------------------
+PAGED_CASES = ("decode", "block_boundaries", "short_contexts", "ctx_1d", "tiny_scales")
+
+
+def make_paged_inputs(shape: dict, case: str = "decode", seed: int = 0, device="cpu") -> dict:
+    """``B`` requests with ``next_n`` query rows at compressed context ``ctx`` (row ``i`` sees
+    ``ctx - next_n + 1 + i`` entries; ``decode`` varies ctx per request below the maximum), a
+    shuffled block table over a padded (8,640 B/block) cache filled in the planar layout.
+    ``block_boundaries``: contexts at 63/64/65/128; ``short_contexts``: 0, 1, 2; ``ctx_1d``: the
+    1-D DeepGEMM ``context_lens`` convention; ``tiny_scales``: k scales down to 2^-40."""
+    B, nn, ctx, H = shape["B"], shape["next_n"], shape["ctx"], shape.get("H", 64)
+    g = _gen(seed, device)
+    nblk = -(-ctx // BS)
+    nb = B * nblk + 3
+    q = (torch.randn(B, nn, H, D, generator=g, device=device) * 4).to(torch.float8_e4m3fn)
+    w = torch.randn(B * nn, H, generator=g, device=device) * (D ** -0.5 * H ** -0.5)
+    vals = (torch.randn(nb, BS * D, generator=g, device=device) * 4).to(torch.float8_e4m3fn)
+    lo, hi = (-40, -30) if case == "tiny_scales" else (-10, -2)
+    sc = torch.exp2(torch.randint(lo, hi, (nb, BS), generator=g, device=device).float())
+    store = torch.zeros(nb, BLOCK_BYTES, dtype=torch.uint8, device=device)
+    store[:, :BS * D] = vals.view(torch.uint8)
+    store[:, BS * D:BS * (D + 4)] = sc.view(torch.uint8).reshape(nb, BS * 4)
+    cache = torch.as_strided(store, (nb, BS, D + 4), (BLOCK_BYTES, D + 4, 1))
+    bt = torch.randperm(nb, generator=torch.Generator().manual_seed(seed))[:B * nblk].view(B, nblk)
+    bt = bt.to(torch.int32).to(device)
+    top = torch.full((B,), ctx, device=device)
+    if case == "decode" and B > 1:
+        top = torch.randint(max(1, ctx // 2), ctx + 1, (B,), generator=g, device=device)
+        top[0] = ctx
+    elif case == "block_boundaries":
+        top = torch.tensor([63, 64, 65, 128, ctx], device=device)[torch.arange(B, device=device) % 5].clamp(max=ctx)
+    elif case == "short_contexts":
+        top = (torch.arange(B, device=device) % 3).clamp(max=ctx)
+    elif case not in PAGED_CASES:
+        raise ValueError(f"case={case!r}: known cases {PAGED_CASES}")
+    if case == "ctx_1d":
+        cl = top.to(torch.int32)
+    else:
+        cl = (top[:, None] - nn + 1 + torch.arange(nn, device=device)[None, :]).clamp(min=0).to(torch.int32)
+    return {"q": q, "kv_cache": cache, "weights": w, "context_lens": cl, "block_table": bt,
+            "max_context_len": ctx}
+
+
+def _paged_valid(s):
+    return s["B"] * sum(s["ctx"] - s["next_n"] + 1 + i for i in range(s["next_n"]))
+
+
+def _tf32_paged(inputs):
+    """The forks' formulation: gather blocks, dequantize to fp32, TF32 bmm, relu, weighted sum, mask."""
+    q, cache, w = inputs["q"], inputs["kv_cache"], inputs["weights"]
+    cl, bt, L = inputs["context_lens"], inputs["block_table"], inputs["max_context_len"]
+    B, nn, H, _ = q.shape
+    nb = cache.shape[0]
+    store = torch.as_strided(cache, (nb, BLOCK_BYTES), (cache.stride(0), 1))
+    lim = R.paged_row_limits(cl.cpu(), nn).to(q.device).view(B, nn)  # host work outside the timed call
+
+    def run():
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        blocks = store[bt.long()]                                          # [B, nblk, bytes]
+        kv = blocks[..., :BS * D].contiguous().view(torch.float8_e4m3fn).float().view(B, -1, D)
+        ks = blocks[..., BS * D:BS * (D + 4)].contiguous().view(torch.float32).reshape(B, -1)
+        s = torch.bmm(q.float().view(B, nn * H, D), (kv * ks[..., None]).transpose(1, 2)).relu_()
+        lg = (s.view(B, nn, H, -1) * w.view(B, nn, H, 1)).sum(2)[..., :L]
+        j = torch.arange(lg.shape[-1], device=q.device)
+        out = lg.masked_fill_(j[None, None, :] >= lim[..., None], float("-inf")).reshape(B * nn, -1)
+        torch.backends.cuda.matmul.allow_tf32 = prev
+        return out
+    return run
+
+
+def _paged_bench(cfg, tp):
+    H = _heads(cfg)
+    if tp != 1:  # the indexer is replicated: TP=4 per-rank shapes equal TP=1; one row for the record
+        return [{"B": 8, "next_n": 2, "ctx": 32768, "H": H}]
+    return [{"B": b, "next_n": n, "ctx": c, "H": H} for c in (8192, 32768, 262144) for b in (1, 8, 32)
+            for n in (1, 2)]
+
+
+def _paged_config_for(arch, shape):
+    from ds4lab_kernels.indexer import CONFIGS
+    return list(CONFIGS["paged"][arch])
+
+
+register(KernelSpec(
+    name="fp8_paged_mqa_logits",
+    family="indexer",
+    launcher="ds4lab_kernels.indexer:fp8_paged_mqa_logits",
+    reference="ds4lab.reference.indexer:fp8_paged_mqa_logits",
+    make_inputs=make_paged_inputs,
+    cases=PAGED_CASES,
+    test_shapes=[{"B": 3, "next_n": 2, "ctx": 200, "H": 64}, {"B": 5, "next_n": 1, "ctx": 130, "H": 64}],
+    bench_shapes=_paged_bench,
+    flops=lambda s: 2.0 * s.get("H", 64) * D * _paged_valid(s),
+    # the cache bytes read (values + scales) plus the logits written; q/weights are negligible
+    min_bytes=lambda s: s["B"] * s["ctx"] * (D + 4) + s["B"] * s["next_n"] * s["ctx"] * 4,
+    check=check_logits,
+    configs=_configs("paged")(),
+    config_for=_paged_config_for,
+    baselines={"torch_tf32": _tf32_paged},
+    bound="memory",
+    aot_shape={"B": 4, "next_n": 2, "ctx": 4096, "H": 64},
+    sm89_mma={"_fp8_paged_mqa_logits_kernel": "QMMA"},
+))

@@ -1,0 +1,93 @@
+"""Registry entry: top-k indices per row for the lightning indexer (SPEC.md §2 item 5)."""
+from __future__ import annotations
+
+import torch
+
+from ..geometry import op_shapes
+from ..numerics import compare_topk
+from ..registry import KernelSpec, register
+
+CASES = ("random", "zero_plateau", "short_rows", "neg_inf_rows", "nan_rows", "seq_len_1", "integer_ties")
+
+
+def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
+    """``R`` rows of ``N`` fp32 logits. ``random``: indexer-like scores with ragged valid lengths
+    (entries past a row's length are -inf, as the logits kernels write them). Adversarial:
+    ``zero_plateau`` (a run of exact zeros straddling the k-th position), ``short_rows`` (fewer than
+    k valid), ``neg_inf_rows`` (all -inf rows), ``nan_rows`` (NaN sprinkled, one all-NaN row),
+    ``seq_len_1`` (length 1), ``integer_ties`` (few distinct values, massive ties)."""
+    R, N, k = shape["R"], shape["N"], shape.get("k", 512)
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    x = torch.randn(R, N, generator=g, device=device) * 3
+    lens = torch.full((R,), N, dtype=torch.int32, device=device)
+    if case == "random":
+        lens = torch.randint(max(1, N // 2), N + 1, (R,), generator=g, device=device).to(torch.int32)
+        lens[0] = N
+    elif case == "zero_plateau":
+        # k//2 positives, then a long run of zeros (k-th largest is 0), then negatives
+        x = -x.abs() - 1
+        pos = torch.randperm(N, generator=torch.Generator().manual_seed(seed))[:N // 2].to(device)
+        x[:, pos] = 0.0
+        npos = min(k // 2, N // 4)
+        x[:, pos[:npos]] = torch.rand(R, npos, generator=g, device=device) + 1
+    elif case == "short_rows":
+        lens = torch.randint(0, min(k, N), (R,), generator=g, device=device).to(torch.int32)
+    elif case == "neg_inf_rows":
+        x[::2] = float("-inf")
+        x[1::2, : N // 2] = float("-inf")
+    elif case == "nan_rows":
+        x[torch.rand(R, N, generator=g, device=device) < 0.3] = float("nan")
+        x[0] = float("nan")
+    elif case == "seq_len_1":
+        lens[:] = 1
+    elif case == "integer_ties":
+        x = torch.randint(-2, 3, (R, N), generator=g, device=device).float()
+        x[x == 0] = -0.0
+    elif case not in CASES:
+        raise ValueError(f"case={case!r}: known cases {CASES}")
+    if case not in ("nan_rows",):
+        j = torch.arange(N, device=device)
+        x = x.masked_fill(j[None, :] >= lens[:, None], float("-inf"))
+    return {"logits": x, "k": k, "lengths": lens}
+
+
+def check(out, ref, inputs) -> list:
+    return [compare_topk(out, inputs["logits"], inputs["k"], inputs["lengths"], "topk indices")]
+
+
+def _torch_topk(inputs):
+    x, k = inputs["logits"], inputs["k"]
+    return lambda: torch.topk(x, k, dim=1, sorted=False)
+
+
+def _bench(cfg, tp):
+    from ..geometry import DEFAULT_CONFIG
+    k = op_shapes(cfg or DEFAULT_CONFIG, tp)["topk_indices"].dims["k"]
+    shapes = [{"R": 64, "N": 65536, "k": k}]
+    if tp == 1:
+        shapes.append({"R": 32, "N": 262144, "k": k})
+    return shapes
+
+
+def _configs():
+    from ds4lab_kernels.topk import CONFIGS
+    return CONFIGS
+
+
+register(KernelSpec(
+    name="topk_indices",
+    family="topk",
+    launcher="ds4lab_kernels.topk:topk_indices",
+    reference="ds4lab.reference.topk:topk_indices",
+    make_inputs=make_inputs,
+    cases=CASES,
+    test_shapes=[{"R": 4, "N": 2000, "k": 512}, {"R": 3, "N": 300, "k": 512}],
+    bench_shapes=_bench,
+    flops=lambda s: 0.0,
+    min_bytes=lambda s: s["R"] * s["N"] * 4 + s["R"] * s["k"] * 4,
+    check=check,
+    configs=_configs(),
+    bound="memory",
+    aot_shape={"R": 4, "N": 65536, "k": 512},
+))

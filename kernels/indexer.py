@@ -1,0 +1,440 @@
+"""Lightning indexer kernels (DeepSeek-V4 C4A layers): indexer K cache writer, FP8 MQA logits for
+ragged prefill and for paged decode.
+
+Semantics:
+- cache writer: vLLM ``indexer_k_quant_and_cache`` (DeepSeek-V4, ``scale_fmt="ue8m0"``);
+- logits: DeepGEMM ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits``:
+  ``logit[t, j] = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) * k_scale[j]``, ``-inf`` outside the row's
+  valid range. ``q . k`` is a native fp8 x fp8 ``tl.dot`` with fp32 accumulation (``mma.sync
+  m16n8k32 e4m3``, SASS ``QMMA`` on sm_89; wgmma on sm_90).
+
+Indexer K cache layout (SPEC.md §3): uint8 ``(num_blocks, block_size, 132)`` (or
+``(num_blocks, block_size, 1, 132)``), a byte view only. Block ``b`` starts at byte
+``b * stride(0)``; entry ``i``'s 128 e4m3 values at ``+ i*128``; then, planar after all entries, its
+fp32 power-of-two scale at ``+ block_size*128 + 4*i``. ``stride(0)`` may exceed
+``block_size*132`` (pages padded to a multiple of 576 B: 8,640 B for 64 entries).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._fp8 import ceil_pow2, to_e4m3
+
+HEAD_DIM = 128
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+@triton.jit
+def _indexer_k_cache_insert_kernel(
+    k_ptr, slot_ptr, kv8_ptr, kv32_ptr,
+    T, stride_kt, stride_blk8, stride_blk32,
+    D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D)
+    tmask = t < T
+    slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
+    ok = tmask & (slot >= 0)
+    x = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_kt + d[None, :], mask=ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    s = ceil_pow2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    s = tl.where(has_nan, float("nan"), s)
+    q = to_e4m3(tl.math.div_rn(x, s[:, None]))
+    blk = tl.where(ok, slot // BS, 0)
+    ent = tl.where(ok, slot % BS, 0)
+    tl.store(kv8_ptr + (blk * stride_blk8 + ent * D)[:, None] + d[None, :], q, mask=ok[:, None])
+    tl.store(kv32_ptr + blk * stride_blk32 + (BS * D // 4) + ent, s, mask=ok)
+
+
+@triton.jit
+def _fp8_mqa_logits_kernel(
+    q_ptr, k_ptr, ks_ptr, w_ptr, kstart_ptr, kend_ptr, out_ptr,
+    M, N, stride_qm, stride_qh, stride_kn, stride_wm, stride_om,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    d = tl.arange(0, D)
+    h = tl.arange(0, H)
+    # the K tile [BLOCK_N, D] (A operand, K-major) is loaded once and reused for BLOCK_Q queries
+    k = tl.load(k_ptr + offs_n.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=nmask[:, None], other=0.0)
+    ks = tl.load(ks_ptr + offs_n, mask=nmask, other=0.0)
+    m_end = tl.minimum(pid_q * BLOCK_Q + BLOCK_Q, M)
+    for m in range(pid_q * BLOCK_Q, m_end):
+        m64 = tl.cast(m, tl.int64)
+        start = tl.load(kstart_ptr + m)
+        end = tl.load(kend_ptr + m)
+        if (start < n0 + BLOCK_N) & (end > n0) & (start < end):
+            # B operand q[m]^T [D, H], D contiguous (K-major)
+            qt = tl.load(q_ptr + m64 * stride_qm + h[None, :] * stride_qh + d[:, None])
+            s = tl.dot(k, qt)                                           # [BLOCK_N, H] fp32
+            s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            w = tl.load(w_ptr + m64 * stride_wm + h)
+            logit = tl.sum(s * w[None, :], axis=1) * ks
+            logit = tl.where((offs_n >= start) & (offs_n < end), logit, float("-inf"))
+        else:
+            logit = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        tl.store(out_ptr + m64 * stride_om + offs_n, logit, mask=nmask)
+
+
+@triton.jit
+def _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row, lim, offs, omask, stride_qr, stride_qh, stride_wr, stride_or,
+               H: tl.constexpr, D: tl.constexpr):
+    h = tl.arange(0, H)
+    d = tl.arange(0, D)
+    row64 = row.to(tl.int64)
+    qt = tl.load(q_ptr + row64 * stride_qr + h[None, :] * stride_qh + d[:, None])   # [D, H]
+    w = tl.load(w_ptr + row64 * stride_wr + h)
+    s = tl.dot(kt, qt)                                                                 # [BS, H]
+    s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    logit = tl.sum(s * w[None, :], axis=1) * ks
+    logit = tl.where(offs < lim, logit, float("-inf"))
+    tl.store(out_ptr + row64 * stride_or + offs, logit, mask=omask)
+
+
+@triton.jit
+def _fp8_paged_mqa_logits_kernel(
+    q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr,
+    max_ctx, num_blocks, bt_width, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr, stride_btb,
+    stride_or,
+    NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILES: tl.constexpr,
+):
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    e = tl.arange(0, BS)
+    d = tl.arange(0, D)
+    row0 = b * NEXT_N
+    # valid entries per row, clamped to the output width and to what the block table can address
+    cap = tl.minimum(max_ctx, bt_width * BS)
+    lim0 = tl.minimum(tl.maximum(tl.load(lim_ptr + row0), 0), cap)
+    lim_max = lim0
+    if NEXT_N == 2:
+        lim1 = tl.minimum(tl.maximum(tl.load(lim_ptr + row0 + 1), 0), cap)
+        lim_max = tl.maximum(lim0, lim1)
+    t_begin = split * TILES
+    t_end = tl.minimum(t_begin + TILES, tl.cdiv(max_ctx, BS))
+    t_valid = tl.minimum(t_end, tl.cdiv(lim_max, BS))
+    for t in range(t_begin, t_valid):
+        phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + t).to(tl.int64)
+        good = (phys >= 0) & (phys < num_blocks)
+        phys = tl.where(good, phys, 0)
+        kt = tl.load(kv8_ptr + phys * stride_blk8 + e[:, None] * D + d[None, :])          # [BS, D] e4m3
+        ks = tl.load(kv32_ptr + phys * stride_blk32 + (BS * D // 4) + e)                   # [BS] fp32
+        ks = tl.where(good, ks, float("nan"))  # a bad block id yields NaN logits, never plausible numbers
+        offs = t * BS + e
+        omask = offs < max_ctx
+        _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row0, lim0, offs, omask, stride_qr, stride_qh, stride_wr,
+                   stride_or, H, D)
+        if NEXT_N == 2:
+            _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row0 + 1, lim1, offs, omask, stride_qr, stride_qh,
+                       stride_wr, stride_or, H, D)
+    ninf = tl.full((BS,), float("-inf"), tl.float32)
+    for t in range(tl.maximum(t_valid, t_begin), t_end):
+        offs = t * BS + e
+        omask = offs < max_ctx
+        for i in tl.static_range(NEXT_N):
+            tl.store(out_ptr + (row0 + i).to(tl.int64) * stride_or + offs, ninf, mask=omask)
+
+
+# ---- launchers ---------------------------------------------------------------------------------
+def _check_tensor(name, t, dtypes, ndim=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} not supported (expected {', '.join(map(str, dtypes))})")
+    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+
+
+def _same_device(device, **tensors):
+    for n, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{n}: on {t.device}, expected {device} (all inputs on one device)")
+
+
+def _cache_views(kv_cache: torch.Tensor, head_dim: int = HEAD_DIM):
+    """Validate an indexer K cache and return (fp8 view, fp32 view, block stride bytes, block size)."""
+    _check_tensor("kv_cache", kv_cache, (torch.uint8,), (3, 4))
+    if kv_cache.dim() == 4:
+        if kv_cache.shape[2] != 1:
+            raise ValueError(f"kv_cache: 4-D cache must be (num_blocks, block_size, 1, {head_dim + 4}), "
+                             f"got {tuple(kv_cache.shape)}")
+        kv_cache = kv_cache.squeeze(2)
+    nb, bs, width = kv_cache.shape
+    if width != head_dim + 4:
+        raise ValueError(f"kv_cache: last dim {width}, expected head_dim + 4 = {head_dim + 4} "
+                         "(128 e4m3 bytes + one fp32 scale per entry)")
+    if bs not in (16, 32, 64, 128):
+        raise ValueError(f"kv_cache: block_size {bs} not supported (16, 32, 64, 128)")
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width:
+        raise ValueError(f"kv_cache: each block must be contiguous (strides (*, {width}, 1)), "
+                         f"got {tuple(kv_cache.stride())}")
+    if nb > 1 and kv_cache.stride(0) < bs * width:
+        raise ValueError(f"kv_cache: block stride {kv_cache.stride(0)} B < block bytes {bs * width}")
+    stride = kv_cache.stride(0) if nb > 1 else bs * width
+    if stride % 16 or kv_cache.storage_offset() % 16:
+        raise ValueError(f"kv_cache: block stride {stride} B and storage offset {kv_cache.storage_offset()} "
+                         "must be multiples of 16 B")
+    return kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32), stride, bs
+
+
+def indexer_k_cache_insert(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           config: dict | None = None) -> torch.Tensor:
+    """Quantize indexer keys to e4m3 with one power-of-two scale each and write them into the paged
+    indexer K cache (vLLM ``indexer_k_quant_and_cache``, DeepSeek-V4, ``scale_fmt="ue8m0"``).
+
+    ``s = 2^ceil(log2(max(amax(|k[t]|), 1e-4) / 448))``, values ``e4m3(k[t] / s)`` (RTNE), written to
+    slot ``slot_mapping[t]``: block ``slot // block_size``, entry ``slot % block_size``; values at byte
+    ``block*stride(0) + entry*128``, scale (fp32) at ``block*stride(0) + block_size*128 + 4*entry``.
+
+    Args:
+        k: ``(num_tokens, 128)`` bfloat16/float16/float32, last dim contiguous.
+        kv_cache: uint8 ``(num_blocks, block_size, 132)`` or ``(num_blocks, block_size, 1, 132)``, each
+            block contiguous, block stride (may be padded, e.g. 8,640 B) a multiple of 16 B. Written
+            in place.
+        slot_mapping: ``(num_tokens,)`` int32/int64; negative slots are skipped (padding tokens).
+            Slots must be ``< num_blocks * block_size`` (checked on the host only for CPU tensors;
+            on CUDA that check would need a device sync, so the caller guarantees it).
+        config: a row of ``CONFIGS["insert"]``.
+
+    Returns:
+        ``kv_cache`` (the same tensor). A token whose ``k`` holds NaN gets a NaN scale and NaN values.
+
+    Raises:
+        TypeError / ValueError: naming the offending argument (dtype, shape, strides, device, slots).
+    """
+    _check_tensor("k", k, (torch.bfloat16, torch.float16, torch.float32), 2)
+    _check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64), 1)
+    kv8, kv32, stride, bs = _cache_views(kv_cache)
+    _same_device(k.device, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    T, D = k.shape
+    if D != HEAD_DIM:
+        raise ValueError(f"k: head dim {D}, expected {HEAD_DIM}")
+    if slot_mapping.shape[0] != T:
+        raise ValueError(f"slot_mapping: {slot_mapping.shape[0]} slots for {T} tokens")
+    if T and k.stride(1) != 1:
+        raise ValueError(f"k: last dim must be contiguous, strides {tuple(k.stride())}")
+    if T and slot_mapping.device.type == "cpu":
+        mx = int(slot_mapping.max())
+        if mx >= kv_cache.shape[0] * bs:
+            raise ValueError(f"slot_mapping: slot {mx} >= num_blocks*block_size = {kv_cache.shape[0] * bs}")
+    if T == 0:
+        return kv_cache
+    slot_mapping = slot_mapping.contiguous()
+    cfg = config or CONFIGS["insert"][_arch(k.device)]["default"]
+    grid = (triton.cdiv(T, cfg["BLOCK_T"]),)
+    _indexer_k_cache_insert_kernel[grid](
+        k, slot_mapping, kv8, kv32, T, k.stride(0), stride, stride // 4,
+        D=D, BS=bs, BLOCK_T=cfg["BLOCK_T"], num_warps=cfg["num_warps"])
+    return kv_cache
+
+
+def _check_q(q, ndim):
+    _check_tensor("q", q, (torch.float8_e4m3fn,), ndim)
+    H, D = q.shape[-2], q.shape[-1]
+    if D != HEAD_DIM:
+        raise ValueError(f"q: head dim {D}, expected {HEAD_DIM}")
+    if H not in (16, 32, 64, 128):
+        raise ValueError(f"q: {H} heads not supported (16, 32, 64, 128)")
+    if q.numel() and q.stride(-1) != 1:
+        raise ValueError(f"q: last dim must be contiguous, strides {tuple(q.stride())}")
+    return H, D
+
+
+def fp8_mqa_logits(q: torch.Tensor, kv: tuple, weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
+                   cu_seqlen_ke: torch.Tensor, out: torch.Tensor | None = None,
+                   config: dict | None = None) -> torch.Tensor:
+    """FP8 MQA logits over ragged key ranges (prefill; DeepGEMM ``fp8_mqa_logits``).
+
+    ``logits[t, j] = sum_h weights[t, h] * relu(q[t, h, :] . k[j, :]) * k_scale[j]`` for
+    ``cu_seqlen_ks[t] <= j < cu_seqlen_ke[t]``, ``-inf`` elsewhere. fp8 x fp8 products accumulated
+    in fp32 (``tl.dot``); the weighted head sum in fp32.
+
+    Args:
+        q: ``(num_q, num_heads, 128)`` float8_e4m3fn, last dim contiguous (the per-(token, head)
+            q scale is folded into ``weights`` by the caller, as in DeepSeek-V4).
+        kv: ``(k, k_scale)``: k ``(num_k, 128)`` float8_e4m3fn with contiguous rows; k_scale
+            ``(num_k,)`` or ``(num_k, 1)`` float32 (contiguous), positive.
+        weights: ``(num_q, num_heads)`` float32, last dim contiguous.
+        cu_seqlen_ks, cu_seqlen_ke: ``(num_q,)`` int32, the half-open key range of each query row.
+        out: optional ``(num_q, num_k)`` float32 output, last dim contiguous.
+        config: a row of ``CONFIGS["mqa"]``.
+
+    Returns:
+        float32 ``(num_q, num_k)`` logits.
+
+    Raises:
+        TypeError / ValueError: naming the offending argument.
+    """
+    H, D = _check_q(q, 3)
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise TypeError("kv: expected a (k, k_scale) pair")
+    k, ks = kv
+    _check_tensor("kv[0] (k)", k, (torch.float8_e4m3fn,), 2)
+    _check_tensor("kv[1] (k_scale)", ks, (torch.float32,), (1, 2))
+    _check_tensor("weights", weights, (torch.float32,), 2)
+    _check_tensor("cu_seqlen_ks", cu_seqlen_ks, (torch.int32,), 1)
+    _check_tensor("cu_seqlen_ke", cu_seqlen_ke, (torch.int32,), 1)
+    _same_device(q.device, k=k, k_scale=ks, weights=weights, cu_seqlen_ks=cu_seqlen_ks, cu_seqlen_ke=cu_seqlen_ke)
+    M, N = q.shape[0], k.shape[0]
+    if k.shape[1] != D:
+        raise ValueError(f"kv[0] (k): shape {tuple(k.shape)}, expected ({N}, {D})")
+    if N and k.stride(1) != 1:
+        raise ValueError(f"kv[0] (k): rows must be contiguous, strides {tuple(k.stride())}")
+    if ks.numel() != N or (ks.dim() == 2 and ks.shape[1] != 1):
+        raise ValueError(f"kv[1] (k_scale): shape {tuple(ks.shape)}, expected ({N},) or ({N}, 1)")
+    ks = ks.reshape(-1)
+    if N and ks.stride(0) != 1:
+        raise ValueError("kv[1] (k_scale): must be contiguous")
+    if tuple(weights.shape) != (M, H):
+        raise ValueError(f"weights: shape {tuple(weights.shape)}, expected ({M}, {H})")
+    if M and weights.stride(1) != 1:
+        raise ValueError(f"weights: last dim must be contiguous, strides {tuple(weights.stride())}")
+    for n, t in (("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)):
+        if t.shape[0] != M:
+            raise ValueError(f"{n}: {t.shape[0]} entries for {M} query rows")
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float32, device=q.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (M, N) or (M and N and out.stride(1) != 1):
+        raise ValueError(f"out: expected float32 ({M}, {N}) with contiguous rows, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {tuple(out.stride())}")
+    if M == 0 or N == 0:
+        return out
+    cfg = config or pick_mqa_config(M, N, q.device)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_Q"]))
+    _fp8_mqa_logits_kernel[grid](
+        q, k, ks, weights, cu_seqlen_ks.contiguous(), cu_seqlen_ke.contiguous(), out,
+        M, N, q.stride(0), q.stride(1), k.stride(0), weights.stride(0), out.stride(0),
+        H=H, D=D, BLOCK_N=cfg["BLOCK_N"], BLOCK_Q=cfg["BLOCK_Q"],
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
+    return out
+
+
+def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """FP8 MQA logits over the paged indexer K cache (decode / MTP verification; DeepGEMM
+    ``fp8_paged_mqa_logits``, no schedule metadata needed). CUDA-graph safe: no host syncs, the
+    grid depends only on shapes and ``max_context_len``.
+
+    Row ``b*next_n + i`` holds ``logit[j] = sum_h weights[row, h] * relu(q[b, i, h, :] . k_b[j, :]) *
+    k_scale_b[j]`` for ``j < limit``, ``-inf`` for ``limit <= j < max_context_len``. Logical entry
+    ``j`` of request ``b`` is entry ``j % block_size`` of physical block ``block_table[b, j // block_size]``.
+    ``limit`` is ``context_lens[b, i]`` for 2-D ``context_lens`` (the causal bound of that MTP row) or
+    DeepGEMM's ``context_lens[b] - next_n + i + 1`` for 1-D; it is clamped to ``[0, max_context_len]``
+    and to ``block_table.shape[1] * block_size``. A physical block id outside ``[0, num_blocks)``
+    yields NaN logits for its entries (never plausible numbers).
+
+    Args:
+        q: ``(batch, next_n, num_heads, 128)`` float8_e4m3fn, next_n in {1, 2}, last dim contiguous.
+        kv_cache: the indexer K cache, uint8 ``(num_blocks, block_size, 132)`` or with a singleton
+            third axis (see module docstring for the planar layout).
+        weights: ``(batch*next_n, num_heads)`` float32, last dim contiguous.
+        context_lens: ``(batch, next_n)`` or ``(batch,)`` int32.
+        block_table: ``(batch, max_blocks)`` int32, last dim contiguous.
+        max_context_len: output width (a host int, e.g. the compressed max model length).
+        out: optional ``(batch*next_n, max_context_len)`` float32 output, last dim contiguous.
+        config: a row of ``CONFIGS["paged"]``.
+
+    Returns:
+        float32 ``(batch*next_n, max_context_len)``.
+
+    Raises:
+        TypeError / ValueError: naming the offending argument.
+    """
+    H, D = _check_q(q, 4)
+    kv8, kv32, stride, bs = _cache_views(kv_cache)
+    _check_tensor("weights", weights, (torch.float32,), 2)
+    _check_tensor("context_lens", context_lens, (torch.int32,), (1, 2))
+    _check_tensor("block_table", block_table, (torch.int32,), 2)
+    _same_device(q.device, kv_cache=kv_cache, weights=weights, context_lens=context_lens, block_table=block_table)
+    B, nn = q.shape[0], q.shape[1]
+    if nn not in (1, 2):
+        raise ValueError(f"q: next_n={nn} not supported (1 or 2)")
+    if not isinstance(max_context_len, int) or max_context_len < 0:
+        raise ValueError(f"max_context_len={max_context_len!r}: expected a non-negative int")
+    if tuple(weights.shape) != (B * nn, H):
+        raise ValueError(f"weights: shape {tuple(weights.shape)}, expected ({B * nn}, {H})")
+    if B and weights.stride(1) != 1:
+        raise ValueError(f"weights: last dim must be contiguous, strides {tuple(weights.stride())}")
+    if context_lens.shape[0] != B or (context_lens.dim() == 2 and context_lens.shape[1] != nn):
+        raise ValueError(f"context_lens: shape {tuple(context_lens.shape)}, expected ({B}, {nn}) or ({B},)")
+    if block_table.shape[0] != B or (B and block_table.shape[1] and block_table.stride(1) != 1):
+        raise ValueError(f"block_table: shape {tuple(block_table.shape)} strides {tuple(block_table.stride())}, "
+                         f"expected ({B}, max_blocks) with a contiguous last dim")
+    if q.stride(2) != D and B:
+        raise ValueError(f"q: heads must be {D} apart (q[b, i] a contiguous (heads, 128) tile), "
+                         f"strides {tuple(q.stride())}")
+    if B and q.stride(0) != nn * q.stride(1):
+        q = q.contiguous()
+    M = B * nn
+    if out is None:
+        out = torch.empty((M, max_context_len), dtype=torch.float32, device=q.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (M, max_context_len) or \
+            (M and max_context_len and out.stride(1) != 1):
+        raise ValueError(f"out: expected float32 ({M}, {max_context_len}) with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
+    if M == 0 or max_context_len == 0:
+        return out
+    if context_lens.dim() == 2:
+        lim = context_lens.contiguous()
+    else:  # DeepGEMM 1-D convention: row i of request b sees ctx - next_n + i + 1 entries
+        lim = context_lens[:, None] - (nn - 1) + torch.arange(nn, device=q.device, dtype=torch.int32)[None, :]
+        lim = lim.contiguous()
+    cfg = config or pick_paged_config(B, max_context_len, q.device)
+    n_tiles = triton.cdiv(max_context_len, bs)
+    grid = (B, triton.cdiv(n_tiles, cfg["TILES"]))
+    _fp8_paged_mqa_logits_kernel[grid](
+        q, kv8, kv32, weights, lim, block_table, out,
+        max_context_len, kv_cache.shape[0], block_table.shape[1], q.stride(1), q.stride(2), stride, stride // 4,
+        weights.stride(0), block_table.stride(0), out.stride(0),
+        NEXT_N=nn, H=H, D=D, BS=bs, TILES=cfg["TILES"],
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
+    return out
+
+
+# ---- config tables -----------------------------------------------------------------------------
+# mqa (prefill, compute bound): one program holds a K tile [BLOCK_N, 128] e4m3 (A operand) and loops
+#   over BLOCK_Q query rows, each a [BLOCK_N,128]x[128,64] fp8 dot; q comes from L2.
+# paged (decode, memory bound): one program per (request, TILES consecutive cache blocks); q of the
+#   next_n rows stays in registers; each cache block is one [64,128]x[128,64] fp8 dot per row.
+CONFIGS = {
+    "insert": {"sm_89": {"default": {"BLOCK_T": 4, "num_warps": 4}},
+               "sm_90": {"default": {"BLOCK_T": 4, "num_warps": 4}}},
+    "mqa": {
+        "sm_89": {"n128_q16": {"BLOCK_N": 128, "BLOCK_Q": 16, "num_warps": 4, "num_stages": 1},
+                  "n256_q32": {"BLOCK_N": 256, "BLOCK_Q": 32, "num_warps": 8, "num_stages": 1}},
+        "sm_90": {"n128_q16": {"BLOCK_N": 128, "BLOCK_Q": 16, "num_warps": 4, "num_stages": 1},
+                  "n256_q32": {"BLOCK_N": 256, "BLOCK_Q": 32, "num_warps": 8, "num_stages": 1}},
+    },
+    "paged": {
+        "sm_89": {"t4": {"TILES": 4, "num_warps": 4, "num_stages": 3},
+                  "t16": {"TILES": 16, "num_warps": 4, "num_stages": 3}},
+        "sm_90": {"t4": {"TILES": 4, "num_warps": 4, "num_stages": 3},
+                  "t16": {"TILES": 16, "num_warps": 4, "num_stages": 3}},
+    },
+}
+
+
+def _arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "sm_89"
+    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
+
+
+def pick_mqa_config(M: int, N: int, device: torch.device) -> dict:
+    t = CONFIGS["mqa"][_arch(device)]
+    return t["n256_q32"] if M * N >= (1 << 24) else t["n128_q16"]
+
+
+def pick_paged_config(B: int, max_context_len: int, device: torch.device) -> dict:
+    """Enough programs to fill the GPU (>= ~4 per SM) with as many blocks per program as allowed."""
+    t = CONFIGS["paged"][_arch(device)]
+    n_tiles = -(-max_context_len // 64)
+    return t["t16"] if B * n_tiles >= 16 * 4 * 132 else t["t4"]

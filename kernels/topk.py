@@ -1,0 +1,182 @@
+"""Top-k indices per row (DeepSeek-V4 lightning indexer, k = 512; vLLM ``top_k_per_row``).
+
+Exact radix select, one program per row: the fp32 scores are mapped to order-preserving int32
+keys (NaN and -inf are not selectable; -0.0 is folded onto +0.0); three histogram passes over
+12 + 12 + 8 key bits (``tl.histogram``) find the exact k-th largest key ``T`` and how many
+entries equal to ``T`` must be taken; a last pass writes the indices with a running prefix sum.
+Passes 2 and 3 are skipped when a whole bin is taken. Every pass streams the row once (up to
+5 reads of the row; rows up to 2^31 entries).
+
+Tie rule (deterministic): among entries with equal score, the LOWER index wins. Output order:
+the selected indices in ascending index order (not sorted by score), then ``-1`` padding.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _skey(v):
+    """fp32 -> int32 key with the same order as the floats (signed compare); -0.0 -> +0.0."""
+    v = tl.where(v == 0.0, 0.0, v)
+    bits = v.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _load_keys(row_ptr, offs, L):
+    m = offs < L
+    v = tl.load(row_ptr + offs, mask=m, other=float("-inf"))
+    valid = m & (v == v) & (v != float("-inf"))
+    return _skey(v), valid
+
+
+@triton.jit
+def _select_bin(hist, need, NB: tl.constexpr):
+    """Highest bin whose suffix count reaches ``need``: (bin, count in that bin, count above it)."""
+    suffix = tl.cumsum(hist, 0, reverse=True)
+    b = tl.sum((suffix >= need).to(tl.int32), 0) - 1
+    bins = tl.arange(0, NB)
+    in_bin = tl.sum(tl.where(bins == b, hist, 0), 0)
+    above = tl.sum(tl.where(bins > b, hist, 0), 0)
+    return b, in_bin, above
+
+
+@triton.jit
+def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
+                 K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + r * stride_xr
+    out_row = out_ptr + r * stride_or
+    L = N
+    if HAS_LEN:
+        L = tl.minimum(tl.maximum(tl.load(len_ptr + r), 0), N)
+    lane = tl.arange(0, BLOCK)
+    # pass 1: top 12 key bits (sign, exponent, 3 mantissa bits), bins 0..4095
+    h1 = tl.zeros((4096,), tl.int32)
+    for c in range(0, L, BLOCK):
+        key, valid = _load_keys(row_ptr, c + lane, L)
+        h1 += tl.histogram((key >> 20) + 2048, 4096, mask=valid)
+    n_valid = tl.sum(h1, 0)
+    k_eff = tl.minimum(n_valid, K)
+    # threshold key T and how many entries equal to T are taken (need_eq); everything > T is taken
+    b1, c1, a1 = _select_bin(h1, tl.maximum(k_eff, 1), 4096)
+    p1 = b1 - 2048                                   # value of key >> 20 in the threshold bin
+    need = k_eff - a1
+    T = (p1 << 20) - 1                               # default: take the whole bin (keys >= p1 << 20)
+    need_eq = need * 0
+    if (k_eff > 0) & (need < c1):
+        # pass 2: next 12 bits among keys in bin p1
+        h2 = tl.zeros((4096,), tl.int32)
+        for c in range(0, L, BLOCK):
+            key, valid = _load_keys(row_ptr, c + lane, L)
+            h2 += tl.histogram((key >> 8) & 0xFFF, 4096, mask=valid & ((key >> 20) == p1))
+        b2, c2, a2 = _select_bin(h2, need, 4096)
+        p2 = (p1 << 12) | b2                         # value of key >> 8
+        need = need - a2
+        T = (p2 << 8) - 1
+        if need < c2:
+            # pass 3: last 8 bits among keys with key >> 8 == p2
+            h3 = tl.zeros((256,), tl.int32)
+            for c in range(0, L, BLOCK):
+                key, valid = _load_keys(row_ptr, c + lane, L)
+                h3 += tl.histogram(key & 0xFF, 256, mask=valid & ((key >> 8) == p2))
+            b3, c3, a3 = _select_bin(h3, need, 256)
+            T = (p2 << 8) | b3
+            need_eq = need - a3
+    if k_eff == 0:
+        T = 2147483647                               # nothing selectable: take nothing
+    # output pass: ascending index order, ties on T resolved by lower index
+    n_sel = k_eff * 0
+    n_eq = k_eff * 0
+    for c in range(0, L, BLOCK):
+        offs = c + lane
+        key, valid = _load_keys(row_ptr, offs, L)
+        gt = valid & (key > T)
+        eq = valid & (key == T)
+        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        take = gt | (eq & (eq_rank < need_eq))
+        pos = n_sel + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_row + pos, offs, mask=take)
+        n_sel += tl.sum(take.to(tl.int32), 0)
+        n_eq += tl.sum(eq.to(tl.int32), 0)
+    p = tl.arange(0, KP2)
+    tl.store(out_row + p, tl.full((KP2,), -1, tl.int32), mask=(p >= k_eff) & (p < K))
+
+
+def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Indices of the ``k`` largest scores of each row (vLLM ``top_k_per_row`` semantics for the
+    DeepSeek-V4 indexer; exact radix select).
+
+    Args:
+        logits: ``(num_rows, num_cols)`` float32 scores, last dim contiguous (row stride free).
+            NaN counts as ``-inf``; ``-inf`` entries are never selected.
+        k: how many to select per row (1..4096; 512 for DeepSeek-V4).
+        lengths: optional ``(num_rows,)`` int32: row ``r`` considers ``logits[r, :lengths[r]]``
+            (clamped to ``[0, num_cols]``); default all columns.
+        out: optional ``(num_rows, k)`` int32 output, last dim contiguous.
+        config: a row of ``CONFIGS``.
+
+    Returns:
+        int32 ``(num_rows, k)``: ``min(k, #selectable)`` distinct indices in ``[0, length)`` in
+        ascending index order, then ``-1``. Ties: the lower index wins (deterministic).
+
+    Raises:
+        TypeError / ValueError: naming the offending argument.
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype != torch.float32:
+        raise TypeError(f"logits: dtype {logits.dtype} not supported (float32)")
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected 2 dims (num_rows, num_cols), got shape {tuple(logits.shape)}")
+    if not isinstance(k, int) or not 1 <= k <= 4096:
+        raise ValueError(f"k={k!r}: expected an int in [1, 4096]")
+    R, N = logits.shape
+    if N >= 2**31 - 1:
+        raise ValueError(f"logits: {N} columns, at most 2^31 - 2 supported")
+    if R and N and logits.stride(1) != 1:
+        raise ValueError(f"logits: last dim must be contiguous, strides {tuple(logits.stride())}")
+    if lengths is not None:
+        if not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int32:
+            raise TypeError(f"lengths: expected an int32 tensor, got "
+                            f"{lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__}")
+        if tuple(lengths.shape) != (R,):
+            raise ValueError(f"lengths: shape {tuple(lengths.shape)}, expected ({R},)")
+        if lengths.device != logits.device:
+            raise ValueError(f"lengths: on {lengths.device}, logits on {logits.device}")
+        lengths = lengths.contiguous()
+    if out is None:
+        out = torch.empty((R, k), dtype=torch.int32, device=logits.device)
+    elif out.dtype != torch.int32 or tuple(out.shape) != (R, k) or (R and out.stride(1) != 1):
+        raise ValueError(f"out: expected int32 ({R}, {k}) with a contiguous last dim, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if R == 0:
+        return out
+    cfg = config or pick_config(N, logits.device)
+    _topk_kernel[(R,)](
+        logits, lengths if lengths is not None else logits, out, N, logits.stride(0), out.stride(0),
+        K=k, KP2=triton.next_power_of_2(k), HAS_LEN=lengths is not None, BLOCK=cfg["BLOCK"],
+        num_warps=cfg["num_warps"])
+    return out
+
+
+# ---- config table ------------------------------------------------------------------------------
+# One program per row; BLOCK entries per step of each streaming pass. The histograms (4096 bins)
+# live in shared memory; larger BLOCK means fewer loop trips and more loads in flight per SM.
+CONFIGS = {
+    "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}},
+    "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}},
+}
+
+
+def _arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "sm_89"
+    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
+
+
+def pick_config(N: int, device: torch.device) -> dict:
+    t = CONFIGS[_arch(device)]
+    return t["b4096"] if N >= 16384 else t["b1024"]
