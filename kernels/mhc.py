@@ -322,8 +322,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(num_tokens: int, device: torch.device) -> dict:
+    """``decode`` up to 64 tokens, ``prefill`` above. On the CPU interpreter (every program instance runs
+    in Python) the apply kernel packs 16 (64 above 64 tokens) tokens per program; the GPU rows run as-is when passed as
+    ``config=`` (the registry sweep and tests/test_mhc.py do)."""
     table = CONFIGS[arch_of(device)]
-    return table["decode"] if num_tokens <= 64 else table["prefill"]
+    cfg = table["decode"] if num_tokens <= 64 else table["prefill"]
+    if device.type != "cuda":
+        cfg = {**cfg, "APPLY_BLOCK_T": 16 if num_tokens <= 64 else 64}
+    return cfg
 
 
 def _splits(n_tiles_m: int, n_blocks_k: int, device, cfg) -> int:
