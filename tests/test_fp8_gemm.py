@@ -7,9 +7,9 @@ import torch
 from conftest import DEVICE
 from ds4lab.numerics import compare, compare_exact
 from ds4lab.reference import fp8_gemm as R
-from ds4lab.reference.quant import encode_ue8m0, pack_ue8m0
+from ds4lab.reference.quant import per_token_group_quant_fp8 as ref_quant
+from ds4lab_kernels import fp8_quant
 from ds4lab_kernels.fp8_gemm import CONFIGS, fp8_gemm_nt
-from ds4lab_kernels.fp8_quant import per_token_group_quant_fp8
 
 pytestmark = pytest.mark.interp
 
@@ -24,7 +24,7 @@ def _operands(M, N, K, a_fmt="pow2", b_fmt="pow2", seed=None):
     g = torch.Generator().manual_seed(_seed() if seed is None else seed)
     x = (torch.randn(M, K, generator=g) * 2).bfloat16().to(DEVICE)
     w = (torch.randn(N, K, generator=g) * 0.05).to(DEVICE)
-    a, sa = per_token_group_quant_fp8(x, 128, a_fmt)
+    a, sa = ref_quant(x, 128, a_fmt)  # bit-identical to the kernel (tests/test_fp8_quant.py)
     b, sb = R.per_block_quant_fp8(w, b_fmt)
     return a, sa, b, sb
 
@@ -40,7 +40,7 @@ def test_constant_fill_is_exact(fmt):
     # A = 1.5, B = 0.25 everywhere: D = K * 0.375 exactly (pow2 scales are exact; fp32 scales
     # leave ~1e-7 relative error that the bf16 rounding removes)
     M, N, K = 5, 150, 512
-    a, sa = per_token_group_quant_fp8(torch.full((M, K), 1.5, dtype=torch.bfloat16, device=DEVICE), 128, fmt)
+    a, sa = ref_quant(torch.full((M, K), 1.5, dtype=torch.bfloat16, device=DEVICE), 128, fmt)
     b, sb = R.per_block_quant_fp8(torch.full((N, K), 0.25, device=DEVICE), fmt)
     out = fp8_gemm_nt(a, sa, b, sb)
     want = torch.full((M, N), K * 0.375, dtype=torch.bfloat16)
@@ -70,7 +70,7 @@ def test_activation_encodings_and_mn_major_layout_agree_bitwise():
     _, _, b, sb = _operands(M, N, K, b_fmt="ue8m0")
     outs = []
     for fmt in ("pow2", "ue8m0", "ue8m0_packed"):
-        a, sa = per_token_group_quant_fp8(x, 128, fmt)
+        a, sa = ref_quant(x, 128, fmt)
         outs.append(fp8_gemm_nt(a, sa, b, sb))
         # DeepGEMM's MN-major (column-major) scale layout: same values, transposed storage
         sa_mn = sa.t().contiguous().t()
@@ -85,7 +85,7 @@ def test_zero_and_tiny_groups_give_zeros_not_nan():
     x = torch.zeros(M, K, dtype=torch.bfloat16, device=DEVICE)
     x[1, 128:256] = 1e-30
     x[2] = 1.0
-    a, sa = per_token_group_quant_fp8(x, 128, "ue8m0_packed")
+    a, sa = ref_quant(x, 128, "ue8m0_packed")
     _, _, b, sb = _operands(M, N, K, b_fmt="ue8m0")
     out = fp8_gemm_nt(a, sa, b, sb)
     assert not out.isnan().any()
@@ -121,10 +121,13 @@ def test_ue8m0_byte_255_is_nan_and_0_is_zero():
 
 @pytest.mark.parametrize("M", [1, 7, 64, 300])
 def test_end_to_end_from_activation_quant_odd_n(M):
-    """bf16 x -> per_token_group_quant_fp8 kernel (packed UE8M0) -> fp8_gemm_nt with odd N,
-    default config for M; against the reference and (loosely) against bf16 x @ dequant(w)^T."""
+    """bf16 x -> per_token_group_quant_fp8 kernel (packed UE8M0) -> fp8_gemm_nt with odd N and the
+    default config for M, against the reference."""
     N, K = 65, 256
-    a, sa, b, sb = _operands(M, N, K, "ue8m0_packed", "ue8m0")
+    x = (torch.randn(M, K) * 2).bfloat16().to(DEVICE)
+    a, sa = fp8_quant.per_token_group_quant_fp8(x, 128, "ue8m0_packed",
+                                                config=fp8_quant.CONFIGS["sm_89"]["large"])
+    _, _, b, sb = _operands(M, N, K, b_fmt="ue8m0")
     out = fp8_gemm_nt(a, sa, b, sb)
     assert out.shape == (M, N) and out.dtype == torch.bfloat16
     _check(out, a, sa, b, sb)
