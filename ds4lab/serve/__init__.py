@@ -22,11 +22,11 @@ import sys
 from .artifacts import write_artifacts
 from .measure import (BenchResult, Comparison, SpecStats, acanary, abenchmark, acompare, awarmup,
                       canary, benchmark, compare, comparison_rows, format_table, make_prompts)
-from .profiles import Launch, SnapshotError, build_launch, profile, profiles, resolve_hf_snapshot
+from .profiles import Launch, SnapshotError, build_launch, load_profiles, profile, resolve_hf_snapshot
 from .server import Server, ServerError
 from .startup import StartupInfo, parse_log, print_progress
 
-__all__ = ["Launch", "build_launch", "profile", "profiles", "resolve_hf_snapshot", "SnapshotError",
+__all__ = ["Launch", "build_launch", "profile", "load_profiles", "resolve_hf_snapshot", "SnapshotError",
            "Server", "ServerError", "StartupInfo", "parse_log", "print_progress", "write_artifacts",
            "awarmup", "acanary", "abenchmark", "acompare", "canary", "benchmark", "compare",
            "comparison_rows", "format_table", "make_prompts", "BenchResult", "Comparison", "SpecStats",

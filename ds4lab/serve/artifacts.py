@@ -63,7 +63,12 @@ def render_serve_sh(launch: Launch, port: int = 8000) -> str:
         lines.append(f'for v in $(compgen -e); do case "$v" in {pats}) unset "$v";; esac; done')
     for k, v in sorted(launch.env_overlay.items()):
         lines.append(f"export {k}={shlex.quote(v)}")
-    cmd = ['exec "$PYTHON" -m', SERVER_MODULE, '--host "$HOST" --port "$PORT"'] + [_q(a) for a in out]
+    cmd = [f'exec "$PYTHON" -m {SERVER_MODULE} --host "$HOST" --port "$PORT"']
+    for a in out:  # one flag (with its value) per line
+        if a.startswith("--") or len(cmd) == 1:
+            cmd.append(_q(a))
+        else:
+            cmd[-1] += " " + _q(a)
     lines.append(" \\\n  ".join(cmd))
     return "\n".join(lines) + "\n"
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from ds4lab.stacks import stack as _stack
 
-__all__ = ["PROFILES_PATH", "profiles", "profile", "Launch", "build_launch", "scrub_env",
+__all__ = ["PROFILES_PATH", "load_profiles", "profile", "Launch", "build_launch", "scrub_env",
            "resolve_hf_snapshot", "SnapshotError", "SERVER_MODULE", "option_value", "drop_option"]
 
 PROFILES_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -53,14 +53,14 @@ class SnapshotError(RuntimeError):
 
 
 @lru_cache(maxsize=1)
-def profiles() -> dict[str, dict]:
+def load_profiles() -> dict[str, dict]:
     with open(PROFILES_PATH, "rb") as f:
         return tomllib.load(f)
 
 
 def profile(name: str) -> dict:
     """One profile by name; ValueError naming the known ones otherwise."""
-    p = profiles()
+    p = load_profiles()
     if name not in p:
         raise ValueError(f"profile {name!r}: known profiles are {sorted(p)}")
     return dict(p[name])

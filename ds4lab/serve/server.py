@@ -70,14 +70,21 @@ class _LogTail:
         self.buf = b""
         self.last: collections.deque[str] = collections.deque(maxlen=keep)
 
-    def poll(self, max_bytes: int = 8 << 20) -> None:
+    def poll(self, chunk_bytes: int = 8 << 20, max_chunks: int = 32) -> None:
+        """Read what was appended since the last call (up to ``max_chunks`` x ``chunk_bytes``)."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.pos)
-                chunk = f.read(max_bytes)
+                for _ in range(max_chunks):
+                    chunk = f.read(chunk_bytes)
+                    self.pos += len(chunk)
+                    self._lines(chunk)
+                    if len(chunk) < chunk_bytes:
+                        break
         except OSError:
             return
-        self.pos += len(chunk)
+
+    def _lines(self, chunk: bytes) -> None:
         data = self.buf + chunk
         lines = data.split(b"\n")
         self.buf = lines.pop()

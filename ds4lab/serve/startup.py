@@ -63,6 +63,10 @@ _PATTERNS: list[tuple[str, re.Pattern, tuple[str, ...]]] = [
     # uvicorn
     ("ready", re.compile(r"Application startup complete"), ()),
 ]
+#: a line is looked at only if it contains one of these (substring tests are cheap)
+_KEYWORDS = ("load model", "Checkpoint size", "Loading weights", "Model loading", "KV cache",
+             "torch.compile", "Capturing CUDA", "Graph capturing", "arming up", "init engine",
+             "Starting vLLM server", "Application startup", "Traceback", "ERROR", "Error", "out of memory")
 _INT_FIELDS = {"kv_tokens", "max_model_len"}
 _ERROR = re.compile(r"(Traceback \(most recent call last\)|\bERROR\b|Error: |out of memory)")
 
@@ -125,8 +129,8 @@ class StartupParser:
         self._first: set[str] = set()
 
     def feed(self, line: str) -> None:
-        line = line.rstrip()
-        if not line:
+        line = line[:4096].rstrip()
+        if not line or not any(k in line for k in _KEYWORDS):  # cheap filter: chatty logs are long
             return
         for stage, rx, fields in _PATTERNS:
             m = rx.search(line)

@@ -1,0 +1,315 @@
+"""ds4lab.serve without vLLM: profiles -> argv/env, scrubbing, offline snapshot resolution, the
+start-up log parser, /metrics parsing, generated scripts and units, and the Server's process
+handling against small fake servers (a chatty one, a dying one)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ds4lab.serve import artifacts, measure, profiles, startup
+from ds4lab.serve.profiles import Launch, SnapshotError, build_launch, resolve_hf_snapshot
+from ds4lab.serve.server import Server, ServerError
+from ds4lab.vllm_plugin.server import free_port
+
+ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root")}
+
+
+# ---- profiles ---------------------------------------------------------------------------------
+def test_profiles_name_known_stacks():
+    from ds4lab.stacks import stacks
+
+    ps = profiles.load_profiles()
+    assert {"tiny-cpu", "ada-upstream", "community-sm89-fork"} <= set(ps)
+    for name, p in ps.items():
+        assert p["stack"] in stacks(), name
+    with pytest.raises(ValueError, match="known profiles"):
+        profiles.profile("nope")
+
+
+def test_tiny_launch_argv_and_env():
+    L = build_launch("tiny-cpu", base_env=ENV, port=1234)
+    a = L.argv
+    assert a[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert profiles.option_value(a, "--port") == "1234"
+    assert Path(profiles.option_value(a, "--model"), "config.json").is_file()
+    assert json.loads(profiles.option_value(a, "--speculative-config")) == {
+        "method": "mtp", "num_speculative_tokens": 1}
+    assert profiles.option_value(a, "--max-num-batched-tokens") == "4096"
+    assert L.env["VLLM_PLUGINS"] == "ds4lab" and L.env["HF_HUB_OFFLINE"] == "1"
+    off = build_launch("tiny-cpu", {"num_speculative_tokens": 0}, base_env=ENV, port=1)
+    assert "--speculative-config" not in off.argv
+    with pytest.raises(ValueError, match="override"):
+        build_launch("tiny-cpu", {"not_a_key": 1}, base_env=ENV, port=1)
+
+
+def test_community_recipe_corner_and_scrub():
+    env = dict(ENV, VLLM_TRITON_MLA_SPARSE_BLOCK_N="64", VLLM_TRITON_MLA_SPARSE_TOPK="1024")
+    L = build_launch("community-sm89-fork", base_env=env, port=8000, resolve_model=False)
+    a = L.argv
+    assert profiles.option_value(a, "--max-num-seqs") == "1"
+    assert profiles.option_value(a, "--max-model-len") == "98304"
+    assert profiles.option_value(a, "--gpu-memory-utilization") == "0.95"
+    assert profiles.option_value(a, "--kv-cache-dtype") == "fp8_ds_mla"
+    assert profiles.option_value(a, "--block-size") == "256"
+    assert a.count("--speculative-config") == 1 and a.count("--tokenizer-mode") == 1
+    assert L.env["VLLM_TRITON_MLA_SPARSE"] == "1"
+    assert not [k for k in L.env if k.startswith("VLLM_TRITON_MLA_SPARSE_")]
+    assert L.unset == ["VLLM_TRITON_MLA_SPARSE_BLOCK_N", "VLLM_TRITON_MLA_SPARSE_TOPK"]
+    assert any("scrubbed" in n for n in L.notes)
+    watched = build_launch("community-sm89-fork", {"gpu_memory_utilization": 0.97}, base_env=ENV,
+                           port=8000, resolve_model=False)
+    assert profiles.option_value(watched.argv, "--gpu-memory-utilization") == "0.97"
+    with pytest.raises(ValueError, match="--attention-backend"):
+        build_launch("ada-upstream", {"extra_args": ["--attention-backend", "FLASHMLA"]}, base_env=ENV,
+                     port=8000, resolve_model=False)
+
+
+def _fake_repo(cache: Path, repo="org/model", snaps=("abc",), ref="abc") -> Path:
+    root = cache / ("models--" + repo.replace("/", "--"))
+    for s in snaps:
+        (root / "snapshots" / s).mkdir(parents=True)
+        (root / "snapshots" / s / "config.json").write_text("{}")
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    if ref is not None:
+        (root / "refs").mkdir(parents=True, exist_ok=True)
+        (root / "refs" / "main").write_text(ref)
+    return root
+
+
+def test_snapshot_resolution_distrusts_dangling_refs_main(tmp_path):
+    _fake_repo(tmp_path, "org/good", ("abc",), "abc")
+    p, note = resolve_hf_snapshot("org/good", cache_dir=tmp_path)
+    assert p.name == "abc" and note is None
+    # refs/main points at a snapshot that is not on disk: choose the existing one and say so
+    root = _fake_repo(tmp_path, "org/stale", ("old1", "old2"), "missing0")
+    os.utime(root / "snapshots/old1/config.json", (1, 1))
+    p, note = resolve_hf_snapshot("org/stale", cache_dir=tmp_path)
+    assert p.name == "old2" and "missing0" in note and "not on disk" in note
+    # an incomplete snapshot (no config.json) does not count
+    r = _fake_repo(tmp_path, "org/empty", (), "x")
+    (r / "snapshots" / "x").mkdir(parents=True)
+    with pytest.raises(SnapshotError, match="no complete snapshot"):
+        resolve_hf_snapshot("org/empty", cache_dir=tmp_path)
+    with pytest.raises(SnapshotError, match="not in the HF cache"):
+        resolve_hf_snapshot("org/absent", cache_dir=tmp_path)
+    # build_launch uses it when offline
+    L = build_launch("ada-upstream", base_env=dict(ENV, HF_HUB_OFFLINE="1"), port=8000,
+                     hf_cache=tmp_path, overrides={"model": "org/stale"})
+    assert profiles.option_value(L.argv, "--model").endswith("snapshots/old2")
+    assert profiles.option_value(L.argv, "--served-model-name") == "deepseek-v4-flash"
+
+
+# ---- start-up log -----------------------------------------------------------------------------
+GPU_LOG = """\
+(Worker pid=7) INFO 01-01 00:00:00 [gpu_model_runner.py:5040] Starting to load model /m...
+(Worker pid=7) INFO 01-01 00:00:09 [default_loader.py:501] Loading weights took 8.51 seconds
+(Worker pid=7) INFO 01-01 00:00:10 [gpu_model_runner.py:5150] Model loading took 37.84 GiB memory and 9.612 seconds
+(Worker pid=7) INFO 01-01 00:00:30 [monitor.py:20] torch.compile took 14.20 s in total
+(Worker pid=7) INFO 01-01 00:00:40 [gpu_worker.py:760] Available KV cache memory: 4.13 GiB
+(EngineCore pid=6) INFO 01-01 00:00:40 [kv_cache_utils.py:2327] GPU KV cache size: 4,352 tokens, Maximum concurrency for 98,304 tokens per request: 0.04x
+Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##########| 35/35 [00:05<00:00]
+(Worker pid=7) INFO 01-01 00:00:50 [gpu_model_runner.py:6582] Graph capturing finished in 7 secs, took 0.41 GiB
+(Worker pid=7) INFO 01-01 00:00:51 [gpu_worker.py:939] Compile and warming up model for size 512
+(EngineCore pid=6) INFO 01-01 00:00:55 [core.py:402] init engine (profile, create kv cache, warmup model) took 44.10 s
+(APIServer pid=5) INFO 01-01 00:00:56 [entry.py:140] Starting vLLM server on http://0.0.0.0:8000
+INFO:     Application startup complete.
+"""
+
+
+def test_startup_parser_gpu_log():
+    events = []
+    p = startup.StartupParser(events.append)
+    for line in GPU_LOG.splitlines():
+        p.feed(line)
+    i = p.info
+    assert (i.weights_gib, i.weights_load_s, i.kv_gib, i.kv_tokens, i.max_model_len) == (
+        37.84, 8.51, 4.13, 4352, 98304)
+    assert i.max_concurrency == 0.04 and i.graph_capture_s == 7 and i.graph_gib == 0.41
+    assert i.compile_s == 14.2 and i.init_engine_s == 44.1 and i.listen_address == "http://0.0.0.0:8000"
+    assert [e.stage for e in events][0] == "weights"
+    assert {"weights", "kv_cache", "graph_capture", "warmup", "api", "ready"} <= {e.stage for e in events}
+
+
+def test_startup_parser_cpu_lines():
+    i = startup.parse_log(
+        "(Worker pid=1) INFO x [weight_utils.py:1108] Filesystem type for checkpoints: EXT4. "
+        "Checkpoint size: 0.08 GiB. Available RAM: 20.26 GiB.\n"
+        "(Worker pid=1) INFO x [cpu_worker.py:260] Explicitly set (0.25/10.71) GiB for KV cache on node 0.\n"
+        "(EngineCore pid=1) INFO x [kv_cache_utils.py:2327] CPU KV cache size: 12,237 tokens, "
+        "Maximum concurrency for 4,096 tokens per request: 2.99x\n")
+    assert (i.checkpoint_gib, i.kv_gib, i.host_memory_gib, i.kv_tokens, i.max_concurrency) == (
+        0.08, 0.25, 10.71, 12237, 2.99)
+
+
+METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 40.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 80.0
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 60.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 36.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 24.0
+"""
+
+
+def test_spec_metrics_and_acceptance():
+    after = measure.parse_spec_metrics(METRICS)
+    before = {k: 0.0 for k in after}
+    before["num_drafts_total"] = 20.0
+    before["num_draft_tokens_total"] = 40.0
+    before["num_accepted_tokens_total"] = 30.0
+    before["num_accepted_tokens_per_pos_total[0]"] = 18.0
+    before["num_accepted_tokens_per_pos_total[1]"] = 12.0
+    s = measure.spec_stats(before, after)
+    assert (s.drafts, s.draft_tokens, s.accepted_tokens) == (20, 40, 30)
+    assert s.acceptance_rate == 0.75 and s.mean_acceptance_length == 2.5
+    assert s.per_position == [0.9, 0.6]
+    assert measure.spec_stats({}, {}) is None  # a server without speculation
+
+
+def test_prompts_deterministic_and_table():
+    assert measure.make_prompts(3, seed=1) == measure.make_prompts(3, seed=1)
+    assert measure.make_prompts(3, seed=1) != measure.make_prompts(3, seed=2)
+    t = measure.format_table([{"run": "mtp1", "tok/s": 1.5, "x": None}])
+    assert "mtp1" in t and "1.5" in t and "-" in t
+
+
+# ---- artefacts ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(profiles.load_profiles()))
+def test_artifacts_for_each_profile(name, tmp_path):
+    L = build_launch(name, base_env=ENV, port=8000, resolve_model=False)
+    files = artifacts.write_artifacts(L, tmp_path, port=8000)
+    assert set(files) == {"serve.sh", "warmup.sh", "canary.sh", f"ds4lab-serve-{name}.service"}
+    for n, p in files.items():
+        if n.endswith(".sh"):
+            assert os.access(p, os.X_OK)
+            r = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True)
+            assert r.returncode == 0, (n, r.stderr)
+    serve = files["serve.sh"].read_text()
+    assert "exec \"$PYTHON\" -m vllm.entrypoints.openai.api_server" in serve
+    if name == "community-sm89-fork":
+        assert "VLLM_TRITON_MLA_SPARSE_*) unset" in serve and "export VLLM_TRITON_MLA_SPARSE=1" in serve
+        assert "--max-num-seqs 1" in serve and "--max-model-len 98304" in serve
+        assert "--gpu-memory-utilization 0.95" in serve
+    unit = files[f"ds4lab-serve-{name}.service"].read_text()
+    assert "Restart=always" in unit
+    assert f"ExecStartPost={tmp_path.resolve()}/warmup.sh" in unit
+    assert f"ExecStart={tmp_path.resolve()}/serve.sh" in unit
+    if shutil.which("systemd-analyze"):
+        r = subprocess.run(["systemd-analyze", "verify", "--man=no",
+                            str(files[f"ds4lab-serve-{name}.service"])], capture_output=True, text=True)
+        # only problems with *this* unit count (a container has no running systemd/multi-user.target)
+        bad = [ln for ln in (r.stderr + r.stdout).splitlines() if f"ds4lab-serve-{name}" in ln]
+        assert not bad, bad
+
+
+def test_serve_sh_execs_the_same_argv(tmp_path):
+    """serve.sh, run with a stub python, execs exactly the profile's server argv."""
+    L = build_launch("community-sm89-fork", base_env=ENV, port=8000, resolve_model=False)
+    files = artifacts.write_artifacts(L, tmp_path, port=8000)
+    stub = tmp_path / "py"
+    stub.write_text("#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > \"$OUT_ARGS\"\nenv > \"$OUT_ENV\"\n")
+    stub.chmod(0o755)
+    env = dict(ENV, PYTHON=str(stub), OUT_ARGS=str(tmp_path / "a"), OUT_ENV=str(tmp_path / "e"),
+               VLLM_TRITON_MLA_SPARSE_OLD="1")
+    subprocess.run(["bash", str(files["serve.sh"])], env=env, check=True)
+    got = (tmp_path / "a").read_text().splitlines()
+    assert got == L.argv[1:]
+    e = (tmp_path / "e").read_text()
+    assert "VLLM_TRITON_MLA_SPARSE=1" in e and "VLLM_TRITON_MLA_SPARSE_OLD" not in e
+
+
+# ---- Server process handling against fake servers ---------------------------------------------
+FAKE = r'''
+import http.server, os, sys, threading, time
+port = int(sys.argv[1]); mb = int(sys.argv[2])
+line = ("x" * 1023 + "\n").encode()
+for _ in range(mb * 1024):            # a chatty start-up: far more than any pipe buffer
+    os.write(1, line)
+print("(EngineCore pid=1) INFO x [kv_cache_utils.py:2327] CPU KV cache size: 1,024 tokens, "
+      "Maximum concurrency for 512 tokens per request: 2.00x", flush=True)
+if mb < 0: pass
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        sys.stdout.write("access %s\n" % (a,)); sys.stdout.flush()
+srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
+def chatter():
+    while True:
+        os.write(2, line * 64)
+        time.sleep(0.001)
+threading.Thread(target=chatter, daemon=True).start()
+srv.serve_forever()
+'''
+
+DIES = r'''
+import sys, time
+print("(Worker pid=1) INFO x [cpu_model_runner.py:68] Starting to load model /x...", flush=True)
+time.sleep(0.5)
+print("Traceback (most recent call last):\nRuntimeError: boom: fake JIT OOM", flush=True)
+sys.exit(3)
+'''
+
+
+def _fake_launch(script: str, *args: str) -> Launch:
+    port = free_port()
+    return Launch(profile="fake", stack="cpu", argv=[sys.executable, "-c", script, str(port), *args],
+                  env=dict(os.environ), env_overlay={}, unset=[], scrub_prefixes=[], host="127.0.0.1",
+                  port=port, model="fake", served_model_name="fake", num_speculative_tokens=0)
+
+
+def test_chatty_server_does_not_block(tmp_path):
+    import psutil
+
+    srv = Server(_fake_launch(FAKE, "16"), log_path=tmp_path / "log", on_progress=None)
+    t = time.time()
+    with srv:
+        assert time.time() - t < 120  # ~2 s on an idle box
+        assert srv.startup.kv_tokens == 1024 and srv.startup.max_concurrency == 2.0
+        size = (tmp_path / "log").stat().st_size
+        assert size > 16 << 20
+        time.sleep(1.0)
+        assert (tmp_path / "log").stat().st_size > size  # still writing, never blocked
+        pids = srv.pids()
+        assert pids
+    time.sleep(0.3)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+def test_dying_server_shows_log_tail(tmp_path):
+    srv = Server(_fake_launch(DIES), log_path=tmp_path / "log", on_progress=None)
+    with pytest.raises(ServerError) as e:
+        srv.start()
+    assert "exited with 3" in str(e.value) and "boom: fake JIT OOM" in str(e.value)
+    assert srv.proc is None and srv.watchdog is None
+
+
+def test_inprocess_needs_await():
+    srv = Server(_fake_launch(DIES), mode="inprocess", on_progress=None)
+    with pytest.raises(RuntimeError, match="await"):
+        srv.start()
+
+
+def test_cli_print_and_artifacts(tmp_path, capsys):
+    from ds4lab.cli import main
+
+    assert main(["serve", "--print", "--profile", "tiny-cpu", "--port", "8123"]) == 0
+    out = capsys.readouterr().out
+    assert "--port 8123" in out and "VLLM_PLUGINS=ds4lab" in out
+    assert main(["serve", "--profile", "community-sm89-fork", "--artifacts", str(tmp_path)]) == 0
+    assert (tmp_path / "ds4lab-serve-community-sm89-fork.service").is_file()
+    assert main(["serve", "--profile", "ada-upstream", "--print"]) == 2  # no snapshot: clear message
+    assert "not in the HF cache" in capsys.readouterr().err
