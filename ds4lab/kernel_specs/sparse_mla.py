@@ -1,0 +1,181 @@
+"""Registry entries: sparse MLA decode over fp8_ds_mla caches and sparse MLA prefill over a bf16
+workspace, both with an attention sink (SPEC.md §2 items 6-7)."""
+from __future__ import annotations
+
+import torch
+
+from ..geometry import op_shapes
+from ..numerics import compare
+from ..registry import KernelSpec, register
+from .mla_cache import block_bytes
+
+CASES = ("random", "boundary_lens", "neg_indices", "all_invalid", "one_valid", "peaked", "sink_extremes")
+
+
+def _cache(n_entries: int, bs: int, g: torch.Generator):
+    """An fp8_ds_mla cache written by the reference writer from RMS-normed random latents."""
+    from ..reference.mla_cache import fp8_ds_mla_insert
+    nb = -(-n_entries // bs)
+    kv = torch.randn(nb * bs, 512, generator=g) * torch.exp(torch.empty(nb * bs, 1).uniform_(-1, 1, generator=g))
+    cache = torch.zeros((nb, block_bytes(bs)), dtype=torch.uint8)
+    return fp8_ds_mla_insert(kv.to(torch.bfloat16), torch.arange(nb * bs), cache, bs)
+
+
+def _lens_and_idx(T, n, n_slots, case, g):
+    idx = torch.randint(0, n_slots, (T, n), generator=g, dtype=torch.int32)
+    lens = torch.full((T,), n, dtype=torch.int32)
+    if n == 0:
+        return idx, lens
+    if case == "boundary_lens":
+        # n-1, n, n+1 (clamped), 0, 1 and every residue mod 4 below n
+        choice = torch.tensor([n - 1, n, n + 1, 0, 1, n - 2, n - 3, n - 4])
+        lens = choice[torch.arange(T) % len(choice)].clamp_min(0).to(torch.int32)
+    elif case == "neg_indices":
+        idx[torch.rand(T, n, generator=g) < 0.3] = -1
+        idx[0, :] = -1 if T > 1 else idx[0, :]
+        idx[-1, ::2] = n_slots + 3  # outside the cache: skipped like -1
+        lens = torch.randint(0, n + 1, (T,), generator=g, dtype=torch.int32)
+    elif case == "all_invalid":
+        idx[:] = -1
+    elif case == "one_valid":
+        keep = torch.randint(0, n, (T,), generator=g)
+        m = torch.ones(T, n, dtype=torch.bool)
+        m[torch.arange(T), keep] = False
+        idx[m] = -1
+    return idx, lens
+
+
+def make_decode_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
+    """q ``[T,H,512]`` (unit-RMS per head, as after q_norm), an SWA cache (block 64) with a
+    ``[T,W]`` window, and (Kc > 0) a compressed cache (block ``comp_bs``: 64 C4, 2 C128) with
+    ``[T,Kc]`` candidates. Adversarial: lengths at n-1/n/n+1/0/1 and every residue mod 4, scattered
+    -1 and out-of-cache slots, rows with no candidate, one candidate, very peaked scores (q x 24),
+    sinks of +30 / -inf."""
+    T, H, W, Kc = shape["T"], shape["H"], shape["W"], shape["Kc"]
+    cbs = shape.get("comp_bs", 64)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, 512, generator=g)
+    if case == "peaked":
+        q *= 24.0
+    sink = torch.randn(H, generator=g)
+    if case == "sink_extremes":
+        sink[::2] = 30.0
+        sink[1::2] = float("-inf")
+    sw = _cache(max(W * 2, 64), 64, g)
+    si, sl = _lens_and_idx(T, W, sw.shape[0] * 64, case, g)
+    out = {"q": q.to(torch.bfloat16).to(device), "swa_cache": sw.to(device), "swa_indices": si.to(device),
+           "swa_lens": sl.to(device), "attn_sink": sink.to(device)}
+    if Kc:
+        cc = _cache(max(Kc * 2, cbs), cbs, g)
+        ci, cl = _lens_and_idx(T, Kc, cc.shape[0] * cbs, case, g)
+        if case == "sink_extremes":  # and a row without candidates whose sink is -inf
+            si[0] = -1
+            ci[0] = -1
+        out.update(comp_cache=cc.to(device), comp_indices=ci.to(device), comp_lens=cl.to(device),
+                   comp_block_size=cbs)
+    return out
+
+
+def make_prefill_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
+    """q ``[Tq,H,512]``, a bf16 gathered workspace ``[N,512]``, ``[Tq,Kc]`` int32 indices + lengths;
+    the same adversarial cases as decode."""
+    Tq, H, N, Kc = shape["Tq"], shape["H"], shape["N"], shape["Kc"]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(Tq, H, 512, generator=g) * (24.0 if case == "peaked" else 1.0)
+    sink = torch.randn(H, generator=g)
+    if case == "sink_extremes":
+        sink[::2] = 30.0
+        sink[1::2] = float("-inf")
+    kv = torch.randn(N, 512, generator=g)
+    idx, lens = _lens_and_idx(Tq, Kc, N, case, g)
+    if case == "sink_extremes":
+        idx[0] = -1
+    return {"q": q.to(torch.bfloat16).to(device), "kv": kv.to(torch.bfloat16).to(device),
+            "indices": idx.to(device), "attn_sink": sink.to(device), "lengths": lens.to(device)}
+
+
+def check(out, ref, inputs) -> list:
+    reps = [compare(out, ref.to(torch.float64), "bfloat16", name="out")]
+    if not torch.isfinite(out.float()).all():
+        reps[0].ok = False
+        reps[0].note = "non-finite output"
+    return reps
+
+
+def _n(s):
+    return s.get("W", 0) + s["Kc"]
+
+
+def decode_bench_shapes(cfg, tp: int) -> list[dict]:
+    op = op_shapes(cfg, tp)["sparse_mla"].dims
+    H, W, K = op["H"], op["window"], op["topk"]
+    shapes = [{"T": t, "H": H, "W": W, "Kc": K, "comp_bs": 64} for t in ((1, 32, 128) if tp == 1 else (1, 32))]
+    shapes.append({"T": 32, "H": H, "W": W, "Kc": 1024, "comp_bs": 2})   # C128A at 128K context
+    return shapes
+
+
+def prefill_bench_shapes(cfg, tp: int) -> list[dict]:
+    op = op_shapes(cfg, tp)["sparse_mla"].dims
+    return [{"Tq": 1024, "H": op["H"], "N": 16384, "Kc": op["topk"] + op["window"]}]
+
+
+def _configs():
+    from ds4lab_kernels.sparse_mla import CONFIGS
+    return CONFIGS
+
+
+def _config_for(arch, shape):
+    return list(_configs()[arch])
+
+
+def _baseline_decode(inputs):
+    from ..reference.sparse_mla import dequant_gather_bmm_decode
+    return lambda: dequant_gather_bmm_decode(**inputs)
+
+
+def _baseline_prefill(inputs):
+    from ..reference.sparse_mla import gather_bmm_prefill
+    return lambda: gather_bmm_prefill(**inputs)
+
+
+register(KernelSpec(
+    name="sparse_mla_decode",
+    family="sparse_mla",
+    launcher="ds4lab_kernels.sparse_mla:sparse_mla_decode",
+    reference="ds4lab.reference.sparse_mla:sparse_mla_decode",
+    make_inputs=make_decode_inputs,
+    cases=CASES,
+    test_shapes=[{"T": 3, "H": 16, "W": 20, "Kc": 37, "comp_bs": 2},
+                 {"T": 2, "H": 64, "W": 33, "Kc": 0}],
+    bench_shapes=decode_bench_shapes,
+    # QK^T and PV over the 512-d latent
+    flops=lambda s: 4.0 * s["T"] * s["H"] * _n(s) * 512,
+    # every candidate's 584 cache bytes + its int32 index, q in, out
+    min_bytes=lambda s: s["T"] * (_n(s) * (584 + 4) + 2 * s["H"] * 512 * 2),
+    check=check,
+    configs=_configs(),
+    config_for=_config_for,
+    baselines={"dequant_gather_bmm": _baseline_decode},
+    bound="memory",
+    aot_shape={"T": 4, "H": 64, "W": 128, "Kc": 512, "comp_bs": 64},
+    sm89_mma={"_sparse_mla_split_kernel": "HMMA"},
+))
+
+register(KernelSpec(
+    name="sparse_mla_prefill",
+    family="sparse_mla",
+    launcher="ds4lab_kernels.sparse_mla:sparse_mla_prefill",
+    reference="ds4lab.reference.sparse_mla:sparse_mla_prefill",
+    make_inputs=make_prefill_inputs,
+    cases=CASES,
+    test_shapes=[{"Tq": 3, "H": 16, "N": 70, "Kc": 45}],
+    bench_shapes=prefill_bench_shapes,
+    flops=lambda s: 4.0 * s["Tq"] * s["H"] * s["Kc"] * 512,
+    min_bytes=lambda s: min(s["N"], s["Tq"] * s["Kc"]) * 1024 + s["Tq"] * (s["Kc"] * 4 + 2 * s["H"] * 1024),
+    check=check,
+    configs=_configs(),
+    config_for=_config_for,
+    baselines={"gather_bmm": _baseline_prefill},
+    bound="compute",
+    aot_shape={"Tq": 64, "H": 64, "N": 4096, "Kc": 640},
+))

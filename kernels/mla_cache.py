@@ -1,0 +1,181 @@
+"""fp8_ds_mla KV-cache writer (DeepSeek-V4 latent KV insert, SPEC.md §2 item 10 and §3).
+
+Semantics: vLLM ``quantize_and_insert_k_cache`` (models/deepseek_v4/common/ops/cache_utils.py) with
+``is_ue8m0=True``: for each token ``t`` with ``slot = slot_mapping[t] >= 0``, entry
+``pos = slot % block_size`` of block ``blk = slot // block_size`` receives
+
+* bytes ``[pos*576, pos*576 + 448)``: the 448 NoPE dims as float8_e4m3fn, ``q = rtne(x / s_g)``
+  with one power-of-two scale per 64-dim tile ``g`` (7 tiles),
+  ``s_g = 2^ceil(log2(max(amax_g, 1e-4) / 448))``;
+* bytes ``[pos*576 + 448, pos*576 + 576)``: the 64 RoPE dims (already rotated) as raw bf16;
+* bytes ``[block_size*576 + pos*8, +8)``: the 7 UE8M0 exponent bytes ``log2(s_g) + 127`` and one
+  zero pad byte.
+
+Blocks are ``block_stride`` bytes apart (the tensor's ``stride(0)``; vLLM pads each block to a
+multiple of 576 B), so the writer never assumes ``block_size * 584``.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._fp8 import ceil_pow2, fp32_pow2_to_ue8m0, to_e4m3
+
+HEAD_DIM = 512
+NOPE_DIM = 448
+ROPE_DIM = 64
+TILE = 64                      # UE8M0 quant tile (dims per scale)
+N_TILES = NOPE_DIM // TILE     # 7 scales per entry
+ENTRY_BYTES = NOPE_DIM + 2 * ROPE_DIM   # 576: token data bytes
+SCALE_BYTES = 8                # 7 UE8M0 + 1 pad per entry
+AMAX_FLOOR = 1e-4              # vLLM: fmaxf(amax, 1e-4)
+
+# byte offsets the kernels rely on (asserted, SPEC.md §3)
+assert ENTRY_BYTES == 576 and N_TILES == 7 and ENTRY_BYTES + SCALE_BYTES == 584
+
+
+@triton.jit
+def _fp8_ds_mla_insert_kernel(
+    kv_ptr, slot_ptr, c_u8_ptr, c_f8_ptr, c_bf16_ptr,
+    stride_kv, stride_blk, n_slots,
+    BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    g = tl.arange(0, 8)                    # 7 NoPE tiles + the RoPE tile
+    c = tl.arange(0, 64)
+    r = tl.arange(0, 64)
+    for i in tl.static_range(TOKENS):
+        t = pid * TOKENS + i
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if (slot >= 0) & (slot < n_slots):
+            blk = slot // BLOCK_SIZE
+            pos = slot - blk * BLOCK_SIZE
+            base = blk * stride_blk                        # bytes
+            ent = base + pos * 576
+            sc = base + BLOCK_SIZE * 576 + pos * 8
+            row = kv_ptr + t.to(tl.int64) * stride_kv
+            nope = g[:, None] < 7
+            x = tl.load(row + g[:, None] * 64 + c[None, :], mask=nope, other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+            s = ceil_pow2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+            q = to_e4m3(tl.math.div_rn(x, s[:, None]))
+            tl.store(c_f8_ptr + ent + g[:, None] * 64 + c[None, :], q, mask=nope)
+            # 7 exponent bytes + a zero pad byte
+            b = tl.where(g < 7, fp32_pow2_to_ue8m0(s), 0).to(tl.uint8)
+            tl.store(c_u8_ptr + sc + g, b)
+            # RoPE dims: raw bf16 copy (bytes 448..575 of the entry; entry offsets are even)
+            rope = tl.load(row + 448 + r)
+            tl.store(c_bf16_ptr + (ent + 448) // 2 + r, rope)
+
+
+def _check_cache(name: str, cache: torch.Tensor, block_size: int) -> int:
+    """Validate an fp8_ds_mla cache tensor; return its block stride in bytes."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype != torch.uint8:
+        raise TypeError(f"{name}: dtype {cache.dtype}, expected torch.uint8 (fp8_ds_mla bytes)")
+    if cache.dim() < 2:
+        raise ValueError(f"{name}: expected (num_blocks, block_bytes) or (num_blocks, block_size, 584), "
+                         f"got shape {tuple(cache.shape)}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{name}: block_size={block_size!r} must be a positive int")
+    inner = cache[0] if cache.shape[0] else cache.new_empty(cache.shape[1:])
+    if not inner.is_contiguous():
+        raise ValueError(f"{name}: the bytes of one block must be contiguous, got strides {tuple(cache.stride())}")
+    if cache.dim() == 3 and cache.shape[1] != block_size:
+        raise ValueError(f"{name}: shape {tuple(cache.shape)} has {cache.shape[1]} entries per block, "
+                         f"block_size={block_size}")
+    block_bytes = inner.numel()
+    need = block_size * (ENTRY_BYTES + SCALE_BYTES)
+    if block_bytes < need:
+        raise ValueError(f"{name}: {block_bytes} bytes per block < block_size*584 = {need}")
+    stride = cache.stride(0) if cache.shape[0] > 1 else block_bytes
+    if stride < block_bytes or stride % 2 or block_bytes % 2:
+        raise ValueError(f"{name}: block stride {stride} B and block bytes {block_bytes} B must be even, "
+                         f"stride >= block bytes")
+    if cache.storage_offset() % 2:
+        raise ValueError(f"{name}: storage offset {cache.storage_offset()} must be even (bf16 RoPE dims)")
+    return stride
+
+
+def _flat_views(cache: torch.Tensor, stride: int):
+    """uint8 / fp8 / bf16 1-D views over the cache's bytes (indexed in bytes, bytes, bf16 elements)."""
+    n = (cache.shape[0] - 1) * stride + cache[0].numel()
+    u8 = torch.as_strided(cache, (n,), (1,))
+    return u8, u8.view(torch.float8_e4m3fn), u8.view(torch.bfloat16)
+
+
+def fp8_ds_mla_insert(kv: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
+                      block_size: int = 64, config: dict | None = None) -> torch.Tensor:
+    """Quantize latent KV rows and write them into an fp8_ds_mla paged cache, in place.
+
+    Args:
+        kv: ``(num_tokens, 512)`` bfloat16 latent KV (448 NoPE dims then 64 RoPE dims, RoPE already
+            applied), last dim contiguous.
+        slot_mapping: ``(num_tokens,)`` int32 or int64 global slots ``block * block_size + pos``;
+            ``-1`` (and any slot outside the cache) skips the token. Slots must be distinct.
+        kv_cache: uint8 ``(num_blocks, block_bytes)`` or ``(num_blocks, block_size, 584)`` view
+            whose per-block bytes are contiguous; ``block_bytes >= block_size * 584``; the block
+            stride is read from ``kv_cache.stride(0)`` (vLLM pads blocks to a multiple of 576 B).
+        block_size: entries per block: 64 (SWA, C4 caches) or 2 (C128 cache at block 256).
+        config: a row of ``CONFIGS`` to force; default picks by arch.
+
+    Returns:
+        ``kv_cache`` itself (written in place). Bytes outside the written entries and their
+        8 scale bytes are untouched. Non-finite ``kv`` values are not supported (their tile's bytes
+        are unspecified).
+
+    Raises:
+        TypeError: wrong dtypes. ValueError: wrong shapes/strides, too-small blocks.
+
+    Semantics: vLLM ``quantize_and_insert_k_cache`` (fp8_ds_mla, UE8M0), DeepSeek-V4 / FlashMLA
+    sparse FP8 KV layout.
+    """
+    if not isinstance(kv, torch.Tensor) or kv.dtype != torch.bfloat16:
+        raise TypeError(f"kv: expected a bfloat16 tensor, got {getattr(kv, 'dtype', type(kv).__name__)}")
+    if kv.dim() != 2 or kv.shape[1] != HEAD_DIM:
+        raise ValueError(f"kv: expected shape (num_tokens, {HEAD_DIM}), got {tuple(kv.shape)}")
+    if kv.shape[0] and kv.stride(1) != 1:
+        raise ValueError(f"kv: last dim must be contiguous, got strides {tuple(kv.stride())}")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping: expected int32/int64 tensor, got "
+                        f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > kv.shape[0]:
+        raise ValueError(f"slot_mapping: expected shape (num_tokens,) with num_tokens <= {kv.shape[0]}, "
+                         f"got {tuple(slot_mapping.shape)}")
+    stride = _check_cache("kv_cache", kv_cache, block_size)
+    for n, t in (("kv", kv), ("slot_mapping", slot_mapping)):
+        if t.device != kv_cache.device:
+            raise ValueError(f"{n}: device {t.device} != kv_cache device {kv_cache.device}")
+    T = slot_mapping.shape[0]  # vLLM: DP padding may leave kv longer than slot_mapping
+    if T == 0 or kv_cache.shape[0] == 0:
+        return kv_cache
+    slot_mapping = slot_mapping.contiguous()
+    u8, f8, bf = _flat_views(kv_cache, stride)
+    cfg = config or pick_config(T, kv_cache.device)
+    tokens = cfg["TOKENS"]
+    if T % tokens:
+        tokens = 1
+    _fp8_ds_mla_insert_kernel[(T // tokens,)](
+        kv, slot_mapping, u8, f8, bf, kv.stride(0), stride, kv_cache.shape[0] * block_size,
+        BLOCK_SIZE=block_size, TOKENS=tokens, num_warps=cfg["num_warps"], num_stages=1)
+    return kv_cache
+
+
+# ---- config table ------------------------------------------------------------------------------
+# One program per token (1.1 KB in, 584 B out): pure bandwidth, no shared memory beyond the tile
+# reductions. Large batches take 4 tokens per program to amortise the slot/offset math.
+CONFIGS = {
+    "sm_89": {"tok1": {"TOKENS": 1, "num_warps": 2}, "tok4": {"TOKENS": 4, "num_warps": 4}},
+    "sm_90": {"tok1": {"TOKENS": 1, "num_warps": 2}, "tok4": {"TOKENS": 4, "num_warps": 4}},
+}
+
+
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "sm_89"
+    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
+
+
+def pick_config(num_tokens: int, device: torch.device) -> dict:
+    table = CONFIGS[arch_of(device)]
+    return table["tok4"] if num_tokens >= 1024 and num_tokens % 4 == 0 else table["tok1"]

@@ -1,0 +1,397 @@
+"""Sparse MLA decode / prefill with an attention sink (DeepSeek-V4, SPEC.md §2 items 6-7).
+
+Semantics (FlashMLA ``flash_mla_with_kvcache`` sparse FP8 / ``flash_mla_sparse_fwd``, vLLM DeepSeek-V4
+SWA + compressed attention): per query token ``t`` and head ``h``, over the candidates ``j`` (valid
+SWA-window slots then valid compressed slots; ``-1`` and positions ``>= length`` are skipped),
+``K = V =`` the 512-d latent, ``s_j = scale * q . k_j``, ``M = max(max_j s_j, sink_h)``,
+``out = sum_j e^(s_j-M) v_j / (sum_j e^(s_j-M) + e^(sink_h-M))``; no candidate -> zeros.
+
+Design: one program owns one token, ``BLOCK_H`` heads (the M dim of both ``tl.dot``s, so every
+candidate tile is read once for all those heads) and one contiguous split of the candidate tiles.
+A candidate tile is ``BLOCK_N`` slots: the 448 e4m3 NoPE bytes and the 7 UE8M0 bytes are read
+straight from the fp8_ds_mla cache and dequantized in registers (exact in bf16), the 64 RoPE dims
+are read as bf16, giving one ``(BLOCK_N, 512)`` bf16 tile used for ``S = Q K^T`` and ``O += P V``
+(online softmax in base 2, fp32 accumulators). With more than one split, each split writes its
+un-normalised ``O``, max and sum (fp32) and a second kernel merges them with the sink
+(log-sum-exp merge). The split count depends only on tensor shapes (CUDA-graph safe).
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._fp8 import ue8m0_to_fp32
+from .mla_cache import _check_cache, _flat_views
+
+HEAD_DIM = 512
+LOG2E = 1.4426950408889634
+DEFAULT_SCALE = 512 ** -0.5
+
+
+@triton.jit
+def _load_kv_tile(c_u8_ptr, c_bf16_ptr, idx, valid, stride_blk,
+                  BS: tl.constexpr, KV_FP8: tl.constexpr, D: tl.constexpr):
+    """(BLOCK_N,) slots -> (BLOCK_N, 512) bf16 latent; invalid rows are zeros."""
+    d = tl.arange(0, D)[None, :]
+    if KV_FP8:
+        slot = idx.to(tl.int64)
+        blk = slot // BS
+        pos = slot - blk * BS
+        base = blk * stride_blk
+        ent = (base + pos * 576)[:, None]
+        sc = (base + BS * 576 + pos * 8)[:, None]
+        nope = d < 448
+        m = valid[:, None] & nope
+        x = tl.load(c_u8_ptr + ent + d, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s = ue8m0_to_fp32(tl.load(c_u8_ptr + sc + d // 64, mask=m, other=0))
+        r = tl.load(c_bf16_ptr + (ent + 448) // 2 + (d - 448), mask=valid[:, None] & (d >= 448), other=0.0)
+        k = tl.where(nope, (x * s).to(tl.bfloat16), r)
+    else:
+        k = tl.load(c_bf16_ptr + idx.to(tl.int64)[:, None] * stride_blk + d, mask=valid[:, None], other=0.0)
+    return k
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, c_u8_ptr, c_bf16_ptr, idx_row_ptr, n_len, n_slots, stride_blk,
+                  t_lo, t_hi, qk_scale,
+                  BS: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    for t in range(t_lo, t_hi):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        inb = offs_n < n_len
+        idx = tl.load(idx_row_ptr + offs_n, mask=inb, other=-1)
+        valid = inb & (idx >= 0) & (idx < n_slots)
+        k = _load_kv_tile(c_u8_ptr, c_bf16_ptr, idx, valid, stride_blk, BS, KV_FP8, D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale                      # (BLOCK_H, BLOCK_N), log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)        # all -inf so far: keep zeros
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _sparse_mla_split_kernel(
+    q_ptr, out_ptr, part_ptr, ml_ptr, sink_ptr,
+    a_u8_ptr, a_bf16_ptr, a_idx_ptr, a_len_ptr, a_stride_blk, a_slots, a_stride_it, a_n,
+    b_u8_ptr, b_bf16_ptr, b_idx_ptr, b_len_ptr, b_stride_blk, b_slots, b_stride_it, b_n,
+    H, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale, tiles_per_split,
+    A_BS: tl.constexpr, B_BS: tl.constexpr, HAS_B: tl.constexpr, KV_FP8: tl.constexpr,
+    A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+):
+    hg = tl.program_id(0)
+    sp = tl.program_id(1)
+    tok = tl.program_id(2).to(tl.int64)
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=hmask[:, None], other=0.0)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    t0 = sp * tiles_per_split
+    t1 = t0 + tiles_per_split
+    # source A (SWA window, or the prefill workspace): tiles [0, NT_A)
+    a_len = a_n
+    if A_HAS_LEN:
+        a_len = tl.minimum(tl.maximum(tl.load(a_len_ptr + tok), 0), a_n)
+    nt_a = tl.cdiv(a_n, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, a_u8_ptr, a_bf16_ptr, a_idx_ptr + tok * a_stride_it,
+                                  a_len, a_slots, a_stride_blk,
+                                  t0, tl.minimum(t1, tl.cdiv(a_len, BLOCK_N)), qk_scale,
+                                  A_BS, KV_FP8, BLOCK_N, D)
+    if HAS_B:
+        # source B (compressed candidates): tiles [NT_A, NT_A + NT_B)
+        b_len = b_n
+        if B_HAS_LEN:
+            b_len = tl.minimum(tl.maximum(tl.load(b_len_ptr + tok), 0), b_n)
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, b_u8_ptr, b_bf16_ptr, b_idx_ptr + tok * b_stride_it,
+                                      b_len, b_slots, b_stride_blk,
+                                      tl.maximum(t0 - nt_a, 0),
+                                      tl.minimum(t1 - nt_a, tl.cdiv(b_len, BLOCK_N)), qk_scale,
+                                      B_BS, KV_FP8, BLOCK_N, D)
+    if SPLITS == 1:
+        sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
+        mx = tl.maximum(m_i, sink)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        f = tl.exp2(m_i - mx)
+        den = l_i * f + tl.exp2(sink - mx)
+        den_safe = tl.where(den > 0, den, 1.0)
+        o = tl.where((den > 0)[:, None], acc * (f / den_safe)[:, None], 0.0)
+        tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(tl.bfloat16), mask=hmask[:, None])
+    else:
+        row = (tok * SPLITS + sp) * H + offs_h                       # (T, SPLITS, H) rows
+        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None])
+        tl.store(ml_ptr + row * 2, m_i, mask=hmask)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=hmask)
+
+
+@triton.jit
+def _sparse_mla_merge_kernel(
+    out_ptr, part_ptr, ml_ptr, sink_ptr, H, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+):
+    hg = tl.program_id(0)
+    tok = tl.program_id(1).to(tl.int64)
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+    sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
+    mx = sink
+    for s in range(SPLITS):
+        row = (tok * SPLITS + s) * H + offs_h
+        mx = tl.maximum(mx, tl.load(ml_ptr + row * 2, mask=hmask, other=float("-inf")))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    den = tl.exp2(sink - mx)
+    o = tl.zeros((BLOCK_H, D), tl.float32)
+    for s in range(SPLITS):
+        row = (tok * SPLITS + s) * H + offs_h
+        m_s = tl.load(ml_ptr + row * 2, mask=hmask, other=float("-inf"))
+        l_s = tl.load(ml_ptr + row * 2 + 1, mask=hmask, other=0.0)
+        f = tl.exp2(m_s - mx)
+        den += l_s * f
+        o += tl.load(part_ptr + row[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0) * f[:, None]
+    den_safe = tl.where(den > 0, den, 1.0)
+    o = tl.where((den > 0)[:, None], o / den_safe[:, None], 0.0)
+    tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             o.to(tl.bfloat16), mask=hmask[:, None])
+
+
+# ---- launchers ---------------------------------------------------------------------------------
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the benchmark GPU (H200); only shapes the split choice on the interpreter
+
+
+def _check_q(q, attn_sink, scale):
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16:
+        raise TypeError(f"q: expected a bfloat16 tensor, got {getattr(q, 'dtype', type(q).__name__)}")
+    if q.dim() != 3 or q.shape[2] != HEAD_DIM:
+        raise ValueError(f"q: expected shape (num_tokens, num_heads, {HEAD_DIM}), got {tuple(q.shape)}")
+    if q.numel() and q.stride(2) != 1:
+        raise ValueError(f"q: last dim must be contiguous, got strides {tuple(q.stride())}")
+    if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32:
+        raise TypeError(f"attn_sink: expected a float32 tensor, got {getattr(attn_sink, 'dtype', type(attn_sink).__name__)}")
+    if tuple(attn_sink.shape) != (q.shape[1],):
+        raise ValueError(f"attn_sink: expected shape ({q.shape[1]},) (num_heads), got {tuple(attn_sink.shape)}")
+    if attn_sink.device != q.device:
+        raise ValueError(f"attn_sink: device {attn_sink.device} != q device {q.device}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r}: expected a positive finite float")
+
+
+def _check_idx(name, idx, lname, lens, T, device, optional_len=False):
+    if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int32:
+        raise TypeError(f"{name}: expected an int32 tensor, got {getattr(idx, 'dtype', type(idx).__name__)}")
+    if idx.dim() != 2 or idx.shape[0] != T:
+        raise ValueError(f"{name}: expected shape ({T}, num_candidates), got {tuple(idx.shape)}")
+    if idx.numel() and idx.stride(1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous, got strides {tuple(idx.stride())}")
+    if idx.device != device:
+        raise ValueError(f"{name}: device {idx.device} != q device {device}")
+    if lens is None:
+        if not optional_len:
+            raise ValueError(f"{lname}: required")
+        return
+    if not isinstance(lens, torch.Tensor) or lens.dtype != torch.int32:
+        raise TypeError(f"{lname}: expected an int32 tensor, got {getattr(lens, 'dtype', type(lens).__name__)}")
+    if tuple(lens.shape) != (T,) or (T and lens.stride(0) != 1):
+        raise ValueError(f"{lname}: expected a contiguous ({T},) tensor, got shape {tuple(lens.shape)}")
+    if lens.device != device:
+        raise ValueError(f"{lname}: device {lens.device} != q device {device}")
+
+
+def _splits(n_base: int, n_tiles: int, device, cfg: dict) -> int:
+    if cfg.get("SPLITS"):
+        return max(1, min(int(cfg["SPLITS"]), n_tiles))
+    target = 2 * _num_sms(device)
+    if n_base >= target // 2:
+        return 1
+    per = max(cfg.get("MIN_TILES", 2), triton.cdiv(n_tiles * n_base, target))
+    return max(1, triton.cdiv(n_tiles, per))
+
+
+def _launch(q, srcs, attn_sink, scale, cfg, out):
+    """srcs: [(u8, bf16, idx, lens, stride_blk, n_slots, block_size)] (one or two sources)."""
+    T, H, D = q.shape
+    if out is None:
+        out = torch.empty((T, H, D), dtype=torch.bfloat16, device=q.device)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H, D) or (out.numel() and out.stride(2) != 1):
+        raise ValueError(f"out: expected a bfloat16 ({T}, {H}, {D}) tensor with contiguous last dim")
+    if T == 0 or H == 0:
+        return out
+    BH, BN = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    n_hg = triton.cdiv(H, BH)
+    n_tiles = sum(triton.cdiv(s[2].shape[1], BN) for s in srcs)
+    S = _splits(T * n_hg, max(n_tiles, 1), q.device, cfg)
+    tps = max(1, triton.cdiv(n_tiles, S))
+    S = max(1, triton.cdiv(n_tiles, tps))
+    a = srcs[0]
+    b = srcs[1] if len(srcs) > 1 else srcs[0]
+    if S > 1:
+        part = torch.empty((T, S, H, D), dtype=torch.float32, device=q.device)
+        ml = torch.empty((T, S, H, 2), dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out  # unused
+    sink = attn_sink.contiguous()
+    a_len = a[3] if a[3] is not None else a[2]
+    b_len = b[3] if b[3] is not None else b[2]
+    _sparse_mla_split_kernel[(n_hg, S, T)](
+        q, out, part, ml, sink,
+        a[0], a[1], a[2], a_len, a[4], a[5], a[2].stride(0), a[2].shape[1],
+        b[0], b[1], b[2], b_len, b[4], b[5], b[2].stride(0), b[2].shape[1],
+        H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E, tps,
+        A_BS=a[6], B_BS=b[6], HAS_B=len(srcs) > 1, KV_FP8=a[0] is not None and a[0].dtype == torch.uint8,
+        A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S,
+        BLOCK_H=BH, BLOCK_N=BN, D=D, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
+    if S > 1:
+        bhm = min(16, triton.next_power_of_2(H))
+        _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), T)](
+            out, part, ml, sink, H, out.stride(0), out.stride(1),
+            SPLITS=S, BLOCK_H=bhm, D=D, num_warps=4, num_stages=1)
+    return out
+
+
+def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
+                      swa_lens: torch.Tensor, attn_sink: torch.Tensor,
+                      comp_cache: torch.Tensor | None = None, comp_indices: torch.Tensor | None = None,
+                      comp_lens: torch.Tensor | None = None, swa_block_size: int = 64,
+                      comp_block_size: int = 64, scale: float = DEFAULT_SCALE,
+                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Sparse MLA decode over fp8_ds_mla caches (SWA window + compressed candidates) with a sink.
+
+    Args:
+        q: ``(num_tokens, num_heads, 512)`` bfloat16 (num_heads = 64/TP), last dim contiguous.
+            MTP verification: the ``next_n`` query rows of a request are consecutive tokens, each
+            with its own indices and lengths (``num_tokens = batch * next_n``).
+        swa_cache: uint8 fp8_ds_mla cache ``(num_blocks, block_bytes)`` or
+            ``(num_blocks, swa_block_size, 584)`` (per-block bytes contiguous; block stride from
+            ``stride(0)``).
+        swa_indices: ``(num_tokens, window)`` int32 global slots ``block*swa_block_size + pos``
+            (window 128); ``-1`` skipped.
+        swa_lens: ``(num_tokens,)`` int32: only the first ``swa_lens[t]`` indices are read
+            (clamped to ``[0, window]``).
+        attn_sink: ``(num_heads,)`` float32 per-head sink logit (natural-log units, unscaled).
+        comp_cache / comp_indices / comp_lens: the compressed cache (same layout, block
+            ``comp_block_size``: 64 for C4, 2 for C128), ``(num_tokens, Kc)`` int32 slots
+            (C4A: Kc = 512 top-k; C128A: all compressed entries) and ``(num_tokens,)`` int32
+            lengths (``None``: all Kc). ``comp_cache=None``: SWA-only layer.
+        scale: softmax scale on ``q.k`` (default ``512^-0.5``).
+        out: optional ``(num_tokens, num_heads, 512)`` bfloat16 output.
+        config: a row of ``CONFIGS`` to force.
+
+    Returns:
+        ``(num_tokens, num_heads, 512)`` bfloat16:
+        ``sum_j e^(s_j-M) v_j / (sum_j e^(s_j-M) + e^(sink-M))``; a row with no valid candidate is
+        zeros. Slots outside the cache are skipped like ``-1`` (no out-of-bounds reads).
+
+    Raises:
+        TypeError / ValueError naming the argument on wrong dtypes, shapes, strides, devices.
+
+    Semantics: FlashMLA ``flash_mla_with_kvcache`` (sparse, FP8 KV, ``attn_sink``), vLLM
+    DeepSeek-V4 sparse attention (SWA window + compressed top-k). CUDA-graph safe: no host sync,
+    allocations depend on shapes only.
+    """
+    _check_q(q, attn_sink, scale)
+    T, H, _ = q.shape
+    dev = q.device
+    sw_stride = _check_cache("swa_cache", swa_cache, swa_block_size)
+    if swa_cache.device != dev:
+        raise ValueError(f"swa_cache: device {swa_cache.device} != q device {dev}")
+    _check_idx("swa_indices", swa_indices, "swa_lens", swa_lens, T, dev)
+    su8, _, sbf = _flat_views(swa_cache, sw_stride)
+    srcs = [(su8, sbf, swa_indices, swa_lens, sw_stride, swa_cache.shape[0] * swa_block_size, swa_block_size)]
+    if comp_cache is not None:
+        c_stride = _check_cache("comp_cache", comp_cache, comp_block_size)
+        if comp_cache.device != dev:
+            raise ValueError(f"comp_cache: device {comp_cache.device} != q device {dev}")
+        if comp_indices is None:
+            raise ValueError("comp_indices: required with comp_cache")
+        _check_idx("comp_indices", comp_indices, "comp_lens", comp_lens, T, dev, optional_len=True)
+        cu8, _, cbf = _flat_views(comp_cache, c_stride)
+        srcs.append((cu8, cbf, comp_indices, comp_lens, c_stride, comp_cache.shape[0] * comp_block_size,
+                     comp_block_size))
+    elif comp_indices is not None:
+        raise ValueError("comp_indices: given without comp_cache")
+    cfg = config or pick_config(H, dev)
+    return _launch(q, srcs, attn_sink, scale, cfg, out)
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, attn_sink: torch.Tensor,
+                       lengths: torch.Tensor | None = None, scale: float = DEFAULT_SCALE,
+                       out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Sparse MLA prefill over a bf16 gathered KV workspace with a sink.
+
+    Args:
+        q: ``(num_q_tokens, num_heads, 512)`` bfloat16, last dim contiguous.
+        kv: ``(num_kv, 512)`` bfloat16 gathered latent workspace (K = V), last dim contiguous.
+        indices: ``(num_q_tokens, Kc)`` int32 rows of ``kv``; ``-1`` (or ``>= num_kv``) skipped.
+        attn_sink: ``(num_heads,)`` float32.
+        lengths: optional ``(num_q_tokens,)`` int32 valid prefix of each index row (clamped to
+            ``[0, Kc]``); ``None``: all Kc.
+        scale: softmax scale (default ``512^-0.5``). out / config: as in :func:`sparse_mla_decode`.
+
+    Returns:
+        ``(num_q_tokens, num_heads, 512)`` bfloat16 (zeros for rows with no candidate).
+
+    Raises:
+        TypeError / ValueError naming the argument.
+
+    Semantics: FlashMLA ``flash_mla_sparse_fwd`` with ``attn_sink`` (vLLM DeepSeek-V4 prefill).
+    """
+    _check_q(q, attn_sink, scale)
+    T, H, D = q.shape
+    if not isinstance(kv, torch.Tensor) or kv.dtype != torch.bfloat16:
+        raise TypeError(f"kv: expected a bfloat16 tensor, got {getattr(kv, 'dtype', type(kv).__name__)}")
+    if kv.dim() != 2 or kv.shape[1] != D:
+        raise ValueError(f"kv: expected shape (num_kv, {D}), got {tuple(kv.shape)}")
+    if kv.numel() and kv.stride(1) != 1:
+        raise ValueError(f"kv: last dim must be contiguous, got strides {tuple(kv.stride())}")
+    if kv.device != q.device:
+        raise ValueError(f"kv: device {kv.device} != q device {q.device}")
+    _check_idx("indices", indices, "lengths", lengths, T, q.device, optional_len=True)
+    kv_arg = kv if kv.numel() else torch.zeros((1, D), dtype=kv.dtype, device=kv.device)
+    srcs = [(None, kv_arg, indices, lengths, kv_arg.stride(0), kv.shape[0], 1)]
+    cfg = config or pick_config(H, q.device)
+    return _launch(q, srcs, attn_sink, scale, cfg, out)
+
+
+# ---- config table ------------------------------------------------------------------------------
+# BLOCK_H heads x BLOCK_N candidates per tile; the (BLOCK_N, 512) bf16 K/V tile is the shared
+# memory user (BLOCK_N KiB per copy), the fp32 (BLOCK_H, 512) accumulator lives in registers
+# (BLOCK_H*512*4 / (32*num_warps) bytes per thread), so wide head blocks need more warps.
+# SPLITS=None: chosen from the shapes (about two programs per SM).
+CONFIGS = {
+    "sm_89": {
+        "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+        "h32n32": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+        "h64n16": {"BLOCK_H": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1},
+    },
+    "sm_90": {
+        "h16n32": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        "h32n32": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+        "h64n32": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+    },
+}
+
+
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "sm_89"
+    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
+
+
+def pick_config(num_heads: int, device: torch.device) -> dict:
+    arch = arch_of(device)
+    table = CONFIGS[arch]
+    if num_heads <= 16:
+        return table["h16n16" if arch == "sm_89" else "h16n32"]
+    return table["h32n32"]

@@ -1,0 +1,161 @@
+"""Sparse MLA decode/prefill with sink: realistic boundary lengths (window 127/128/129, top-k
+511/512/513, C128 lengths at every residue mod 4 around 4096), degenerate rows, split/merge paths,
+MTP rows, baseline agreement, bad inputs. The registry sweep adds the random/adversarial cases."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from ds4lab.kernel_specs.sparse_mla import _cache, check
+from ds4lab.numerics import Tolerance, compare
+from ds4lab.reference import sparse_mla as ref
+from ds4lab_kernels.sparse_mla import CONFIGS, sparse_mla_decode, sparse_mla_prefill
+
+pytestmark = pytest.mark.interp
+
+
+def _gen():
+    return torch.Generator().manual_seed(torch.randint(0, 2**31, (1,)).item())
+
+
+def _decode_inputs(g, T, H, W, Kc, cbs, swa_lens, comp_lens, n_swa=256, n_comp=None):
+    sw = _cache(n_swa, 64, g)
+    q = torch.randn(T, H, 512, generator=g).bfloat16()
+    si = torch.randint(0, sw.shape[0] * 64, (T, W), generator=g, dtype=torch.int32)
+    d = {"q": q, "swa_cache": sw, "swa_indices": si, "swa_lens": torch.tensor(swa_lens, dtype=torch.int32),
+         "attn_sink": torch.randn(H, generator=g)}
+    if Kc:
+        cc = _cache(n_comp or max(2 * Kc, cbs), cbs, g)
+        ci = torch.randint(0, cc.shape[0] * cbs, (T, Kc), generator=g, dtype=torch.int32)
+        d.update(comp_cache=cc, comp_indices=ci, comp_lens=torch.tensor(comp_lens, dtype=torch.int32),
+                 comp_block_size=cbs)
+    return {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+
+
+def _ok(out, inputs, fn=ref.sparse_mla_decode):
+    r = fn(**inputs)
+    reps = check(out, r, inputs)
+    assert all(reps), [str(x) for x in reps]
+    return r
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_c4a_window_and_topk_boundaries(tp):
+    # window 127/128/129 (129 clamps to the 128 indices), top-k 511/512/513
+    H = 64 // tp
+    inputs = _decode_inputs(_gen(), 3, H, 128, 512, 64, [127, 128, 129], [511, 513, 512])
+    out = sparse_mla_decode(**inputs, config={**CONFIGS["sm_90"]["h16n32"], "BLOCK_N": 64, "BLOCK_H": min(H, 32)})
+    _ok(out, inputs)
+
+
+def test_c128a_lengths_every_residue_mod4_around_4096():
+    lens = [4094, 4095, 4096, 4097]
+    inputs = _decode_inputs(_gen(), 4, 16, 128, 4098, 2, [128] * 4, lens, n_comp=1024)
+    out = sparse_mla_decode(**inputs, config={"BLOCK_H": 16, "BLOCK_N": 256, "num_warps": 4})
+    _ok(out, inputs)
+
+
+def test_degenerate_rows_zero_not_nan():
+    g = _gen()
+    inputs = _decode_inputs(g, 4, 16, 16, 24, 2, [16, 16, 0, 16], [24, 24, 0, 24])
+    inputs["swa_indices"][0] = -1
+    inputs["comp_indices"][0] = -1                       # row 0: all -1
+    inputs["swa_indices"][1] = -1
+    inputs["comp_indices"][1, 1:] = -1                   # row 1: exactly one valid candidate
+    # row 2: lengths 0; row 3: normal
+    inputs["attn_sink"][0] = float("-inf")               # no sink either: 0/0 must still be 0
+    for cfg in (None, {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "SPLITS": 3}):
+        out = sparse_mla_decode(**inputs, config=cfg)
+        assert torch.isfinite(out.float()).all()
+        assert torch.all(out[0] == 0) and torch.all(out[2] == 0)
+        r = _ok(out, inputs)
+        # one candidate: out = v * e^s / (e^s + e^sink)
+        assert r[1].abs().sum() > 0
+
+
+def test_split_merge_matches_single_pass():
+    inputs = _decode_inputs(_gen(), 2, 16, 32, 64, 64, [30, 32], [64, 50])
+    base = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4}
+    one = sparse_mla_decode(**inputs, config={**base, "SPLITS": 1})
+    many = sparse_mla_decode(**inputs, config={**base, "SPLITS": 6})
+    _ok(one, inputs)
+    _ok(many, inputs)
+    assert (one.float() - many.float()).abs().max() < 2e-2
+
+
+def test_swa_only_layer_and_mtp_rows():
+    # SWA-only (layers 0-1, MTP layer); next_n = 2 rows per request, each with its own window
+    g = _gen()
+    inputs = _decode_inputs(g, 4, 16, 128, 0, 64, [128, 128, 5, 6], None)
+    inputs["swa_indices"][3, :6] = inputs["swa_indices"][2, :6]   # MTP row t+1 sees t's window + 1
+    out = sparse_mla_decode(**inputs, config={**CONFIGS["sm_90"]["h16n32"], "BLOCK_N": 64})
+    _ok(out, inputs)
+
+
+def test_baseline_agrees_with_reference():
+    inputs = _decode_inputs(_gen(), 2, 16, 16, 24, 2, [16, 9], [24, 3])
+    b = ref.dequant_gather_bmm_decode(**inputs)
+    # the baseline rounds scores and probabilities to bf16: same function, looser budget
+    rep = compare(b, ref.sparse_mla_decode(**inputs), Tolerance(atol=5e-2, rtol=5e-2, max_diff=1e-3))
+    assert rep, str(rep)
+
+
+def test_prefill_boundaries_and_degenerate_rows():
+    g = _gen()
+    Tq, H, N, Kc = 4, 16, 300, 129
+    q = torch.randn(Tq, H, 512, generator=g).bfloat16()
+    kv = torch.randn(N, 512, generator=g).bfloat16()
+    idx = torch.randint(0, N, (Tq, Kc), generator=g, dtype=torch.int32)
+    idx[0] = -1
+    idx[1, 5:] = N + 1                                   # out of range: skipped
+    lens = torch.tensor([Kc, Kc, Kc - 1, Kc + 1], dtype=torch.int32)
+    sink = torch.randn(H, generator=g)
+    inp = {"q": q, "kv": kv, "indices": idx, "attn_sink": sink, "lengths": lens}
+    inp = {k: v.to(DEVICE) for k, v in inp.items()}
+    out = sparse_mla_prefill(**inp, config={"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4})
+    assert torch.all(out[0] == 0)
+    _ok(out, inp, ref.sparse_mla_prefill)
+    out2 = sparse_mla_prefill(inp["q"], inp["kv"], inp["indices"], inp["attn_sink"],
+                              config={"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4})
+    _ok(out2, {**inp, "lengths": None}, ref.sparse_mla_prefill)
+
+
+def _good():
+    g = torch.Generator().manual_seed(0)
+    return _decode_inputs(g, 2, 16, 8, 8, 2, [8, 8], [8, 8], n_swa=64)
+
+
+@pytest.mark.parametrize("mut,exc,match", [
+    (lambda d: d.update(q=d["q"].float()), TypeError, "q"),
+    (lambda d: d.update(q=d["q"][:, :, :448]), ValueError, "q"),
+    (lambda d: d.update(attn_sink=d["attn_sink"][:8]), ValueError, "attn_sink"),
+    (lambda d: d.update(attn_sink=d["attn_sink"].bfloat16()), TypeError, "attn_sink"),
+    (lambda d: d.update(swa_indices=d["swa_indices"].long()), TypeError, "swa_indices"),
+    (lambda d: d.update(swa_indices=d["swa_indices"][:1]), ValueError, "swa_indices"),
+    (lambda d: d.update(swa_lens=d["swa_lens"][:1]), ValueError, "swa_lens"),
+    (lambda d: d.update(comp_lens=d["comp_lens"].float()), TypeError, "comp_lens"),
+    (lambda d: d.update(swa_cache=d["swa_cache"].view(torch.int8)), TypeError, "swa_cache"),
+    (lambda d: d.update(comp_cache=d["comp_cache"][:, :1000]), ValueError, "comp_cache"),
+    (lambda d: d.update(comp_indices=None), ValueError, "comp_indices"),
+    (lambda d: d.update(scale=float("nan")), ValueError, "scale"),
+    (lambda d: d.update(swa_block_size=0), ValueError, "block_size"),
+])
+def test_bad_decode_inputs_raise(mut, exc, match):
+    d = _good()
+    mut(d)
+    with pytest.raises(exc, match=match):
+        sparse_mla_decode(**d)
+
+
+def test_bad_prefill_inputs_raise():
+    q = torch.zeros(2, 16, 512, dtype=torch.bfloat16)
+    sink = torch.zeros(16)
+    idx = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(TypeError, match="kv"):
+        sparse_mla_prefill(q, torch.zeros(8, 512), idx, sink)
+    with pytest.raises(ValueError, match="kv"):
+        sparse_mla_prefill(q, torch.zeros(8, 256, dtype=torch.bfloat16), idx, sink)
+    with pytest.raises(ValueError, match="indices"):
+        sparse_mla_prefill(q, torch.zeros(8, 512, dtype=torch.bfloat16), idx[:1], sink)
+    with pytest.raises(ValueError, match="lengths"):
+        sparse_mla_prefill(q, torch.zeros(8, 512, dtype=torch.bfloat16), idx, sink,
+                           lengths=torch.zeros(3, dtype=torch.int32))
