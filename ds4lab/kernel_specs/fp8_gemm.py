@@ -40,32 +40,31 @@ def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") 
         raise ValueError(f"case={case!r}: known cases {CASES}")
     M, N, K = shape["M"], shape["N"], shape["K"]
     a_fmt, b_fmt = shape.get("a_fmt", "ue8m0_packed"), shape.get("b_fmt", "ue8m0")
-    g = torch.Generator().manual_seed(seed)
     dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)  # generated where it is used (fast on the GPU)
     G, NB = K // BLOCK, -(-N // BLOCK)
-    # activations (generated on CPU for reproducibility, quantized where they will live)
-    mag = torch.exp(torch.empty(M, 1).uniform_(-2.3, 2.3, generator=g))
-    x = torch.randn(M, K, generator=g) * mag
-    w = torch.randn(N, K, generator=g) * 0.02
-    wmag = torch.exp(torch.empty(NB, 1, G, 1).uniform_(-1.39, 1.39, generator=g))
-    wp = torch.zeros(NB * BLOCK, K)
+    mag = torch.exp(torch.empty(M, 1, device=dev).uniform_(-2.3, 2.3, generator=g))
+    x = torch.randn(M, K, generator=g, device=dev) * mag
+    w = torch.randn(N, K, generator=g, device=dev) * 0.02
+    wmag = torch.exp(torch.empty(NB, 1, G, 1, device=dev).uniform_(-1.39, 1.39, generator=g))
+    wp = torch.zeros(NB * BLOCK, K, device=dev)
     wp[:N] = w
     w = (wp.view(NB, BLOCK, G, BLOCK) * wmag).view(NB * BLOCK, K)[:N]
     if case == "constant":
-        x = torch.full((M, K), 1.5)
-        w = torch.full((N, K), 0.25)
+        x = torch.full((M, K), 1.5, device=dev)
+        w = torch.full((N, K), 0.25, device=dev)
     elif case == "zero_groups":
         x.view(M, G, BLOCK)[::2, ::2] = 0.0
         w[:min(N, BLOCK), :BLOCK] = 0.0
     elif case == "tiny_groups":
-        x.view(M, G, BLOCK)[:, 0] = 1e-30 * torch.randn(M, BLOCK, generator=g)
+        x.view(M, G, BLOCK)[:, 0] = 1e-30 * torch.randn(M, BLOCK, generator=g, device=dev)
     elif case == "nan_inf_rows":
         x[0, 3] = float("nan")
         if M > 1:
             x[M // 2, K - 1] = float("inf")
             x[M - 1, 0] = float("-inf")
-    a, a_scale = _act_quant(x.to(torch.bfloat16).to(dev), BLOCK, a_fmt)
-    b, b_scale = R.per_block_quant_fp8(w.to(dev), b_fmt)
+    a, a_scale = _act_quant(x.to(torch.bfloat16), BLOCK, a_fmt)
+    b, b_scale = R.per_block_quant_fp8(w, b_fmt)
     if case == "tiny_weight_scales":
         s = torch.full((NB, G), 1e-23, device=dev)
         s[::2] = 1.0 / 448
