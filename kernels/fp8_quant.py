@@ -117,8 +117,10 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128, scale_fmt:
 # streams; large M wants fatter programs to amortise index math. Both tables fit sm_89 smem (no
 # shared memory is used beyond the reduction scratch).
 CONFIGS = {
-    "sm_89": {"small": {"BLOCK_G": 1, "num_warps": 1}, "large": {"BLOCK_G": 8, "num_warps": 4}},
-    "sm_90": {"small": {"BLOCK_G": 1, "num_warps": 1}, "large": {"BLOCK_G": 16, "num_warps": 4}},
+    "sm_89": {"small": {"BLOCK_G": 1, "num_warps": 1}, "mid": {"BLOCK_G": 4, "num_warps": 4},
+              "large": {"BLOCK_G": 8, "num_warps": 4}, "xlarge": {"BLOCK_G": 32, "num_warps": 8}},
+    "sm_90": {"small": {"BLOCK_G": 1, "num_warps": 1}, "mid": {"BLOCK_G": 4, "num_warps": 4},
+              "large": {"BLOCK_G": 16, "num_warps": 4}, "xlarge": {"BLOCK_G": 32, "num_warps": 8}},
 }
 
 
@@ -130,5 +132,10 @@ def arch_of(device: torch.device) -> str:
 
 
 def pick_config(n_groups: int, device: torch.device) -> dict:
+    # H200 run 1 (NOTES.md): BLOCK_G=1 wins below ~1k groups, is 2.8x slower than 8 at 131k groups
     table = CONFIGS[arch_of(device)]
-    return table["small"] if n_groups <= 4096 else table["large"]
+    if device.type != "cuda":  # CPU interpreter: programs run one by one in Python, fewest is fastest
+        return table["xlarge"]
+    if n_groups <= 1024:
+        return table["small"]
+    return table["mid"] if n_groups <= 16384 else table["large"]

@@ -28,8 +28,10 @@ def group_scales(x: torch.Tensor, group_size: int = 128, scale_fmt: str = "fp32"
     xg = x.float().reshape(M, K // group_size, group_size)
     amax = xg.abs().amax(dim=-1)
     amax = torch.where(xg.isnan().any(-1), torch.full_like(amax, float("nan")), amax)
-    s = torch.clamp_min(amax, eps) / E4M3_MAX
-    s = torch.where(amax.isnan(), amax, s)  # clamp_min keeps NaN in torch, be explicit anyway
+    # fp32 division correctly rounded on every device (torch may turn a CUDA division by a scalar
+    # into a multiply by its reciprocal, 1 ulp off): divide in float64, round once to float32
+    s = (torch.clamp_min(amax, eps).double() / E4M3_MAX).float()
+    s = torch.where(amax.isnan(), amax, s)
     if scale_fmt != "fp32":
         s = ceil_pow2(s)
     return s
@@ -69,7 +71,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128, scale_fmt:
     """Reference of ``ds4lab_kernels.fp8_quant.per_token_group_quant_fp8`` (same signature)."""
     M, K = x.shape
     s = group_scales(x, group_size, scale_fmt, eps)
-    xs = x.float().reshape(M, K // group_size, group_size) / s[..., None]
+    # the kernel's fp32 quotient x/s, correctly rounded (as tl.math.div_rn), then RTNE to e4m3
+    xs = (x.double().reshape(M, K // group_size, group_size) / s.double()[..., None]).float()
     q = to_e4m3(xs.reshape(M, K))
     if scale_fmt in ("fp32", "pow2"):
         return q, s
