@@ -1,11 +1,11 @@
 """Top-k indices per row (DeepSeek-V4 lightning indexer, k = 512; vLLM ``top_k_per_row``).
 
 Exact radix select, one program per row: the fp32 scores are mapped to order-preserving int32
-keys (NaN and -inf are not selectable; -0.0 is folded onto +0.0); three histogram passes over
-12 + 12 + 8 key bits (``tl.histogram``) find the exact k-th largest key ``T`` and how many
-entries equal to ``T`` must be taken; a last pass writes the indices with a running prefix sum.
-Passes 2 and 3 are skipped when a whole bin is taken. Every pass streams the row once (up to
-5 reads of the row; rows up to 2^31 entries).
+keys (NaN and -inf are not selectable; -0.0 is folded onto +0.0); up to four 256-bin histogram
+passes (``tl.histogram``), one per key byte from the top, find the exact k-th largest key ``T``
+and how many entries equal to ``T`` must be taken; a last pass writes the indices with a running
+prefix sum. A pass is skipped as soon as the k-th entry's bin is taken whole. Every pass streams
+the row once (2 to 5 reads of the row; rows up to 2^31 - 2 entries).
 
 Tie rule (deterministic): among entries with equal score, the LOWER index wins. Output order:
 the selected indices in ascending index order (not sorted by score), then ``-1`` padding.
@@ -52,40 +52,41 @@ def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
     if HAS_LEN:
         L = tl.minimum(tl.maximum(tl.load(len_ptr + r), 0), N)
     lane = tl.arange(0, BLOCK)
-    # pass 1: top 12 key bits (sign, exponent, 3 mantissa bits), bins 0..4095
-    h1 = tl.zeros((4096,), tl.int32)
+    # pass 0 counts the selectable entries together with the top-digit histogram
+    h = tl.zeros((256,), tl.int32)
     for c in range(0, L, BLOCK):
         key, valid = _load_keys(row_ptr, c + lane, L)
-        h1 += tl.histogram((key >> 20) + 2048, 4096, mask=valid)
-    n_valid = tl.sum(h1, 0)
-    k_eff = tl.minimum(n_valid, K)
-    # threshold key T and how many entries equal to T are taken (need_eq); everything > T is taken
-    b1, c1, a1 = _select_bin(h1, tl.maximum(k_eff, 1), 4096)
-    p1 = b1 - 2048                                   # value of key >> 20 in the threshold bin
-    need = k_eff - a1
-    T = (p1 << 20) - 1                               # default: take the whole bin (keys >= p1 << 20)
-    need_eq = need * 0
-    if (k_eff > 0) & (need < c1):
-        # pass 2: next 12 bits among keys in bin p1
-        h2 = tl.zeros((4096,), tl.int32)
-        for c in range(0, L, BLOCK):
-            key, valid = _load_keys(row_ptr, c + lane, L)
-            h2 += tl.histogram((key >> 8) & 0xFFF, 4096, mask=valid & ((key >> 20) == p1))
-        b2, c2, a2 = _select_bin(h2, need, 4096)
-        p2 = (p1 << 12) | b2                         # value of key >> 8
-        need = need - a2
-        T = (p2 << 8) - 1
-        if need < c2:
-            # pass 3: last 8 bits among keys with key >> 8 == p2
-            h3 = tl.zeros((256,), tl.int32)
-            for c in range(0, L, BLOCK):
-                key, valid = _load_keys(row_ptr, c + lane, L)
-                h3 += tl.histogram(key & 0xFF, 256, mask=valid & ((key >> 8) == p2))
-            b3, c3, a3 = _select_bin(h3, need, 256)
-            T = (p2 << 8) | b3
-            need_eq = need - a3
-    if k_eff == 0:
-        T = 2147483647                               # nothing selectable: take nothing
+        h += tl.histogram((key >> 24) + 128, 256, mask=valid)
+    k_eff = tl.minimum(tl.sum(h, 0), K)
+    # find the threshold key T: everything > T is taken, plus the first need_eq entries == T
+    T = k_eff * 0 + 2147483647
+    need_eq = k_eff * 0
+    done = k_eff == 0
+    need = k_eff
+    prefix = k_eff * 0
+    for lvl in tl.static_range(4):
+        SHIFT = 24 - 8 * lvl
+        if not done:
+            if lvl > 0:
+                h = tl.zeros((256,), tl.int32)
+                for c in range(0, L, BLOCK):
+                    key, valid = _load_keys(row_ptr, c + lane, L)
+                    sel = valid & ((key >> (SHIFT + 8)) == prefix)
+                    h += tl.histogram((key >> SHIFT) & 0xFF, 256, mask=sel)
+            b, cnt, above = _select_bin(h, need, 256)
+            if lvl == 0:
+                prefix = b - 128                      # signed top byte
+            else:
+                prefix = (prefix << 8) | b
+            need = need - above
+            if need == cnt:                           # the whole bin is taken: keys >= its lowest key
+                T = prefix << SHIFT
+                need_eq = need * 0 + 2147483647
+                done = need == need
+            elif lvl == 3:                            # exact key: take `need` of the entries equal to it
+                T = prefix
+                need_eq = need
+                done = need == need
     # output pass: ascending index order, ties on T resolved by lower index
     n_sel = k_eff * 0
     n_eq = k_eff * 0
@@ -164,7 +165,7 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
 
 # ---- config table ------------------------------------------------------------------------------
 # One program per row; BLOCK entries per step of each streaming pass. The histograms (4096 bins)
-# live in shared memory; larger BLOCK means fewer loop trips and more loads in flight per SM.
+# (256 bins) are a few registers per thread; larger BLOCK means fewer loop trips and more loads in flight per SM.
 CONFIGS = {
     "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}},
     "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}},
