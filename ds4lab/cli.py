@@ -31,14 +31,16 @@ def _available() -> dict[str, tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="ds4lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     cmds = _available()
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (mod, helptext) in cmds.items():
         p = sub.add_parser(name, help=helptext, description=helptext)
         p.set_defaults(_module=mod)
-        # argument definitions are cheap (no torch import at module top in these modules)
-        importlib.import_module(mod).add_arguments(p)
+        if name == chosen:  # only the command being run is imported (one broken module cannot break the rest)
+            importlib.import_module(mod).add_arguments(p)
     args = parser.parse_args(argv)
     return int(importlib.import_module(args._module).main(args) or 0)
 

@@ -1,0 +1,147 @@
+"""What a kernel notebook shows: a numerics sweep against the reference (runs here, on the GPU or on
+the Triton interpreter), and the benchmark rows measured on the H200 (read from results/*.csv, with
+their provenance), native and sm_89 builds side by side, as rounded text tables.
+
+Pure data in, rows out; the plotly figures live in :mod:`ds4lab.views`.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+from collections.abc import Iterable
+
+__all__ = ["RESULTS_DIR", "numerics_sweep", "load_results", "bench_summary", "builds_side_by_side",
+           "format_table", "provenance"]
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+
+
+def numerics_sweep(kernel: str, shapes: list[dict] | None = None, cases: Iterable[str] | None = None,
+                   seed: int = 0, device: str | None = None) -> list[dict]:
+    """Run ``kernel`` and its reference on every (shape, case); one row per check.
+
+    On a machine without CUDA the caller must have set ``TRITON_INTERPRET=1`` before importing
+    triton (the notebooks' first cell does, via :func:`ds4lab.interp.setup_for_notebook`).
+    """
+    import torch
+
+    from .registry import get
+    spec = get(kernel)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for shape in shapes or spec.test_shapes:
+        for case in cases or spec.cases:
+            inputs = spec.make_inputs(shape, case, seed, device)
+            out = spec.launcher_fn()(**inputs)
+            ref = spec.reference_fn()(**inputs)
+            for rep in spec.check(out, ref, inputs):
+                rows.append({"kernel": kernel, "shape": json.dumps(shape), "case": case, "check": rep.name,
+                             "verdict": "PASS" if rep.ok else "FAIL", "max_abs": rep.max_abs, "max_rel": rep.max_rel,
+                             "rms_rel": rep.rms_rel, "diff": rep.diff, "n_fail": rep.n_fail, "device": device})
+    return rows
+
+
+def load_results(kernel: str | None = None, results_dir: str = RESULTS_DIR, status: str | None = "OK") -> list[dict]:
+    """Rows of every ``results/*.csv`` (written by ``ds4lab bench``), optionally one kernel's."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.csv"))):
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                if kernel and r.get("kernel") != kernel:
+                    continue
+                if status and r.get("status") != status:
+                    continue
+                for k in ("p20_us", "p50_us", "p80_us", "tbps", "tflops", "frac_roof", "flops", "min_bytes",
+                          "roof_copy_tbps", "roof_bf16_tflops", "roof_fp8_tflops"):
+                    try:
+                        r[k] = float(r[k]) if r.get(k) not in (None, "") else None
+                    except ValueError:
+                        r[k] = None
+                r["tp"] = int(r["tp"]) if r.get("tp") else None
+                r["source"] = os.path.basename(path)
+                rows.append(r)
+    return rows
+
+
+def provenance(rows: list[dict]) -> str:
+    """One line naming where and with what the rows were measured."""
+    if not rows:
+        return "no benchmark rows committed yet (run scripts/gpu_suite.sh on a GPU machine)"
+    keys = ("gpu", "torch", "triton", "cuda", "git_sha", "timestamp")
+    seen = {k: sorted({r.get(k, "") for r in rows}) for k in keys}
+    return ("measured on " + ", ".join(seen["gpu"]) + f" | torch {', '.join(seen['torch'])} | triton "
+            f"{', '.join(seen['triton'])} | CUDA {', '.join(seen['cuda'])} | git {', '.join(seen['git_sha'])} | "
+            f"{seen['timestamp'][0]} .. {seen['timestamp'][-1]} (UTC)")
+
+
+def _latest(rows: list[dict]) -> list[dict]:
+    """Keep the newest row per (kernel, impl, build, tp, shape, config)."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["kernel"], r["impl"], r["build"], r["tp"], r["shape"], r.get("config_label", ""))
+        if key not in best or r["timestamp"] > best[key]["timestamp"]:
+            best[key] = r
+    return list(best.values())
+
+
+def bench_summary(rows: list[dict]) -> list[dict]:
+    """Per (kernel, build, impl, tp, shape): the fastest config's p50 with its achieved rate and the
+    fraction of the same-run roof, plus the config it used."""
+    groups: dict[tuple, dict] = {}
+    for r in _latest(rows):
+        key = (r["kernel"], r["build"], r["impl"], r["tp"], r["shape"])
+        if r.get("p50_us") is None:
+            continue
+        if key not in groups or r["p50_us"] < groups[key]["p50_us"]:
+            groups[key] = r
+    out = []
+    for (kernel, build, impl, tp, shape), r in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][3], kv[0][4], kv[0][1], kv[0][2])):
+        out.append({"kernel": kernel, "build": build, "impl": impl, "tp": tp, "shape": shape,
+                    "config": r.get("config_label", ""), "p50_us": r["p50_us"], "TB/s": r["tbps"],
+                    "TFLOP/s": r["tflops"], "frac_roof": r["frac_roof"]})
+    return out
+
+
+def builds_side_by_side(rows: list[dict]) -> list[dict]:
+    """Our kernel's best native (sm_90) and sm_89-build p50 per (kernel, tp, shape), with the
+    fraction of the same-run roof each reached and the best baseline's p50."""
+    summ = bench_summary(rows)
+    table: dict[tuple, dict] = {}
+    for r in summ:
+        key = (r["kernel"], r["tp"], r["shape"])
+        t = table.setdefault(key, {"kernel": r["kernel"], "tp": r["tp"], "shape": r["shape"]})
+        if r["impl"] == "ds4lab":
+            b = "sm90" if r["build"] == "native" else "sm89"
+            t[f"{b}_us"], t[f"{b}_roof"], t[f"{b}_config"] = r["p50_us"], r["frac_roof"], r["config"]
+        else:
+            if "baseline_us" not in t or r["p50_us"] < t["baseline_us"]:
+                t["baseline_us"], t["baseline"] = r["p50_us"], r["impl"]
+    out = list(table.values())
+    for t in out:
+        if t.get("baseline_us") and t.get("sm90_us"):
+            t["speedup_vs_baseline"] = t["baseline_us"] / t["sm90_us"]
+    return out
+
+
+def format_table(rows: list[dict], columns: list[str] | None = None, digits: int = 3, max_rows: int = 60) -> str:
+    """A short rounded text table (what notebook tests check next to every chart)."""
+    if not rows:
+        return "(no rows)"
+    columns = columns or list(rows[0].keys())
+
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.{digits}g}"
+        return "" if v is None else str(v)
+
+    body = [[cell(r.get(c)) for c in columns] for r in rows[:max_rows]]
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    if len(rows) > max_rows:
+        lines.append(f"... {len(rows) - max_rows} more rows")
+    return "\n".join(lines)
