@@ -526,7 +526,7 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 # Memory bound, no shared memory beyond reduction scratch.
 # Grouped GEMM: "decode" streams wo_a (32 MiB at TP=1) with BLOCK_M=16 rows, 64-row weight tiles and
 # split-K chosen so that about 2 programs per SM are in flight; 4 stages of (16x128 + 64x128) fp8 =
-# 40 KiB smem. "prefill" is an MMA-bound tile: sm_89 64x128x128 x3 stages = 72 KiB (< 101,376 B),
+# 40 KiB smem. "prefill" is an MMA-bound tile: sm_89 64x128x128 x4 stages = 72 KiB (< 101,376 B), 8 warps,
 # sm_90 128x128x128 x4 stages = 128 KiB. The bf16 path halves BLOCK_K (BLOCK_K_BF16=64) so its
 # stages stay the same size.
 CONFIGS = {
@@ -534,7 +534,7 @@ CONFIGS = {
         "rope_small": {"BLOCK_R": 2, "num_warps": 2},
         "rope_large": {"BLOCK_R": 16, "num_warps": 4},
         "decode": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K_BF16": 64, "SPLIT_K": None, "num_warps": 4, "num_stages": 4},
-        "prefill": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K_BF16": 64, "SPLIT_K": None, "num_warps": 4, "num_stages": 3},
+        "prefill": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K_BF16": 64, "SPLIT_K": None, "num_warps": 8, "num_stages": 4},
     },
     "sm_90": {
         "rope_small": {"BLOCK_R": 2, "num_warps": 2},
@@ -544,6 +544,7 @@ CONFIGS = {
     },
 }
 _INTERP_ROPE = {"BLOCK_R": 128, "num_warps": 4}
+_INTERP_EINSUM = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K_BF16": 128, "SPLIT_K": None, "num_warps": 4, "num_stages": 1}
 ROPE_LABELS = ("rope_small", "rope_large")
 EINSUM_LABELS = ("decode", "prefill")
 DECODE_MAX_T = 64
@@ -582,4 +583,6 @@ def _pick_rope_config(n_rows: int, device) -> dict:
 
 
 def pick_einsum_config(T: int, device) -> dict:
+    if device.type != "cuda":  # interpreter: fewest k-iterations in total
+        return _INTERP_EINSUM
     return CONFIGS[arch_of(device)]["decode" if T <= DECODE_MAX_T else "prefill"]
