@@ -16,6 +16,9 @@ indices`` (+ the name imported by ``sparse_swa``)          backend -> torch sear
 ``_BUILD_PREFILL_CHUNK_METADATA_KERNEL``
 ``cpu/cpu_mla.py::DeepseekV4CPUSparseSWAMetadataBuilder.  returns 3 of the 5 keys the shared builder
 build_tile_scheduler``                                     reads -> ``KeyError: 'c1a'`` (``c1a_fix``)
+``cpu/cpu_mla.py::DeepseekV4CPUIndexerMetadataBuilder.    native ``[B, next_n]`` decode rows trip
+__init__`` (sets ``use_flattening``)                       ``forward_cpu``'s one-token assertion under
+                                                           MTP -> flattened rows (``indexer_fix``)
 model registry ``DeepSeekV4MTPModel``                      CPU stub raises NotImplementedError ->
                                                            ``cpu_mtp.DeepSeekV4CPUMTP``
 =========================================================  =========================================
@@ -62,9 +65,9 @@ def register() -> None:
     if _INSTALLED or not _wanted():
         return
     version = check_vllm_version()  # raises UnsupportedVllmError on an unknown vLLM
-    from . import c1a_fix, metadata_ops
+    from . import c1a_fix, indexer_fix, metadata_ops
 
-    done = metadata_ops.install() + c1a_fix.install()
+    done = metadata_ops.install() + c1a_fix.install() + indexer_fix.install()
     from vllm import ModelRegistry
 
     ModelRegistry.register_model(MTP_ARCH, MTP_CLASS)

@@ -49,6 +49,10 @@ def cpu_env(base: dict | None = None, threads: int | None = None) -> dict[str, s
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    # Engine and worker in one process (the API server still runs separately): on a 2-core box
+    # this saves a ~0.7 GB Python+torch process and ~10 s of start-up; vLLM then runs its
+    # UniProc executor, which the CPU platform accepts for one worker.
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # the plugin must load in every vLLM process (API server, EngineCore, Worker)
     plugins = env.get("VLLM_PLUGINS")
     if plugins is not None and "ds4lab" not in plugins.split(","):
@@ -72,6 +76,11 @@ def tiny_server_args(model: str | os.PathLike, *, num_speculative_tokens: int = 
         "--tokenizer-mode", "deepseek_v4",
         "--reasoning-parser", "deepseek_v4",
         "--max-model-len", str(max_model_len),
+        # No chunked prefill on CPU without AMX: a prompt must fit one step. vLLM 0.32 derives
+        # max_num_scheduled_tokens from the *default* 2048 before the CPU platform raises
+        # max_num_batched_tokens to max_model_len, so with --speculative-config a longer prompt
+        # would wait forever; passing it explicitly avoids that.
+        "--max-num-batched-tokens", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs),
         "--kv-cache-memory-bytes", str(kv_cache_bytes),
         "--seed", "0",
