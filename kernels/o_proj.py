@@ -433,16 +433,23 @@ def bf16_einsum_bhr_hdr_bhd(x: torch.Tensor, wo_a: torch.Tensor, out: torch.Tens
 
 
 def _wo_b(z: torch.Tensor, wo_b: torch.Tensor, wo_b_s, scale_fmt: str, config) -> torch.Tensor:
-    """``z[T, Kb] @ wo_b[N, Kb]^T`` (block-scaled FP8 with z quantized 1x128, or plain bf16)."""
+    """``z[T, Kb] @ wo_b[N, Kb]^T``: block-scaled FP8 (z quantized 1x128, then ``fp8_gemm_nt``) or
+    plain bf16 (this file's grouped kernel with one group)."""
     T, Kb = z.shape
     N = wo_b.shape[0]
+    cfg = config or {}
     if wo_b_s is None:
         return fp8_einsum_bhr_hdr_bhd(z.view(T, 1, Kb), None, wo_b.view(1, N, Kb), None,
-                                      config=config).view(T, N)
+                                      config=cfg.get("wo_b")).view(T, N)
     from .fp8_quant import per_token_group_quant_fp8
     zq, zs = per_token_group_quant_fp8(z, QUANT_GROUP, scale_fmt=scale_fmt)
-    return fp8_einsum_bhr_hdr_bhd(zq.view(T, 1, Kb), zs.view(T, 1, Kb // W_BLOCK), wo_b.view(1, N, Kb),
-                                  wo_b_s.view(1, N // W_BLOCK, Kb // W_BLOCK), config=config).view(T, N)
+    try:
+        from .fp8_gemm import fp8_gemm_nt
+    except ImportError:  # kernels/ lifted without fp8_gemm.py: the grouped kernel with G=1 is the same op
+        return fp8_einsum_bhr_hdr_bhd(zq.view(T, 1, Kb), zs.view(T, 1, Kb // W_BLOCK), wo_b.view(1, N, Kb),
+                                      wo_b_s.view(1, N // W_BLOCK, Kb // W_BLOCK),
+                                      config=cfg.get("wo_b")).view(T, N)
+    return fp8_gemm_nt(zq, zs, wo_b, wo_b_s, config=cfg.get("wo_b_fp8"))
 
 
 def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, wo_a: torch.Tensor,
@@ -455,7 +462,8 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     given): :func:`inv_rope_fp8_quant` -> :func:`fp8_einsum_bhr_hdr_bhd` -> ``z`` bf16 ->
     1x128 quant -> block-scaled ``wo_b``. BF16 path (``wo_a_s`` None, ``wo_a`` bfloat16: the
     community checkpoint's MTP drafter): rotated bf16 -> :func:`bf16_einsum_bhr_hdr_bhd` ->
-    ``wo_b`` (bf16 when ``wo_b_s`` is None, else block-scaled FP8).
+    ``wo_b`` (bf16 when ``wo_b_s`` is None, else block-scaled FP8). The FP8 ``wo_b`` step is
+    ``fp8_quant.per_token_group_quant_fp8`` + ``fp8_gemm.fp8_gemm_nt`` (DeepGEMM semantics).
 
     Args:
         o: ``(num_tokens, num_heads, head_dim)`` bfloat16 attention output (per-rank heads).
@@ -471,7 +479,9 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
         heads_per_group: 8 for DeepSeek-V4 at every TP.
         scale_fmt: activation scale encoding of both quant steps (``fp32``, ``pow2``, ``ue8m0``).
         check_positions: see :func:`inv_rope_fp8_quant`.
-        config: ``{"rope": ..., "einsum": ..., "wo_b": ...}`` rows of ``CONFIGS`` (any may be missing).
+        config: ``{"rope": ..., "einsum": ..., "wo_b": ..., "wo_b_fp8": ...}``: rows of ``CONFIGS``
+            for the parts (``wo_b``: bf16 ``wo_b``; ``wo_b_fp8``: a row of ``fp8_gemm.CONFIGS``);
+            any may be missing (default picks by size).
 
     Returns:
         ``(num_tokens, hidden)`` bfloat16.
@@ -518,7 +528,7 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
         x = inv_rope_fp8_quant(o, positions, cos_sin_cache, heads_per_group, False,
                                check_positions=check_positions, config=cfg.get("rope"))
         z = bf16_einsum_bhr_hdr_bhd(x, wo_a, config=cfg.get("einsum"))
-    return _wo_b(z.view(T, G * R), wo_b, wo_b_s, scale_fmt, cfg.get("wo_b"))
+    return _wo_b(z.view(T, G * R), wo_b, wo_b_s, scale_fmt, cfg)
 
 
 # ---- config tables -----------------------------------------------------------------------------

@@ -1,0 +1,227 @@
+"""o-projection: specifics beyond the registry sweep (issue 5): odd T, per-rank head counts for
+TP 1/2/4/8, positions at the end of the cos/sin cache, zero rows, scale encodings, the BF16 drafter
+path, split-K, the 2-D checkpoint layout, and bad inputs that must raise naming the argument."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from ds4lab.geometry import DEFAULT_CONFIG, op_shapes
+from ds4lab.kernel_specs import o_proj as spec
+from ds4lab.numerics import compare, compare_exact
+from ds4lab.reference import o_proj as ref
+from ds4lab.reference.quant import decode_ue8m0
+from ds4lab_kernels import o_proj as K
+
+pytestmark = pytest.mark.interp
+
+
+def _seed():
+    return int(torch.randint(0, 2**31, (1,)))
+
+
+def _rope(T, H, case="random", **kw):
+    return spec.rope_inputs({"T": T, "H": H, **kw}, case, _seed(), DEVICE)
+
+
+@pytest.mark.parametrize("tp,T", [(1, 1), (2, 7), (4, 33), (8, 33)])
+def test_inv_rope_odd_T_every_tp_and_encodings(tp, T):
+    """Per-rank heads for TP 1,2,4,8 (64/32/16/8 heads, 8 per group) at odd T: all three scale
+    encodings agree byte for byte with the reference and with each other."""
+    H = op_shapes(DEFAULT_CONFIG, tp)["o_proj"].dims["H"]
+    inp = _rope(T, H)
+    outs = {}
+    for fmt in ("fp32", "pow2", "ue8m0"):
+        q, s = K.inv_rope_fp8_quant(**{**inp, "scale_fmt": fmt})
+        rq, rs = ref.inv_rope_fp8_quant(**{**inp, "scale_fmt": fmt})
+        assert q.shape == (T, H // 8, 4096) and s.shape == (T, H // 8, 32)
+        assert compare_exact(q, rq, fmt) and compare_exact(s, rs, fmt)
+        outs[fmt] = (q, s)
+    assert torch.equal(outs["pow2"][0].view(torch.uint8), outs["ue8m0"][0].view(torch.uint8))
+    assert torch.equal(decode_ue8m0(outs["ue8m0"][1].cpu()), outs["pow2"][1].cpu())
+
+
+def test_inverse_rope_undoes_forward_rope():
+    """Rotating by +theta (vLLM forward GPT-J RoPE) then through the kernel's bf16 path gives back
+    the input (to bf16 rounding); the NoPE part is untouched bit for bit."""
+    T, H, P = 5, 8, 64
+    inp = _rope(T, H, quantize=False)
+    x = inp["o"].float()
+    cs = inp["cos_sin_cache"][inp["positions"]]
+    cos, sin = cs[:, None, :32], cs[:, None, 32:]
+    fwd = x.clone()
+    ev, od = x[..., 448::2], x[..., 449::2]
+    fwd[..., 448::2] = ev * cos - od * sin
+    fwd[..., 449::2] = od * cos + ev * sin
+    back = K.inv_rope_fp8_quant(fwd.to(torch.bfloat16), inp["positions"], inp["cos_sin_cache"], 8, quantize=False)
+    back = back.view(T, H, 512)
+    assert torch.equal(back[..., :448], inp["o"][..., :448])
+    err = (back[..., 448:].float() - x[..., 448:]).abs().amax(dim=(1, 2))
+    scale = x[..., 448:].abs().amax(dim=(1, 2))
+    assert torch.all(err <= 2.0 ** -7 * scale), (err, scale)
+
+
+def test_positions_at_end_of_cache_and_int32():
+    inp = _rope(6, 16, "cache_end")
+    P = inp["cos_sin_cache"].shape[0]
+    assert int(inp["positions"].max()) == P - 1
+    q, s = K.inv_rope_fp8_quant(**inp)
+    q32, s32 = K.inv_rope_fp8_quant(**{**inp, "positions": inp["positions"].to(torch.int32)})
+    rq, rs = ref.inv_rope_fp8_quant(**inp)
+    assert compare_exact(q, rq) and compare_exact(s, rs)
+    assert torch.equal(q.view(torch.uint8), q32.view(torch.uint8)) and torch.equal(s, s32)
+
+
+def test_zero_rows_and_strided_o():
+    inp = _rope(4, 8, "zero_rows")
+    big = torch.zeros(4, 12, 512, dtype=torch.bfloat16, device=DEVICE)
+    big[:, 2:10] = inp["o"]
+    view = big[:, 2:10]  # head stride 512, token stride 12*512: not contiguous over heads/tokens
+    q, s = K.inv_rope_fp8_quant(**{**inp, "o": view})
+    rq, rs = ref.inv_rope_fp8_quant(**inp)
+    assert compare_exact(q, rq) and compare_exact(s, rs)
+    assert torch.all(q[0].float() == 0) and not torch.isnan(q.float()).any()
+
+
+def test_unchecked_out_of_range_position_gives_nan_not_garbage():
+    inp = _rope(3, 8)
+    pos = inp["positions"].clone()
+    pos[1] = inp["cos_sin_cache"].shape[0] + 5
+    q, s = K.inv_rope_fp8_quant(**{**inp, "positions": pos, "scale_fmt": "fp32"}, check_positions=False)
+    assert torch.isnan(s[1]).all() and not torch.isnan(s[0]).any() and not torch.isnan(s[2]).any()
+
+
+def _einsum(T, G, N, Kd, case="random", **kw):
+    return spec.einsum_inputs({"T": T, "G": G, "N": N, "K": Kd, **kw}, case, _seed(), DEVICE)
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_einsum_split_k_agrees(split):
+    inp = _einsum(5, 2, 128, 512)
+    cfg = {**K.CONFIGS["sm_89"]["decode"], "SPLIT_K": split}
+    out = K.fp8_einsum_bhr_hdr_bhd(**inp, config=cfg)
+    assert compare(out, ref.fp8_einsum_bhr_hdr_bhd(**inp), "bfloat16")
+
+
+def test_einsum_scale_encodings_and_e8m0_dtype():
+    inp = _einsum(3, 1, 128, 256, x_fmt="ue8m0", w_fmt="ue8m0")
+    want = ref.fp8_einsum_bhr_hdr_bhd(**inp)
+    a = K.fp8_einsum_bhr_hdr_bhd(**inp)
+    f32 = {**inp, "x_s": decode_ue8m0(inp["x_s"]), "wo_a_s": decode_ue8m0(inp["wo_a_s"])}
+    b = K.fp8_einsum_bhr_hdr_bhd(**f32)
+    assert compare(a, want, "bfloat16") and torch.equal(a, b)
+    if hasattr(torch, "float8_e8m0fnu"):
+        c = K.fp8_einsum_bhr_hdr_bhd(inp["x"], inp["x_s"].view(torch.float8_e8m0fnu), inp["wo_a"],
+                                     inp["wo_a_s"].view(torch.float8_e8m0fnu))
+        assert torch.equal(a, c)
+
+
+def test_einsum_out_and_empty():
+    inp = _einsum(2, 1, 128, 128)
+    out = torch.empty(2, 1, 128, dtype=torch.bfloat16, device=DEVICE)
+    r = K.fp8_einsum_bhr_hdr_bhd(**inp, out=out)
+    assert r.data_ptr() == out.data_ptr()
+    e = _einsum(0, 2, 128, 256)
+    assert K.fp8_einsum_bhr_hdr_bhd(**e).shape == (0, 2, 128)
+
+
+def _oproj(T, H, path="fp8", case="random", **kw):
+    return spec.o_proj_inputs({"T": T, "H": H, "R": 128, "N": 128, "path": path, **kw}, case, _seed(), DEVICE)
+
+
+def test_einsum_eight_groups_tp1():
+    """TP=1 has 8 wo_a groups; a short K keeps the interpreter fast (the o_proj tests use K=4096)."""
+    inp = _einsum(3, 8, 128, 256)
+    assert compare(K.fp8_einsum_bhr_hdr_bhd(**inp), ref.fp8_einsum_bhr_hdr_bhd(**inp), "bfloat16")
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_o_proj_heads_per_rank(tp):
+    """The per-rank head counts of TP 4/8 (G = 2/1 groups of 8 heads, K = 4096); small R/N. TP 1/2
+    head counts are covered per part (inv-RoPE above, 8-group einsum) to keep the interpreter fast."""
+    H = op_shapes(DEFAULT_CONFIG, tp)["o_proj"].dims["H"]
+    inp = _oproj(1 if tp <= 2 else 3, H)
+    out = K.o_proj(**inp)
+    assert out.shape == (inp["o"].shape[0], 128) and out.dtype == torch.bfloat16
+    assert compare(out, ref.o_proj(**inp), "bfloat16")
+
+
+def test_o_proj_bf16_drafter_path_and_2d_checkpoint_layout():
+    """wo_a without scales (community MTP drafter): bf16 path; wo_a given as the checkpoint's 2-D
+    ``[G*R, K]`` gives the same result; an FP8 wo_b after a BF16 wo_a also works."""
+    inp = _oproj(7, 8, "bf16", "zero_rows")
+    out = K.o_proj(**inp)
+    assert compare(out, ref.o_proj(**inp), "bfloat16")
+    two_d = K.o_proj(**{**inp, "wo_a": inp["wo_a"].reshape(-1, 4096)})
+    assert torch.equal(out, two_d)
+    qb, sb = spec.block_quant_weight(inp["wo_b"][None].float(), "ue8m0")
+    mixed = {**inp, "wo_b": qb[0], "wo_b_s": sb[0]}
+    assert compare(K.o_proj(**mixed), ref.o_proj(**mixed), "bfloat16")
+
+
+def test_o_proj_fp8_2d_scales_and_cache_end():
+    inp = _oproj(2, 8, "fp8", "cache_end", scale_fmt="fp32")
+    out = K.o_proj(**inp)
+    two_d = K.o_proj(**{**inp, "wo_a": inp["wo_a"].reshape(-1, 4096), "wo_a_s": inp["wo_a_s"].reshape(-1, 32)})
+    assert torch.equal(out, two_d)
+    assert compare(out, ref.o_proj(**inp), "bfloat16")
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------
+def _rope_bad():
+    return _rope(2, 8)
+
+
+@pytest.mark.parametrize("mut,exc,match", [
+    (lambda d: {**d, "o": d["o"][:, :7]}, ValueError, "num_heads=7"),                    # wrong head count
+    (lambda d: {**d, "o": d["o"].float()}, TypeError, "o: dtype"),
+    (lambda d: {**d, "o": d["o"].transpose(1, 2).contiguous().transpose(1, 2)}, ValueError, "o: last dim"),
+    (lambda d: {**d, "positions": d["positions"] + 1000}, ValueError, "missing cos/sin rows"),
+    (lambda d: {**d, "positions": d["positions"] - 1000}, ValueError, "missing cos/sin rows"),
+    (lambda d: {**d, "positions": d["positions"][:1]}, ValueError, "positions: expected shape"),
+    (lambda d: {**d, "positions": d["positions"].float()}, TypeError, "positions: dtype"),
+    (lambda d: {**d, "cos_sin_cache": d["cos_sin_cache"][:, :63]}, ValueError, "rope_dim=63"),
+    (lambda d: {**d, "cos_sin_cache": d["cos_sin_cache"][:0]}, ValueError, "no rows"),
+    (lambda d: {**d, "o": d["o"][..., :500]}, ValueError, "head_dim=500"),
+    (lambda d: {**d, "cos_sin_cache": d["cos_sin_cache"].half()}, TypeError, "cos_sin_cache: dtype"),
+    (lambda d: {**d, "cos_sin_cache": d["cos_sin_cache"].t().contiguous().t()}, ValueError, "cos_sin_cache: last dim"),
+    (lambda d: {**d, "scale_fmt": "e8m0"}, ValueError, "scale_fmt"),
+    (lambda d: {**d, "heads_per_group": 3}, ValueError, "heads_per_group=3"),
+])
+def test_inv_rope_bad_inputs(mut, exc, match):
+    with pytest.raises(exc, match=match):
+        K.inv_rope_fp8_quant(**mut(_rope_bad()))
+
+
+def test_narrow_cos_sin_is_applied_to_last_dims_only():
+    """A 32-wide cos/sin cache is a legal (smaller) rope_dim, not an error: it rotates the last 32."""
+    d = _rope(2, 8, quantize=False)
+    d["cos_sin_cache"] = d["cos_sin_cache"][:, :32].contiguous()
+    assert compare_exact(K.inv_rope_fp8_quant(**d), ref.inv_rope_fp8_quant(**d))
+
+
+@pytest.mark.parametrize("mut,exc,match", [
+    (lambda d: {**d, "x": d["x"].float()}, TypeError, "x: dtype"),
+    (lambda d: {**d, "wo_a_s": None}, ValueError, "give both scales"),
+    (lambda d: {**d, "wo_a": d["wo_a"][:, :, :128]}, ValueError, "wo_a: shape"),
+    (lambda d: {**d, "x_s": d["x_s"][:, :, :1]}, ValueError, "x_s: shape"),
+    (lambda d: {**d, "wo_a_s": d["wo_a_s"][:, :, :1]}, ValueError, "wo_a_s: shape"),
+    (lambda d: {**d, "x_s": d["x_s"].to(torch.float16)}, TypeError, "x_s: dtype"),
+    (lambda d: {**d, "wo_a": d["wo_a"].transpose(1, 2).contiguous().transpose(1, 2)}, ValueError, "wo_a: last dim"),
+    (lambda d: {**d, "x": d["x"].transpose(0, 2).contiguous().transpose(0, 2)}, ValueError, "x: last dim"),
+])
+def test_einsum_bad_inputs(mut, exc, match):
+    with pytest.raises(exc, match=match):
+        K.fp8_einsum_bhr_hdr_bhd(**mut(_einsum(2, 2, 128, 256)))
+
+
+@pytest.mark.parametrize("mut,exc,match", [
+    (lambda d: {**d, "o": d["o"][:, :12]}, ValueError, "num_heads=12"),
+    (lambda d: {**d, "wo_a": d["wo_a"][:1]}, ValueError, "wrong head count"),
+    (lambda d: {**d, "wo_b": d["wo_b"][:, :128]}, ValueError, "wo_b: shape"),
+    (lambda d: {**d, "wo_a_s": None}, ValueError, "FP8 wo_a needs its block scales"),
+    (lambda d: {**d, "wo_b_s": None}, ValueError, "FP8 wo_b needs its block scales"),
+    (lambda d: {**d, "positions": d["positions"] + 10_000}, ValueError, "missing cos/sin rows"),
+])
+def test_o_proj_bad_inputs(mut, exc, match):
+    with pytest.raises(exc, match=match):
+        K.o_proj(**mut(_oproj(2, 16)))
