@@ -1,0 +1,80 @@
+"""Plotly figures over benchmark / numerics rows (views depend on the core, never the reverse)."""
+from __future__ import annotations
+
+import json
+
+__all__ = ["bench_figure", "roofline_figure", "numerics_figure", "ada_estimate_figure"]
+
+
+def _short(shape: str) -> str:
+    try:
+        d = json.loads(shape)
+    except (TypeError, ValueError):
+        return str(shape)
+    return ",".join(f"{k}={v}" for k, v in d.items() if k not in ("scale_fmt",))
+
+
+def bench_figure(side_rows: list[dict], title: str = ""):
+    """Grouped bars: p50 microseconds per shape for the sm_90 build, the sm_89 build and the best
+    baseline (rows from :func:`ds4lab.kernel_report.builds_side_by_side`); log y."""
+    import plotly.graph_objects as go
+    x = [f"{r['kernel']} tp{r['tp']} {_short(r['shape'])}" for r in side_rows]
+    fig = go.Figure()
+    for key, name in (("sm90_us", "ds4lab sm_90 build"), ("sm89_us", "ds4lab sm_89 build (Ada ISA)"),
+                      ("baseline_us", "best baseline")):
+        fig.add_bar(x=x, y=[r.get(key) for r in side_rows], name=name)
+    fig.update_layout(barmode="group", title=title or "p50 per call (H200)", yaxis_type="log",
+                      yaxis_title="microseconds (p50)", height=480, legend_orientation="h")
+    return fig
+
+
+def roofline_figure(rows: list[dict], title: str = ""):
+    """Achieved TFLOP/s against arithmetic intensity (FLOP/byte, from the min-bytes formula), with
+    the copy-bandwidth and FP8/bf16 roofs measured in the same run."""
+    import plotly.graph_objects as go
+    pts = [r for r in rows if r.get("flops") and r.get("min_bytes") and r.get("p50_us")]
+    fig = go.Figure()
+    if not pts:
+        fig.update_layout(title="no compute rows")
+        return fig
+    bw = max(r["roof_copy_tbps"] for r in pts)
+    fp8 = max(r["roof_fp8_tflops"] for r in pts)
+    bf16 = max(r["roof_bf16_tflops"] for r in pts)
+    ai = [r["flops"] / r["min_bytes"] for r in pts]
+    lo, hi = min(ai) / 2, max(ai) * 2
+    xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]
+    fig.add_scatter(x=xs, y=[min(fp8, bw * x) for x in xs], mode="lines", name=f"FP8 roof ({fp8:.0f} TF/s, {bw:.2f} TB/s)")
+    fig.add_scatter(x=xs, y=[min(bf16, bw * x) for x in xs], mode="lines", name=f"bf16 roof ({bf16:.0f} TF/s)",
+                    line_dash="dot")
+    for impl in sorted({r["impl"] + "/" + r["build"] for r in pts}):
+        sel = [r for r in pts if r["impl"] + "/" + r["build"] == impl]
+        fig.add_scatter(x=[r["flops"] / r["min_bytes"] for r in sel], y=[r["tflops"] for r in sel], mode="markers",
+                        name=impl, text=[_short(r["shape"]) for r in sel])
+    fig.update_layout(title=title or "roofline (H200, same-run roofs)", xaxis_type="log", yaxis_type="log",
+                      xaxis_title="FLOP / byte (minimum bytes)", yaxis_title="TFLOP/s", height=480)
+    return fig
+
+
+def numerics_figure(rows: list[dict], title: str = ""):
+    """Max relative error and similarity diff per (shape, case) on a log axis."""
+    import plotly.graph_objects as go
+    x = [f"{_short(r['shape'])} {r['case']} {r['check']}" for r in rows]
+    fig = go.Figure()
+    fig.add_bar(x=x, y=[max(r["max_rel"], 1e-12) for r in rows], name="max rel err")
+    fig.add_bar(x=x, y=[max(r["diff"], 1e-16) for r in rows], name="1 - similarity")
+    fig.update_layout(barmode="group", yaxis_type="log", title=title or "numerics vs reference", height=420)
+    return fig
+
+
+def ada_estimate_figure(rows: list[dict], title: str = ""):
+    """Predicted decode tokens/s per card and TP (bars) against the bandwidth ceiling (markers)."""
+    import plotly.graph_objects as go
+    fig = go.Figure()
+    for card in sorted({r["card"] for r in rows}):
+        sel = [r for r in rows if r["card"] == card]
+        x = [f"TP{r['tp']} B{r['batch']}" for r in sel]
+        fig.add_bar(x=x, y=[r["tok_s"] for r in sel], name=f"{card} predicted")
+        fig.add_scatter(x=x, y=[r["ceiling_tok_s"] for r in sel], mode="markers", name=f"{card} bandwidth ceiling")
+    fig.update_layout(barmode="group", title=title or "decode step model (estimate)", yaxis_title="tokens/s",
+                      yaxis_type="log", height=480)
+    return fig
