@@ -17,6 +17,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tests/test_kernels_registry.py $(ls tests/test_*.py | grep -E "fp8|o_proj|indexer|topk|mla|mhc|moe" ) \
     2>&1 | tail -40 | tee "$OUT/gpu_tests.log" || rc=1
 fi
-timeout ${BENCH_TIMEOUT:-300} python3 -m ds4lab.bench "$@" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_native.log" | tail -60 || rc=1
-timeout ${BENCH_TIMEOUT:-300} python3 -m ds4lab.bench "$@" --arch sm89 --no-baselines --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_sm89.log" | tail -60 || rc=1
+for build in ${BUILDS:-native sm89}; do
+  extra=""; [ "$build" = sm89 ] && extra="--no-baselines"
+  timeout ${BENCH_TIMEOUT:-300} python3 -m ds4lab.bench "$@" --arch $build $extra --out "$OUT" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench_$build.log" | grep -E "FAIL|ERROR|rows ->|roofs|Traceback|Error" | tail -40 || rc=1
+done
 exit $rc
