@@ -223,10 +223,18 @@ def test_serve_sh_execs_the_same_argv(tmp_path):
     stub.write_text("#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > \"$OUT_ARGS\"\nenv > \"$OUT_ENV\"\n")
     stub.chmod(0o755)
     env = dict(ENV, PYTHON=str(stub), OUT_ARGS=str(tmp_path / "a"), OUT_ENV=str(tmp_path / "e"),
-               VLLM_TRITON_MLA_SPARSE_OLD="1")
-    subprocess.run(["bash", str(files["serve.sh"])], env=env, check=True)
+               VLLM_TRITON_MLA_SPARSE_OLD="1", HF_HUB_CACHE=str(tmp_path / "hub"))
+    r = subprocess.run(["bash", str(files["serve.sh"])], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "no complete snapshot" in r.stderr   # nothing cached: clear failure
+    # refs/main points at a snapshot that is not on disk: the script picks the existing one, says so
+    root = _fake_repo(tmp_path / "hub", L.model, ("good1",), "dangling")
+    r = subprocess.run(["bash", str(files["serve.sh"])], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "dangling is not on disk" in r.stderr
     got = (tmp_path / "a").read_text().splitlines()
-    assert got == L.argv[1:]
+    want = list(L.argv[1:])
+    want[want.index("--model") + 1] = str(root / "snapshots" / "good1")
+    assert got == want
     e = (tmp_path / "e").read_text()
     assert "VLLM_TRITON_MLA_SPARSE=1" in e and "VLLM_TRITON_MLA_SPARSE_OLD" not in e
 

@@ -37,9 +37,27 @@ def _header(launch: Launch, port: int) -> str:
     return _HEADER.format(profile=launch.profile, stack=launch.stack, host=launch.host, port=port)
 
 
+_RESOLVE = r"""# HF repo id -> local snapshot; a refs/main that points at a snapshot not on disk is not trusted
+if [ ! -d "$MODEL" ]; then
+  repo_dir="${HF_HUB_CACHE:-${HF_HOME:-$HOME/.cache/huggingface}/hub}/models--${MODEL//\//--}"
+  ref=$(cat "$repo_dir/refs/main" 2>/dev/null || true)
+  if [ -n "$ref" ] && [ -f "$repo_dir/snapshots/$ref/config.json" ]; then
+    MODEL="$repo_dir/snapshots/$ref"
+  else
+    snap=""
+    for d in $(ls -td "$repo_dir"/snapshots/*/ 2>/dev/null); do
+      if [ -f "$d/config.json" ]; then snap="${d%/}"; break; fi
+    done
+    if [ -z "$snap" ]; then echo "serve.sh: no complete snapshot of $MODEL under $repo_dir" >&2; exit 1; fi
+    echo "serve.sh: refs/main -> ${ref:-none} is not on disk; using $snap" >&2
+    MODEL="$snap"
+  fi
+fi"""
+
+
 def _q(v: str) -> str:
-    """Quote for bash, leaving a ``${...}`` expansion (the tiny checkpoint path) live."""
-    if v.startswith("${"):
+    """Quote for bash, leaving a ``${...}`` / ``$MODEL`` expansion live."""
+    if v.startswith("$"):
         return '"' + v.replace('"', '\\"') + '"'
     return shlex.quote(v)
 
@@ -57,6 +75,11 @@ def render_serve_sh(launch: Launch, port: int = 8000) -> str:
             continue
         out.append(a)
     lines = [_header(launch, port), 'PYTHON="${PYTHON:-python3}"']
+    model = launch.model
+    lines.append(f'MODEL="${{MODEL:-{model}}}"' if model.startswith("${") else f"MODEL=\"${{MODEL:-{model}}}\"")
+    if not model.startswith(("${", "/", ".")):  # an HF repo id: resolve offline, never trusting refs/main
+        lines.append(_RESOLVE)
+    out = ["$MODEL" if i > 0 and out[i - 1] == "--model" else a for i, a in enumerate(out)]
     if launch.scrub_prefixes:
         pats = "|".join(f"{p}*" for p in launch.scrub_prefixes)
         lines.append("# stale exports from older recipes change kernel selection silently: scrub them")

