@@ -88,27 +88,6 @@ def _mhc_post_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     tmask = rm < T
-    p0 = _col(post_ptr, rm, stride_pt, 0, tmask)
-    p1 = _col(post_ptr, rm, stride_pt, 1, tmask)
-    p2 = _col(post_ptr, rm, stride_pt, 2, tmask)
-    p3 = _col(post_ptr, rm, stride_pt, 3, tmask)
-    # comb[t, i, j] at comb_ptr + t*stride_ct + 4 i + j: cIJ multiplies res stream I into output stream J
-    c00 = _col(comb_ptr, rm, stride_ct, 0, tmask)
-    c01 = _col(comb_ptr, rm, stride_ct, 1, tmask)
-    c02 = _col(comb_ptr, rm, stride_ct, 2, tmask)
-    c03 = _col(comb_ptr, rm, stride_ct, 3, tmask)
-    c10 = _col(comb_ptr, rm, stride_ct, 4, tmask)
-    c11 = _col(comb_ptr, rm, stride_ct, 5, tmask)
-    c12 = _col(comb_ptr, rm, stride_ct, 6, tmask)
-    c13 = _col(comb_ptr, rm, stride_ct, 7, tmask)
-    c20 = _col(comb_ptr, rm, stride_ct, 8, tmask)
-    c21 = _col(comb_ptr, rm, stride_ct, 9, tmask)
-    c22 = _col(comb_ptr, rm, stride_ct, 10, tmask)
-    c23 = _col(comb_ptr, rm, stride_ct, 11, tmask)
-    c30 = _col(comb_ptr, rm, stride_ct, 12, tmask)
-    c31 = _col(comb_ptr, rm, stride_ct, 13, tmask)
-    c32 = _col(comb_ptr, rm, stride_ct, 14, tmask)
-    c33 = _col(comb_ptr, rm, stride_ct, 15, tmask)
     rm64 = rm.to(tl.int64)[:, None]
     x_row = x_ptr + rm64 * stride_xt
     r_row = res_ptr + rm64 * stride_rt
@@ -129,28 +108,18 @@ def _mhc_post_kernel(
         r1 = tl.load(r_row + stride_rh + dd[None, :], mask=m2, other=0.0).to(tl.float32)
         r2 = tl.load(r_row + 2 * stride_rh + dd[None, :], mask=m2, other=0.0).to(tl.float32)
         r3 = tl.load(r_row + 3 * stride_rh + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-        n0 = _post_stream(x, r0, r1, r2, r3, p0, c00, c10, c20, c30).to(tl.bfloat16)
-        n1 = _post_stream(x, r0, r1, r2, r3, p1, c01, c11, c21, c31).to(tl.bfloat16)
-        n2 = _post_stream(x, r0, r1, r2, r3, p2, c02, c12, c22, c32).to(tl.bfloat16)
-        n3 = _post_stream(x, r0, r1, r2, r3, p3, c03, c13, c23, c33).to(tl.bfloat16)
-        tl.store(o_row + dd[None, :], n0, mask=m2)
-        tl.store(o_row + stride_oh + dd[None, :], n1, mask=m2)
-        tl.store(o_row + 2 * stride_oh + dd[None, :], n2, mask=m2)
-        tl.store(o_row + 3 * stride_oh + dd[None, :], n3, mask=m2)
-        if PRENORM:
-            wm = nmask[None, :] & (dd < d_hi)[:, None]
-            f0 = n0.to(tl.float32)
-            f1 = n1.to(tl.float32)
-            f2 = n2.to(tl.float32)
-            f3 = n3.to(tl.float32)
-            sq += tl.sum(f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3, axis=1)
-            acc = tl.dot(f0, tl.load(w_col + dd[:, None], mask=wm, other=0.0), acc, input_precision=PRECISION)
-            acc = tl.dot(f1, tl.load(w_col + (D + dd)[:, None], mask=wm, other=0.0), acc,
-                         input_precision=PRECISION)
-            acc = tl.dot(f2, tl.load(w_col + (2 * D + dd)[:, None], mask=wm, other=0.0), acc,
-                         input_precision=PRECISION)
-            acc = tl.dot(f3, tl.load(w_col + (3 * D + dd)[:, None], mask=wm, other=0.0), acc,
-                         input_precision=PRECISION)
+        for j in tl.static_range(4):
+            # coefficients re-read per chunk (L1 hits): holding all 20 per-token vectors live spills on sm_89
+            n = _post_stream(x, r0, r1, r2, r3, _col(post_ptr, rm, stride_pt, j, tmask),
+                             _col(comb_ptr, rm, stride_ct, j, tmask), _col(comb_ptr, rm, stride_ct, 4 + j, tmask),
+                             _col(comb_ptr, rm, stride_ct, 8 + j, tmask),
+                             _col(comb_ptr, rm, stride_ct, 12 + j, tmask)).to(tl.bfloat16)
+            tl.store(o_row + j * stride_oh + dd[None, :], n, mask=m2)
+            if PRENORM:
+                f = n.to(tl.float32)
+                sq += tl.sum(f * f, axis=1)
+                w = tl.load(w_col + (j * D + dd)[:, None], mask=nmask[None, :] & (dd < d_hi)[:, None], other=0.0)
+                acc = tl.dot(f, w, acc, input_precision=PRECISION)
     if PRENORM:
         m_off = pid_s * stride_ms + rm64 * stride_mt + rn[None, :]
         tl.store(mix_ptr + m_off, acc, mask=tmask[:, None] & nmask[None, :])
@@ -383,9 +352,10 @@ def _apply(mixes, sqrsum, hc_scale, hc_base, res, res_strides, norm_weight, D, r
 
 def _post(x, residual, post_mix, comb_mix, out, cfg, fn=None, precision="tf32", num_splits=None):
     T, _, D = residual.shape
-    BM, BK = cfg["POST_BLOCK_M"], cfg["POST_BLOCK_K"]
-    n_kb = triton.cdiv(D, BK)
     prenorm = fn is not None
+    key = "POST" if prenorm else "PLAIN"
+    BM, BK = cfg[f"{key}_BLOCK_M"], cfg[f"{key}_BLOCK_K"]
+    n_kb = triton.cdiv(D, BK)
     S = num_splits or _splits(triton.cdiv(T, BM), n_kb, residual.device, cfg)
     S = max(1, min(S, n_kb))
     dps = triton.cdiv(n_kb, S) * BK
@@ -405,7 +375,7 @@ def _post(x, residual, post_mix, comb_mix, out, cfg, fn=None, precision="tf32", 
         sqrsum.stride(0) if prenorm else 0,
         BLOCK_M=BM, BLOCK_N=max(16, triton.next_power_of_2(max(N, 1))), BLOCK_K=BK,
         PRENORM=prenorm, PRECISION=precision,
-        num_warps=cfg["POST_WARPS"], num_stages=cfg["POST_STAGES"])
+        num_warps=cfg[f"{key}_WARPS"], num_stages=cfg.get("POST_STAGES", 1))
     return mixes, sqrsum
 
 
@@ -659,24 +629,30 @@ def hc_head(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc
 
 # ---- config table --------------------------------------------------------------------------------
 # GEMM_*: split-K pre-norm GEMM tiles (x tile bf16 -> fp32 in registers, fn^T tile fp32, N=24 padded to 32).
-# POST_*: post (+ fused partial GEMM) tiles over (tokens, hidden columns of all 4 streams).
+# POST_*: fused post + partial GEMM tiles over (tokens, hidden columns of all 4 streams); BLOCK_K is small
+#   because the 4 fp32 stream tiles, 4 fn^T tiles and their 64-bit pointer tiles are live together (BK=64
+#   spills on sm_89 at 255 registers; BK=32/16 do not). PLAIN_*: the standalone post (no dot, M may be 1).
 # APPLY_*: gates/Sinkhorn/collapse, one token per program, whole hidden row in registers.
 # WAVES x SMs programs are targeted by choosing the split count; each split keeps >= MIN_K_BLOCKS blocks.
 CONFIGS = {
     "sm_89": {
         "decode": {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 2,
-                   "POST_BLOCK_M": 16, "POST_BLOCK_K": 64, "POST_WARPS": 4, "POST_STAGES": 1,
+                   "POST_BLOCK_M": 16, "POST_BLOCK_K": 32, "POST_WARPS": 4, "POST_STAGES": 1,
+                   "PLAIN_BLOCK_M": 1, "PLAIN_BLOCK_K": 256, "PLAIN_WARPS": 2,
                    "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1},
-        "prefill": {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 64, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
-                    "POST_BLOCK_M": 32, "POST_BLOCK_K": 64, "POST_WARPS": 8, "POST_STAGES": 1,
+        "prefill": {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 64, "GEMM_WARPS": 8, "GEMM_STAGES": 3,
+                    "POST_BLOCK_M": 64, "POST_BLOCK_K": 16, "POST_WARPS": 4, "POST_STAGES": 1,
+                    "PLAIN_BLOCK_M": 4, "PLAIN_BLOCK_K": 512, "PLAIN_WARPS": 4,
                     "APPLY_BLOCK_T": 1, "APPLY_WARPS": 8, "WAVES": 2, "MIN_K_BLOCKS": 2},
     },
     "sm_90": {
         "decode": {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
-                   "POST_BLOCK_M": 16, "POST_BLOCK_K": 64, "POST_WARPS": 4, "POST_STAGES": 1,
+                   "POST_BLOCK_M": 16, "POST_BLOCK_K": 32, "POST_WARPS": 4, "POST_STAGES": 1,
+                   "PLAIN_BLOCK_M": 1, "PLAIN_BLOCK_K": 256, "PLAIN_WARPS": 2,
                    "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1},
         "prefill": {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
-                    "POST_BLOCK_M": 32, "POST_BLOCK_K": 64, "POST_WARPS": 8, "POST_STAGES": 1,
+                    "POST_BLOCK_M": 64, "POST_BLOCK_K": 32, "POST_WARPS": 8, "POST_STAGES": 1,
+                    "PLAIN_BLOCK_M": 4, "PLAIN_BLOCK_K": 512, "PLAIN_WARPS": 4,
                     "APPLY_BLOCK_T": 1, "APPLY_WARPS": 8, "WAVES": 2, "MIN_K_BLOCKS": 2},
     },
 }
