@@ -1,0 +1,482 @@
+"""Routed MoE experts, W4A16: compressed-tensors pack-quantized INT4 weights, bf16 activations.
+
+Semantics: vLLM ``fused_moe`` with the compressed-tensors WNA16 MoE method (Marlin / Triton
+``fused_moe_kernel_gptq_awq`` on sm_89) for DeepSeek-V4 experts, and the community checkpoint
+``canada-quant/DeepSeek-V4-Flash-W4A16-FP8-MTP`` layout (SPEC.md §1): ``w13 [E, 2I, D/8]`` int32
+(rows ``[0, I)`` gate = ``w1``, ``[I, 2I)`` up = ``w3``), ``w2 [E, D, I/8]`` int32; 8 nibbles per
+int32 along K, nibble j (bits 4j..4j+3) is element 8c+j, value ``nibble - 8`` (uint4b8, symmetric);
+one scale per 128 K-elements ``[E, N, K/128]``. Activation ``silu(min(g, 10)) * clamp(u, -10, 10)``
+(vLLM ``SiluAndMulWithClamp``); output ``sum_j topk_weights[t, j] * expert_{ids[t,j]}(x_t)``.
+
+Two paths, both deterministic (no atomics; fixed-order reductions):
+- decode (few tokens, no sort): gate_up as a batched GEMV, one program per (token-expert pair,
+  row tile, K split), nibbles dequantized in registers, FMA with fp32 accumulation, one scale
+  multiply per 128-group; the down kernel sums the K splits in order, applies the clamped SwiGLU
+  and streams each touched expert's ``w2`` rows, summing the top-k in slot order.
+- prefill (tokens grouped by expert): pairs sorted by expert id (torch, on device, no host sync),
+  ragged ``BLOCK_M`` tiles per expert, ``tl.dot`` on bf16 with the integer nibbles as the B operand
+  (exact in bf16) and the group scale applied to each 128-deep partial product in fp32; SwiGLU
+  fused after gate_up, stored as fp16 (the clamp bounds |h| <= 10 * silu(10) < 100, so fp16 cannot
+  overflow and keeps 3 more mantissa bits than bf16: a bf16 h costs ~2e-3 RMS relative error);
+  the down kernel (fp16 x nibbles) scales by the routing weight; a reduce sums the top-k.
+"""
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128
+PACK = 8
+
+
+@triton.jit
+def _unpack_kn(p, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int32 ``[BLOCK_K/8, BLOCK_N]`` -> signed nibble values ``[BLOCK_K, BLOCK_N]`` (fp32)."""
+    shifts = tl.arange(0, 8) * 4
+    q = (p[:, None, :] >> shifts[None, :, None]) & 0xF
+    return tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32) - 8.0
+
+
+@triton.jit
+def _gemv_tile(w_ptr, s_ptr, row_off, s_row_off, rmask, xv, k0, stride_sk,
+               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum_k dequant(W[rows, k0:k0+BLOCK_K]) * x[k0:k0+BLOCK_K] -> fp32 ``[BLOCK_N]``.
+    ``xv`` is x's chunk as ``[BLOCK_K/8, 8]`` (element 8c+j at [c, j])."""
+    NC: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // 128
+    c = tl.arange(0, NC)
+    p = tl.load(w_ptr + row_off[:, None] + (k0 // 8 + c)[None, :], mask=rmask[:, None], other=0)
+    shifts = tl.arange(0, 8) * 4
+    q = ((p[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32) - 8.0     # [N, NC, 8]
+    part = tl.sum(q * xv[None, :, :], axis=2)                                     # [N, NC]
+    part = tl.sum(tl.reshape(part, (BLOCK_N, NG, 16)), axis=2)                    # [N, NG]
+    g = tl.arange(0, NG)
+    s = tl.load(s_ptr + s_row_off[:, None] + (k0 // 128 + g)[None, :] * stride_sk,
+                mask=rmask[:, None], other=0.0).to(tl.float32)
+    return tl.sum(part * s, axis=1)
+
+
+@triton.jit
+def _swiglu(g, u, limit):
+    # where, not minimum/maximum: NaN must propagate (PTX min/max drop a NaN operand)
+    g = tl.where(g > limit, limit, g)
+    u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _decode_w13_kernel(
+    x_ptr, w_ptr, s_ptr, ids_ptr, part_ptr,
+    N2, K, K_SPLIT, E,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ps, stride_pp,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """part[split, pair, n] = sum over this split's K of dequant(w13[e, n, :]) . x[t, :]."""
+    pair = tl.program_id(0)
+    nb = tl.program_id(1)
+    split = tl.program_id(2)
+    e = tl.load(ids_ptr + pair)
+    if (e >= 0) & (e < E):
+        t = pair // TOPK
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N2
+        e64 = e.to(tl.int64)
+        row_off = e64 * stride_we + rows.to(tl.int64) * stride_wn
+        s_row_off = e64 * stride_se + rows.to(tl.int64) * stride_sn
+        c = tl.arange(0, BLOCK_K // 8)
+        j = tl.arange(0, 8)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        k_lo = split * K_SPLIT
+        for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
+            xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k0 + c[:, None] * 8 + j[None, :]).to(tl.float32)
+            acc += _gemv_tile(w_ptr, s_ptr, row_off, s_row_off, rmask, xv, k0, stride_sk, BLOCK_K, BLOCK_N)
+        tl.store(part_ptr + split * stride_ps + pair.to(tl.int64) * stride_pp + rows, acc, mask=rmask)
+
+
+@triton.jit
+def _decode_w2_kernel(
+    part_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
+    N, I, SPLITS, E, limit,
+    stride_ps, stride_pp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ot,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . swiglu(sum_split part[:, pair_j, :])."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    c = tl.arange(0, BLOCK_K // 8)
+    j8 = tl.arange(0, 8)
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in range(TOPK):
+        pair = t * TOPK + slot
+        e = tl.load(ids_ptr + pair)
+        if (e >= 0) & (e < E):
+            e64 = e.to(tl.int64)
+            row_off = e64 * stride_we + rows.to(tl.int64) * stride_wn
+            s_row_off = e64 * stride_se + rows.to(tl.int64) * stride_sn
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                kk = k0 + c[:, None] * 8 + j8[None, :]
+                gsum = tl.zeros([BLOCK_K // 8, 8], dtype=tl.float32)
+                usum = tl.zeros([BLOCK_K // 8, 8], dtype=tl.float32)
+                for sp in range(SPLITS):
+                    base = part_ptr + sp * stride_ps + pair.to(tl.int64) * stride_pp
+                    gsum += tl.load(base + kk)
+                    usum += tl.load(base + I + kk)
+                hv = _swiglu(gsum, usum, limit)
+                acc += _gemv_tile(w_ptr, s_ptr, row_off, s_row_off, rmask, hv, k0, stride_sk, BLOCK_K, BLOCK_N)
+            out += tl.load(tw_ptr + pair) * acc
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _prefill_w13_kernel(
+    x_ptr, w_ptr, s_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_n_ptr, h_ptr,
+    I, K, limit,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ht,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[r, n] (sorted pair order) = swiglu(x_t . gate_e[n], x_t . up_e[n]) for one expert tile."""
+    tile = tl.program_id(0)
+    nb = tl.program_id(1)
+    nrows = tl.load(tile_n_ptr + tile)
+    if nrows > 0:
+        e64 = tl.load(tile_e_ptr + tile).to(tl.int64)
+        r0 = tl.load(tile_r0_ptr + tile)
+        m = tl.arange(0, BLOCK_M)
+        mmask = m < nrows
+        pair = tl.load(order_ptr + r0 + m, mask=mmask, other=0)
+        tok = (pair // TOPK).to(tl.int64)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < I
+        kc = tl.arange(0, BLOCK_K // 8)
+        kx = tl.arange(0, BLOCK_K)
+        g_off = e64 * stride_we + n.to(tl.int64)[None, :] * stride_wn + kc[:, None]
+        u_off = g_off + I * stride_wn
+        gs_off = e64 * stride_se + n.to(tl.int64) * stride_sn
+        us_off = gs_off + I * stride_sn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(x_ptr + tok[:, None] * stride_xt + k0 + kx[None, :], mask=mmask[:, None], other=0.0)
+            pg = tl.load(w_ptr + g_off + k0 // 8, mask=nmask[None, :], other=0)
+            pu = tl.load(w_ptr + u_off + k0 // 8, mask=nmask[None, :], other=0)
+            bg = _unpack_kn(pg, BLOCK_K, BLOCK_N).to(tl.bfloat16)
+            bu = _unpack_kn(pu, BLOCK_K, BLOCK_N).to(tl.bfloat16)
+            sg = tl.load(s_ptr + gs_off + (k0 // 128) * stride_sk, mask=nmask, other=0.0).to(tl.float32)
+            su = tl.load(s_ptr + us_off + (k0 // 128) * stride_sk, mask=nmask, other=0.0).to(tl.float32)
+            acc_g += tl.dot(a, bg) * sg[None, :]
+            acc_u += tl.dot(a, bu) * su[None, :]
+        h = _swiglu(acc_g, acc_u, limit)
+        rows = (r0 + m).to(tl.int64)
+        tl.store(h_ptr + rows[:, None] * stride_ht + n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _prefill_w2_kernel(
+    h_ptr, w_ptr, s_ptr, order_ptr, tw_ptr, tile_e_ptr, tile_r0_ptr, tile_n_ptr, y_ptr,
+    N, I,
+    stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_yp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y[pair, n] = topk_weight[pair] * (h[r] . down_e[n]) for one expert tile (r sorted order)."""
+    tile = tl.program_id(0)
+    nb = tl.program_id(1)
+    nrows = tl.load(tile_n_ptr + tile)
+    if nrows > 0:
+        e64 = tl.load(tile_e_ptr + tile).to(tl.int64)
+        r0 = tl.load(tile_r0_ptr + tile)
+        m = tl.arange(0, BLOCK_M)
+        mmask = m < nrows
+        rows = (r0 + m).to(tl.int64)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        kc = tl.arange(0, BLOCK_K // 8)
+        kx = tl.arange(0, BLOCK_K)
+        w_off = e64 * stride_we + n.to(tl.int64)[None, :] * stride_wn + kc[:, None]
+        s_off = e64 * stride_se + n.to(tl.int64) * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            a = tl.load(h_ptr + rows[:, None] * stride_ht + k0 + kx[None, :], mask=mmask[:, None], other=0.0)
+            p = tl.load(w_ptr + w_off + k0 // 8, mask=nmask[None, :], other=0)
+            b = _unpack_kn(p, BLOCK_K, BLOCK_N).to(tl.float16)
+            s = tl.load(s_ptr + s_off + (k0 // 128) * stride_sk, mask=nmask, other=0.0).to(tl.float32)
+            acc += tl.dot(a, b) * s[None, :]
+        pair = tl.load(order_ptr + r0 + m, mask=mmask, other=0)
+        wt = tl.load(tw_ptr + pair, mask=mmask, other=0.0)
+        tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_yp + n[None, :], acc * wt[:, None],
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, T, N, E, stride_yp, stride_ot,
+                     TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t, n] = sum_{j in slot order, ids[t,j] >= 0} y[t*TOPK+j, n] (rows of skipped pairs are
+    never read: they were never written)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tmask = t < T
+    nmask = n < N
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for j in range(TOPK):
+        pair = t.to(tl.int64) * TOPK + j
+        e = tl.load(ids_ptr + pair, mask=tmask, other=-1)
+        ok = tmask & (e >= 0) & (e < E)
+        y = tl.load(y_ptr + pair[:, None] * stride_yp + n[None, :], mask=ok[:, None] & nmask[None, :], other=0.0)
+        acc += y
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tmask[:, None] & nmask[None, :])
+
+
+# ---- launchers ------------------------------------------------------------------------------------
+def _check_weights(name, packed, scale, E, N, K, dev):
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
+        raise TypeError(f"{name}_packed: expected int32 (8 nibbles per word), got {getattr(packed, 'dtype', type(packed))}")
+    if packed.dim() != 3 or tuple(packed.shape[1:]) != (N, K // PACK) or packed.shape[0] != E:
+        raise ValueError(f"{name}_packed: shape {tuple(packed.shape)}, expected ({E}, {N}, {K // PACK})")
+    if packed.stride(2) != 1:
+        raise ValueError(f"{name}_packed: last dim must be contiguous, strides {tuple(packed.stride())}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name}_scale: expected bf16/fp16/fp32 group scales, got {getattr(scale, 'dtype', type(scale))}")
+    if scale.dim() != 3 or tuple(scale.shape) != (E, N, K // GROUP):
+        raise ValueError(f"{name}_scale: shape {tuple(scale.shape)}, expected ({E}, {N}, {K // GROUP}) "
+                         f"(one scale per {GROUP} K-elements)")
+    for t, tn in ((packed, f"{name}_packed"), (scale, f"{name}_scale")):
+        if t.device != dev:
+            raise ValueError(f"{tn}: on {t.device}, x on {dev}")
+
+
+def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor,
+                    w2_packed: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, swiglu_limit: float = 10.0, config: dict | None = None,
+                    out: torch.Tensor | None = None, workspace: dict | None = None):
+    """Routed experts of one MoE layer: ``out[t] = sum_j topk_weights[t,j] * FFN_{topk_ids[t,j]}(x[t])``.
+
+    ``FFN_e(x) = W2_e (silu(min(W1_e x, L)) * clamp(W3_e x, -L, L))`` with INT4 weights
+    dequantized as ``(nibble - 8) * scale[group]`` and fp32 accumulation.
+
+    Args:
+        x: ``(num_tokens, hidden)`` bfloat16, row-contiguous (``stride(1) == 1``).
+        w13_packed: ``(num_experts, 2 * inter, hidden / 8)`` int32, compressed-tensors
+            pack-quantized (nibble j of word c = element 8c+j, value nibble-8); rows ``[0, inter)``
+            are the gate (``w1``), ``[inter, 2*inter)`` the up projection (``w3``).
+        w13_scale: ``(num_experts, 2 * inter, hidden / 128)`` bf16/fp16/fp32 group scales.
+        w2_packed: ``(num_experts, hidden, inter / 8)`` int32; w2_scale ``(num_experts, hidden, inter / 128)``.
+        topk_weights: ``(num_tokens, topk)`` float32 contiguous (from ``sqrtsoftplus_topk``).
+        topk_ids: ``(num_tokens, topk)`` int32 contiguous; ids < 0 are skipped (padding tokens,
+            invalid hash entries), and so are ids ``>= num_experts`` (checked in-kernel, no host sync).
+        swiglu_limit: the clamp ``L`` (DeepSeek-V4: 10.0).
+        config: a row of ``CONFIGS``; ``config["path"]`` is ``"decode"`` or ``"prefill"``;
+            default: decode for ``num_tokens * topk <= 128`` pairs, prefill above.
+        out: optional ``(num_tokens, hidden)`` bfloat16 output.
+        workspace: optional dict of preallocated buffers (tests fill them with NaN to prove that
+            padding rows never reach valid rows): decode ``{"part": fp32 (splits, pairs, 2*inter)}``;
+            prefill ``{"h": fp16 (>= pairs, inter), "y": fp32 (pairs, hidden)}``.
+
+    Returns:
+        ``(num_tokens, hidden)`` bfloat16. Deterministic; each (token, expert) pair is computed
+        independently of the other tokens, so permuting the tokens permutes the output rows
+        bit-for-bit (same config). A token whose ids are all < 0 gets zeros; an expert no token
+        picked is never read. The decode path is CUDA-graph safe (no host sync, fixed grid).
+
+    Raises:
+        TypeError / ValueError: dtypes, shapes, strides, devices, ``hidden``/``inter`` not multiples
+        of 128, unknown ``config["path"]``.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+        raise TypeError(f"x: expected a bfloat16 tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected (num_tokens, hidden), got shape {tuple(x.shape)}")
+    T, D = x.shape
+    if T and x.stride(1) != 1:
+        raise ValueError(f"x: last dim must be contiguous, strides {tuple(x.stride())}")
+    if D % GROUP:
+        raise ValueError(f"x: hidden={D} is not a multiple of the {GROUP}-element quant group")
+    dev = x.device
+    if not isinstance(w13_packed, torch.Tensor) or w13_packed.dim() != 3:
+        raise ValueError(f"w13_packed: expected (num_experts, 2*inter, hidden/8), got {getattr(w13_packed, 'shape', None)}")
+    E, N2 = w13_packed.shape[0], w13_packed.shape[1]
+    if N2 % 2:
+        raise ValueError(f"w13_packed: {N2} rows is not 2*inter")
+    I = N2 // 2
+    if I % GROUP or I == 0:
+        raise ValueError(f"w13_packed: inter={I} is not a positive multiple of {GROUP}")
+    _check_weights("w13", w13_packed, w13_scale, E, N2, D, dev)
+    _check_weights("w2", w2_packed, w2_scale, E, D, I, dev)
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int32:
+        raise TypeError(f"topk_ids: expected int32, got {getattr(topk_ids, 'dtype', type(topk_ids))}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids: expected contiguous ({T}, topk), got shape {tuple(topk_ids.shape)}")
+    K_TOP = topk_ids.shape[1]
+    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
+        raise TypeError(f"topk_weights: expected float32, got {getattr(topk_weights, 'dtype', type(topk_weights))}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_contiguous():
+        raise ValueError(f"topk_weights: expected contiguous {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != dev:
+            raise ValueError(f"{name}: on {t.device}, x on {dev}")
+    if out is None:
+        out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
+    elif out.dtype != torch.bfloat16 or out.shape != (T, D) or (T and out.stride(1) != 1) or out.device != dev:
+        raise ValueError(f"out: expected bfloat16 ({T}, {D}) row-contiguous on {dev}")
+    if T == 0 or K_TOP == 0:
+        return out.zero_()
+    cfg = config or pick_config(T * K_TOP, dev)
+    path = cfg.get("path")
+    if path == "decode":
+        _decode(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, swiglu_limit, cfg,
+                out, workspace)
+    elif path == "prefill":
+        _prefill(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, swiglu_limit, cfg,
+                 out, workspace)
+    else:
+        raise ValueError(f"config['path']={path!r}: expected 'decode' or 'prefill'")
+    return out
+
+
+def _decode(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
+    T, D = x.shape
+    E, N2 = w13p.shape[:2]
+    I = N2 // 2
+    K_TOP = ids.shape[1]
+    P = T * K_TOP
+    BK1, BK2 = min(cfg["BLOCK_K"], D), min(cfg["BLOCK_K2"], I)  # small (test) shapes
+    if BK1 % GROUP or D % BK1 or BK2 % GROUP or I % BK2:
+        raise ValueError(f"config: BLOCK_K={BK1}/BLOCK_K2={BK2} must be multiples of {GROUP} dividing "
+                         f"hidden={D}/inter={I}")
+    splits = cfg.get("SPLIT_K", 1)
+    while splits > 1 and D % (splits * BK1):
+        splits //= 2
+    part = (workspace or {}).get("part")
+    if part is None:
+        part = torch.empty((splits, P, N2), dtype=torch.float32, device=x.device)
+    elif part.dtype != torch.float32 or tuple(part.shape) != (splits, P, N2) or part.stride(2) != 1:
+        raise ValueError(f"workspace['part']: expected float32 ({splits}, {P}, {N2})")
+    _decode_w13_kernel[(P, triton.cdiv(N2, cfg["BLOCK_N"]), splits)](
+        x, w13p, w13s, ids, part, N2, D, D // splits, E,
+        x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
+        part.stride(0), part.stride(1),
+        TOPK=K_TOP, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BK1, num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 2))
+    _decode_w2_kernel[(T, triton.cdiv(D, cfg["BLOCK_N2"]))](
+        part, w2p, w2s, ids, tw, out, D, I, splits, E, float(limit),
+        part.stride(0), part.stride(1), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1),
+        w2s.stride(2), out.stride(0),
+        TOPK=K_TOP, BLOCK_N=cfg["BLOCK_N2"], BLOCK_K=BK2, num_warps=cfg["num_warps2"],
+        num_stages=cfg.get("num_stages", 2))
+
+
+def moe_tile_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Group (token, slot) pairs by expert into ragged ``block_m`` tiles, on the ids' device with no
+    host sync. Returns ``order`` (pairs sorted by expert, stable: within an expert, ascending pair
+    index), and per tile ``expert``, ``row0`` (first sorted position) and ``rows`` (0 for the unused
+    tail of the fixed-size grid ``cdiv(pairs, block_m) + num_experts``)."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    P = flat.numel()
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    order = torch.sort(key, stable=True).indices.to(torch.int32)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    start = torch.cumsum(counts, 0) - counts
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    n_grid = triton.cdiv(P, block_m) + num_experts
+    i = torch.arange(n_grid, device=dev)
+    ex = torch.searchsorted(tile_end, i, right=True)
+    valid = ex < num_experts
+    exc = ex.clamp(max=num_experts - 1)
+    local = i - (tile_end[exc] - tiles[exc])
+    row0 = start[exc] + local * block_m
+    rows = torch.where(valid, (counts[exc] - local * block_m).clamp(0, block_m), torch.zeros_like(i))
+    return order, exc.to(torch.int32), row0.to(torch.int32), rows.to(torch.int32)
+
+
+def _prefill(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
+    T, D = x.shape
+    E, N2 = w13p.shape[:2]
+    I = N2 // 2
+    K_TOP = ids.shape[1]
+    P = T * K_TOP
+    BM, BK = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    if BK > GROUP or GROUP % BK:
+        raise ValueError(f"config: BLOCK_K={BK} must divide {GROUP} (one scale per K tile)")
+    order, tile_e, tile_r0, tile_n = moe_tile_schedule(ids, E, BM)
+    n_grid = tile_n.numel()
+    ws = workspace or {}
+    h = ws.get("h")
+    if h is None:
+        h = torch.empty((P, I), dtype=torch.float16, device=x.device)
+    elif h.dtype != torch.float16 or h.shape[0] < P or h.shape[1] != I or h.stride(1) != 1:
+        raise ValueError(f"workspace['h']: expected float16 (>= {P}, {I})")
+    y = ws.get("y")
+    if y is None:
+        y = torch.empty((P, D), dtype=torch.float32, device=x.device)
+    elif y.dtype != torch.float32 or tuple(y.shape) != (P, D) or y.stride(1) != 1:
+        raise ValueError(f"workspace['y']: expected float32 ({P}, {D})")
+    _prefill_w13_kernel[(n_grid, triton.cdiv(I, cfg["BLOCK_N"]))](
+        x, w13p, w13s, order, tile_e, tile_r0, tile_n, h, I, D, float(limit),
+        x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2), h.stride(0),
+        TOPK=K_TOP, BLOCK_M=BM, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BK,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
+    _prefill_w2_kernel[(n_grid, triton.cdiv(D, cfg["BLOCK_N2"]))](
+        h, w2p, w2s, order, tw, tile_e, tile_r0, tile_n, y, D, I,
+        h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2), y.stride(0),
+        BLOCK_M=BM, BLOCK_N=cfg["BLOCK_N2"], BLOCK_K=BK,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
+    BT, BN = cfg.get("SUM_T", 4), cfg.get("SUM_N", 512)
+    _topk_sum_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BN))](
+        y, ids, out, T, D, E, y.stride(0), out.stride(0), TOPK=K_TOP, BLOCK_T=BT, BLOCK_N=BN, num_warps=4)
+
+
+# ---- config table ------------------------------------------------------------------------------
+# decode: w13 GEMV tiles BLOCK_N rows x BLOCK_K (one int32 = 8 K-elements; BLOCK_K/128 scale groups
+#   per step), SPLIT_K programs per row tile so that even T=1 puts ~1-2k programs in flight;
+#   w2 GEMV BLOCK_N2 rows x BLOCK_K2. No shared memory (register GEMV).
+# prefill: BLOCK_M x BLOCK_N bf16 tl.dot tiles, BLOCK_K = 64/128 (one scale group per K step);
+#   shared memory per stage (BM*BK*2 + BK/8*BN*4*2) is small: the B operand is 1/4 the bf16 bytes.
+CONFIGS = {
+    "sm_89": {
+        "decode": {"path": "decode", "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 4,
+                   "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
+        "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
+                        "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
+        "prefill": {"path": "prefill", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_N2": 64,
+                    "num_warps": 4, "num_stages": 3},
+        "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 64,
+                        "num_warps": 4, "num_stages": 2},
+    },
+    "sm_90": {
+        "decode": {"path": "decode", "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 4,
+                   "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
+        "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
+                        "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
+        "prefill": {"path": "prefill", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_N2": 128,
+                    "num_warps": 8, "num_stages": 3},
+        "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 64,
+                        "num_warps": 4, "num_stages": 2},
+    },
+}
+
+# the interpreter runs programs one by one in Python: fewer, larger programs
+_INTERP = {
+    "decode": {"path": "decode", "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
+               "BLOCK_N2": 64, "BLOCK_K2": 128, "num_warps2": 4},
+    "prefill": {"path": "prefill", "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 128,
+                "num_warps": 4, "SUM_T": 16, "SUM_N": 256},
+}
+
+DECODE_MAX_PAIRS = 128
+
+
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "sm_89"
+    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
+
+
+def pick_config(pairs: int, device: torch.device) -> dict:
+    path = "decode" if pairs <= DECODE_MAX_PAIRS else "prefill"
+    if device.type != "cuda":
+        return _INTERP[path]
+    return CONFIGS[arch_of(device)][path]
