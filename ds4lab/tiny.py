@@ -22,8 +22,8 @@ CPU kernels' constraints (SPEC.md §6: head_dim 512, rope 64, index_head_dim 128
 64 routed experts, top-6).
 
 ``agree_heads=True`` builds weights whose greedy main-model prediction and MTP prediction agree
-(next token = a fixed permutation of the current token, with sublayer outputs kept small next to
-the embedding), so every MTP draft is accepted and the speculative speed-up is visible.
+(next token = a fixed function of the current token, :data:`AGREE_CYCLE`, with sublayer outputs
+kept small next to the embedding), so every MTP draft is accepted and the speculative speed-up is visible.
 """
 from __future__ import annotations
 
@@ -193,19 +193,19 @@ def tensor_specs(cfg: ModelConfig = TINY_CONFIG) -> dict[str, tuple[tuple[int, .
 # --------------------------------------------------------------------------------------------
 # weights
 # --------------------------------------------------------------------------------------------
+AGREE_CYCLE = "the quick brown fox jumps over a lazy dog"
+
+
 def _successor_table(cfg: ModelConfig) -> "list[int]":
-    """Agree-heads next-token map over byte tokens: printable ASCII cycles ``a->b->..->z->' '->a``
-    style (every byte token maps to a printable one), so greedy text is readable."""
-    cycle = [ord(c) for c in "the quick brown fox jumps over a lazy dog "]
-    # successor of a byte inside the cycle string = the next character; others -> 't'
-    succ = {}
-    for k, b in enumerate(cycle):
-        succ.setdefault(b, cycle[(k + 1) % len(cycle)])
+    """Agree-heads next-token map (token id -> token id): the distinct characters of
+    :data:`AGREE_CYCLE` in order of first appearance form a cycle (t->h->e->' '->q->...->g->t);
+    every other token maps to ``t``. Greedy text is therefore readable."""
+    order = list(dict.fromkeys(AGREE_CYCLE))
+    nxt = {ord(c): ord(order[(k + 1) % len(order)]) for k, c in enumerate(order)}
     out = []
     for t in range(cfg.vocab_size):
         b = t - BYTE_OFFSET
-        nxt = succ.get(b, ord("t")) if 0 <= b < 256 else ord("t")
-        out.append(BYTE_OFFSET + nxt)
+        out.append(BYTE_OFFSET + nxt.get(b, ord("t")))
     return out
 
 
@@ -252,18 +252,25 @@ def build_state_dict(cfg: ModelConfig = TINY_CONFIG, seed: int = 0, agree_heads:
         out[name] = t.to(dt[dtn]).contiguous()
 
     if agree_heads:
-        # Embeddings: well-separated random directions with norm sqrt(D). Head row of token u is
-        # the (normalised) embedding of every token t whose successor is u, scaled so the chosen
-        # logit wins by a wide margin; sublayer outputs (wo_b, expert/shared w2) and the MTP
-        # h_proj are scaled down so they cannot flip the argmax; e_proj = identity.
-        emb = out["embed.weight"].float()
+        # One orthonormal key per successor class u; emb[t] = sqrt(D) (0.8 key[succ t] + 0.6 n_t)
+        # with n_t a token-specific unit direction, head[u] = 4 key[u]. The correct logit is
+        # ~0.8*4*sqrt(D) and every other ~1/sqrt(D) of that, so small sublayer outputs (wo_b,
+        # expert/shared w2 and the MTP h_proj scaled x0.05) never flip the argmax, and the MTP
+        # layer (e_proj = identity) predicts succ(next token) exactly as the main model will.
         succ = _successor_table(cfg)
+        classes = sorted(set(succ))
+        keys, _ = torch.linalg.qr(torch.randn(D, len(classes), generator=g))
+        key = {u: keys[:, k] for k, u in enumerate(classes)}
+        noise = torch.randn(cfg.vocab_size, D, generator=g)
+        noise = noise / noise.norm(dim=-1, keepdim=True)
+        emb = torch.stack([0.8 * key[succ[t]] + 0.6 * noise[t] for t in range(cfg.vocab_size)])
+        out["embed.weight"] = (emb * D ** 0.5).to(torch.bfloat16)
         head = torch.zeros(cfg.vocab_size, D)
-        for t, u in enumerate(succ):
-            head[u] += emb[t] / emb[t].norm()
-        out["head.weight"] = (head * 4.0).to(torch.bfloat16)
+        for u in classes:
+            head[u] = 4.0 * key[u]
+        out["head.weight"] = head.to(torch.bfloat16)
         for name in list(out):
-            if (name.endswith("wo_b.weight") or name.endswith(".w2.weight")):
+            if name.endswith("wo_b.weight") or name.endswith(".w2.weight"):
                 out[name] = (out[name].float() * 0.05).to(torch.bfloat16)
         for j in range(cfg.num_nextn_predict_layers):
             out[f"mtp.{j}.e_proj.weight"] = torch.eye(D).to(torch.bfloat16)
@@ -343,7 +350,7 @@ def tokenizer_config_json() -> dict:
 # --------------------------------------------------------------------------------------------
 def _fingerprint(cfg: ModelConfig, seed: int, agree_heads: bool) -> str:
     blob = json.dumps({"cfg": cfg.to_json_dict(), "seed": seed, "agree": agree_heads,
-                       "fmt": 1}, sort_keys=True)
+                       "fmt": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -371,9 +378,9 @@ def write_tiny_checkpoint(out: str | os.PathLike, *, seed: int = 0, agree_heads:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config_json(),
                                                           ensure_ascii=False, indent=2) + "\n")
     sd = build_state_dict(cfg, seed=seed, agree_heads=agree_heads)
-    save_file(dict(sorted(sd.items())), str(out / "model.safetensors"),
-              metadata={"format": "pt", "ds4lab": "tiny-dsv4", "seed": str(seed),
-                        "agree_heads": str(bool(agree_heads))})
+    # one metadata key only: safetensors writes its metadata map in hash order, so several keys
+    # would make the bytes differ run to run; seed/agree_heads live in ds4lab_tiny.json
+    save_file(dict(sorted(sd.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "ds4lab_tiny.json").write_text(json.dumps(
         {"seed": seed, "agree_heads": bool(agree_heads),
          "fingerprint": _fingerprint(cfg, seed, agree_heads)}, indent=2) + "\n")

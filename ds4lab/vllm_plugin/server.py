@@ -44,6 +44,9 @@ def cpu_env(base: dict | None = None, threads: int | None = None) -> dict[str, s
     core the process may run on).
     """
     env = dict(os.environ if base is None else base)
+    # The test suite runs Triton's CPU interpreter; a vLLM server must not inherit it (vLLM would
+    # then pick interpreted Triton paths; the plugin supplies torch ones instead).
+    env.pop("TRITON_INTERPRET", None)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
