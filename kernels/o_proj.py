@@ -16,6 +16,8 @@ cosines then ``rope_dim/2`` sines, mscale already folded in). Pair ``i`` of the 
 ``y[2i] = x[2i] cos + x[2i+1] sin``, ``y[2i+1] = x[2i+1] cos - x[2i] sin`` (each product rounded
 to fp32, then the sum: no FMA contraction, so the result is bit-reproducible against torch).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -569,7 +571,9 @@ def arch_of(device: torch.device) -> str:
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4  # interpreter: a small pretend machine (keeps program counts low, still splits)
+        # interpreter: a small pretend machine (few programs, still splits); a CPU-tensor launch
+        # without the interpreter is an ahead-of-time compile: size the split like an H200
+        return 4 if os.environ.get("TRITON_INTERPRET") == "1" else 132
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
