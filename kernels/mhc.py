@@ -40,14 +40,13 @@ def _hc_prenorm_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     tmask = rm < T
     nmask = rn < N
-    k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_lo = pid_s * k_per_split  # splits are contiguous; the last one is cut by the `< K` mask
     x_row = x_ptr + rm.to(tl.int64)[:, None] * stride_xt
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        kmask = kk < k_hi
+    for it in range(0, k_per_split // BLOCK_K):  # bounds from plain args (triton 3.6 interpreter)
+        kk = k_lo + it * BLOCK_K + rk
+        kmask = kk < K
         x = tl.load(x_row + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + rn[None, :] * stride_fn + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
@@ -92,17 +91,16 @@ def _mhc_post_kernel(
     x_row = x_ptr + rm64 * stride_xt
     r_row = res_ptr + rm64 * stride_rt
     o_row = out_ptr + rm64 * stride_ot
-    d_lo = pid_s * d_per_split
-    d_hi = tl.minimum(d_lo + d_per_split, D)
+    d_lo = pid_s * d_per_split  # contiguous splits; the last one is cut by the `< D` mask
     if PRENORM:
         rn = tl.arange(0, BLOCK_N)
         nmask = rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         w_col = fn_ptr + rn[None, :] * stride_fn
-    for d0 in range(d_lo, d_hi, BLOCK_K):
-        dd = d0 + rk
-        m2 = tmask[:, None] & (dd < d_hi)[None, :]
+    for it in range(0, d_per_split // BLOCK_K):  # bounds from plain args (triton 3.6 interpreter)
+        dd = d_lo + it * BLOCK_K + rk
+        m2 = tmask[:, None] & (dd < D)[None, :]
         x = tl.load(x_row + dd[None, :], mask=m2, other=0.0).to(tl.float32)
         r0 = tl.load(r_row + dd[None, :], mask=m2, other=0.0).to(tl.float32)
         r1 = tl.load(r_row + stride_rh + dd[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -118,7 +116,7 @@ def _mhc_post_kernel(
             if PRENORM:
                 f = n.to(tl.float32)
                 sq += tl.sum(f * f, axis=1)
-                w = tl.load(w_col + (j * D + dd)[:, None], mask=nmask[None, :] & (dd < d_hi)[:, None], other=0.0)
+                w = tl.load(w_col + (j * D + dd)[:, None], mask=nmask[None, :] & (dd < D)[:, None], other=0.0)
                 acc = tl.dot(f, w, acc, input_precision=PRECISION)
     if PRENORM:
         m_off = pid_s * stride_ms + rm64 * stride_mt + rn[None, :]
