@@ -149,6 +149,13 @@ def test_startup_parser_cpu_lines():
         0.08, 0.25, 10.71, 12237, 2.99)
 
 
+def test_startup_parser_strips_colour():
+    i = startup.parse_log("\x1b[0;36m(EngineCore pid=2)\x1b[0;0m \x1b[32mINFO\x1b[0m [kv_cache_utils.py:2327]"
+                          "\x1b[0m CPU KV cache size: 12,676 tokens, Maximum concurrency for 4,096 tokens "
+                          "per request: 3.09x\n")
+    assert i.kv_tokens == 12676 and i.max_concurrency == 3.09
+
+
 METRICS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter

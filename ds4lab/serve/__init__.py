@@ -21,15 +21,17 @@ import sys
 
 from .artifacts import write_artifacts
 from .measure import (BenchResult, Comparison, SpecStats, acanary, abenchmark, acompare, awarmup,
-                      canary, benchmark, compare, comparison_rows, format_table, make_prompts)
-from .profiles import Launch, SnapshotError, build_launch, load_profiles, profile, resolve_hf_snapshot
+                      canary, benchmark, compare, comparison_rows, acceptance_rows, format_table,
+                      make_prompts, startup_rows)
+from .profiles import (Launch, SnapshotError, build_launch, fit_to_machine, load_profiles, profile,
+                       resolve_hf_snapshot)
 from .server import Server, ServerError
 from .startup import StartupInfo, parse_log, print_progress
 
 __all__ = ["Launch", "build_launch", "profile", "load_profiles", "resolve_hf_snapshot", "SnapshotError",
-           "Server", "ServerError", "StartupInfo", "parse_log", "print_progress", "write_artifacts",
+           "fit_to_machine", "Server", "ServerError", "StartupInfo", "parse_log", "print_progress", "write_artifacts",
            "awarmup", "acanary", "abenchmark", "acompare", "canary", "benchmark", "compare",
-           "comparison_rows", "format_table", "make_prompts", "BenchResult", "Comparison", "SpecStats",
+           "comparison_rows", "startup_rows", "acceptance_rows", "format_table", "make_prompts", "BenchResult", "Comparison", "SpecStats",
            "add_arguments", "main"]
 
 

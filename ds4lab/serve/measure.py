@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 __all__ = ["SpecStats", "RequestResult", "BenchResult", "Comparison", "CanaryResult",
            "scrape_metrics", "spec_stats", "make_prompts", "awarmup", "acanary", "abenchmark",
-           "acompare", "warmup", "canary", "benchmark", "compare", "comparison_rows", "format_table",
+           "acompare", "warmup", "canary", "benchmark", "compare", "comparison_rows", "startup_rows", "acceptance_rows", "format_table",
            "WARMUP_TOKEN_ID"]
 
 #: token id used for warmup prompts (a plain byte token in the tiny tokenizer, an ordinary token in
@@ -315,6 +315,24 @@ def comparison_rows(c: Comparison) -> list[dict]:
             "per-pos accept": [round(x, 3) for x in s.per_position] if s else None,
             "requests": r.n_requests, "out tokens": r.output_tokens,
         })
+    return rows
+
+
+def startup_rows(c: Comparison) -> list[dict]:
+    """One row per run: the start-up numbers parsed from vLLM's log (None: not printed here)."""
+    keys = ("ready_s", "weights_gib", "checkpoint_gib", "kv_gib", "kv_tokens", "max_model_len",
+            "max_concurrency", "graph_capture_s", "init_engine_s")
+    return [{"run": label, **{k: st.get(k) for k in keys}} for label, st in c.startup.items()]
+
+
+def acceptance_rows(c: Comparison) -> list[dict]:
+    """One row per run and draft position: per-position acceptance (accepted at i / drafts)."""
+    rows = []
+    for r in c.runs:
+        if r.spec:
+            for i, v in enumerate(r.spec.per_position):
+                rows.append({"run": r.label, "position": i, "acceptance": round(v, 3),
+                             "drafts": r.spec.drafts, "accepted": r.spec.accepted_tokens})
     return rows
 
 

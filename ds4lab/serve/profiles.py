@@ -22,7 +22,8 @@ from typing import Any, Mapping
 from ds4lab.stacks import stack as _stack
 
 __all__ = ["PROFILES_PATH", "load_profiles", "profile", "Launch", "build_launch", "scrub_env",
-           "resolve_hf_snapshot", "SnapshotError", "SERVER_MODULE", "option_value", "drop_option"]
+           "resolve_hf_snapshot", "SnapshotError", "SERVER_MODULE", "option_value", "drop_option",
+           "has_nvidia_gpu", "fit_to_machine"]
 
 PROFILES_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                              "env", "profiles.toml")
@@ -279,3 +280,23 @@ def build_launch(name: str = "tiny-cpu", overrides: Mapping[str, Any] | None = N
                   unset=removed, scrub_prefixes=prefixes,
                   host=host, port=int(port), model=model, served_model_name=served,
                   num_speculative_tokens=nspec, settings=s, notes=notes)
+
+
+def has_nvidia_gpu() -> bool:
+    """A CUDA GPU is visible (device nodes or nvidia-smi); no torch import."""
+    import glob
+    import shutil
+
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
+def fit_to_machine(profile_name: str, *, cpu_profile: str = "tiny-cpu", gpu: bool | None = None,
+                   **sizes: int) -> dict[str, Any]:
+    """The notebook's defaults for this machine: ``profile_name`` and ``sizes`` on a GPU box; on a
+    CPU-only machine the embedded tiny checkpoint (``cpu_profile``) with every size capped so the
+    whole notebook runs in a few minutes (max_tokens <= 64, n_prompts <= 8, concurrency <= 1)."""
+    gpu = has_nvidia_gpu() if gpu is None else gpu
+    if gpu or load_profiles().get(profile_name, {}).get("stack") == "cpu":
+        return {"profile": profile_name, **sizes}
+    caps = {"max_tokens": 64, "n_prompts": 8, "concurrency": 1}
+    return {"profile": cpu_profile, **{k: min(v, caps.get(k, v)) for k, v in sizes.items()}}

@@ -67,6 +67,7 @@ _PATTERNS: list[tuple[str, re.Pattern, tuple[str, ...]]] = [
 _KEYWORDS = ("load model", "Checkpoint size", "Loading weights", "Model loading", "KV cache",
              "torch.compile", "Capturing CUDA", "Graph capturing", "arming up", "init engine",
              "Starting vLLM server", "Application startup", "Traceback", "ERROR", "Error", "out of memory")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _INT_FIELDS = {"kv_tokens", "max_model_len"}
 _ERROR = re.compile(r"(Traceback \(most recent call last\)|\bERROR\b|Error: |out of memory)")
 
@@ -129,7 +130,7 @@ class StartupParser:
         self._first: set[str] = set()
 
     def feed(self, line: str) -> None:
-        line = line[:4096].rstrip()
+        line = _ANSI.sub("", line[:4096]).rstrip()   # vLLM colours its log when it thinks it may
         if not line or not any(k in line for k in _KEYWORDS):  # cheap filter: chatty logs are long
             return
         for stage, rx, fields in _PATTERNS:

@@ -45,11 +45,12 @@ def acceptance_figure(c: Comparison):
     return fig
 
 
-def startup_figure(info: StartupInfo, title: str = "start-up stages"):
-    """When each start-up stage began (seconds after launch)."""
+def startup_figure(info: StartupInfo | dict, title: str = "start-up stages"):
+    """When each start-up stage began (seconds after launch); ``info`` or its ``as_dict()``."""
     import plotly.graph_objects as go
 
-    st = sorted(info.stages_s.items(), key=lambda kv: kv[1])
+    stages = info["stages_s"] if isinstance(info, dict) else info.stages_s
+    st = sorted(stages.items(), key=lambda kv: kv[1])
     fig = go.Figure(go.Bar(x=[v for _, v in st], y=[k for k, _ in st], orientation="h",
                            text=[f"{v:.1f}s" for _, v in st], textposition="auto"))
     fig.update_layout(title=title, xaxis_title="seconds after launch", height=300,

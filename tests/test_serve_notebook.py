@@ -1,0 +1,45 @@
+"""notebooks/08_serve_mtp.ipynb executes headless (papermill) on this CPU box: it shrinks itself to
+the tiny checkpoint, starts the server with and without MTP, and prints the tables behind its charts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+NB = Path(__file__).resolve().parent.parent / "notebooks" / "08_serve_mtp.ipynb"
+
+
+@pytest.mark.notebook
+@pytest.mark.vllm
+def test_serve_notebook_runs(tmp_path):
+    pytest.importorskip("papermill")
+    import nbformat
+
+    src = nbformat.read(NB, as_version=4)
+    assert all(not c.get("outputs") for c in src.cells if c.cell_type == "code"), "commit without outputs"
+    assert sum("parameters" in c.metadata.get("tags", []) for c in src.cells) == 1
+    assert not any("def " in c.source for c in src.cells if c.cell_type == "code"), "no helpers in cells"
+    out = tmp_path / "08.out.ipynb"
+    t = time.time()
+    # papermill in a child: a kernel started under pytest's output capture hangs
+    proc = subprocess.run([sys.executable, "-m", "papermill", "-k", "python3", "--cwd", str(NB.parent),
+                           "--no-progress-bar", "-p", "artifacts_dir", str(tmp_path / "art"),
+                           str(NB), str(out)],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    wall = time.time() - t
+    nb = nbformat.read(out, as_version=4)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
+                   if o.output_type == "stream")
+    assert "profile tiny-cpu (stack cpu)" in text
+    assert "greedy outputs identical with and without MTP: True" in text
+    assert "mtp1" in text and "no-spec" in text and "tok/s" in text and "TPOT ms" in text
+    assert "kv_tokens" in text and "acceptance" in text and "Restart=always" in text
+    assert (tmp_path / "art" / "serve.sh").is_file()
+    charts = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert len(charts) == 3
+    print(f"notebook wall {wall:.0f} s")
