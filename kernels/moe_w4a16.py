@@ -107,25 +107,29 @@ def _decode_w2_kernel(
     c = tl.arange(0, BLOCK_K // 8)
     j8 = tl.arange(0, 8)
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in range(TOPK):
+    # unrolled over the top-k with masks instead of branches, so the loads of all experts can be
+    # in flight together; an invalid slot (id < 0 or >= E) loads nothing and adds exactly 0
+    for slot in tl.static_range(TOPK):
         pair = t * TOPK + slot
         e = tl.load(ids_ptr + pair)
-        if (e >= 0) & (e < E):
-            e64 = e.to(tl.int64)
-            row_off = e64 * stride_we + rows.to(tl.int64) * stride_wn
-            s_row_off = e64 * stride_se + rows.to(tl.int64) * stride_sn
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                kk = k0 + c[:, None] * 8 + j8[None, :]
-                gsum = tl.zeros([BLOCK_K // 8, 8], dtype=tl.float32)
-                usum = tl.zeros([BLOCK_K // 8, 8], dtype=tl.float32)
-                for sp in range(SPLITS):
-                    base = part_ptr + sp * stride_ps + pair.to(tl.int64) * stride_pp
-                    gsum += tl.load(base + kk)
-                    usum += tl.load(base + I + kk)
-                hv = _swiglu(gsum, usum, limit)
-                acc += _gemv_tile(w_ptr, s_ptr, row_off, s_row_off, rmask, hv, k0, stride_sk, BLOCK_K, BLOCK_N)
-            out += tl.load(tw_ptr + pair) * acc
+        valid = (e >= 0) & (e < E)
+        e64 = tl.where(valid, e, 0).to(tl.int64)
+        vmask = rmask & valid
+        row_off = e64 * stride_we + rows.to(tl.int64) * stride_wn
+        s_row_off = e64 * stride_se + rows.to(tl.int64) * stride_sn
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + c[:, None] * 8 + j8[None, :]
+            gsum = tl.zeros([BLOCK_K // 8, 8], dtype=tl.float32)
+            usum = tl.zeros([BLOCK_K // 8, 8], dtype=tl.float32)
+            for sp in range(SPLITS):
+                base = part_ptr + sp * stride_ps + pair.to(tl.int64) * stride_pp
+                gsum += tl.load(base + kk, mask=valid, other=0.0)
+                usum += tl.load(base + I + kk, mask=valid, other=0.0)
+            hv = _swiglu(gsum, usum, limit)
+            acc += _gemv_tile(w_ptr, s_ptr, row_off, s_row_off, vmask, hv, k0, stride_sk, BLOCK_K, BLOCK_N)
+        wt = tl.load(tw_ptr + pair)
+        out += tl.where(valid, wt * acc, 0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -441,9 +445,9 @@ CONFIGS = {
                    "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
         "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
                         "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
-        "prefill": {"path": "prefill", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_N2": 64,
+        "prefill": {"path": "prefill", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_N2": 64,
                     "num_warps": 4, "num_stages": 3},
-        "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 64,
+        "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_N2": 64,
                         "num_warps": 4, "num_stages": 2},
     },
     "sm_90": {
@@ -451,7 +455,7 @@ CONFIGS = {
                    "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
         "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
                         "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
-        "prefill": {"path": "prefill", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_N2": 128,
+        "prefill": {"path": "prefill", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_N2": 128,
                     "num_warps": 8, "num_stages": 3},
         "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 64,
                         "num_warps": 4, "num_stages": 2},
@@ -460,8 +464,8 @@ CONFIGS = {
 
 # the interpreter runs programs one by one in Python: fewer, larger programs
 _INTERP = {
-    "decode": {"path": "decode", "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
-               "BLOCK_N2": 64, "BLOCK_K2": 128, "num_warps2": 4},
+    "decode": {"path": "decode", "BLOCK_N": 256, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
+               "BLOCK_N2": 256, "BLOCK_K2": 128, "num_warps2": 4},
     "prefill": {"path": "prefill", "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 128,
                 "num_warps": 4, "SUM_T": 16, "SUM_N": 256},
 }

@@ -263,7 +263,11 @@ def _moe_flops(s):
 
 
 def _moe_config_for(arch, shape):
+    """Bench shapes (from geometry: they carry ``tp``) time the configs of the path the launcher
+    would pick; test and AOT shapes run every config (both paths are correct at any size)."""
     from ds4lab_kernels.moe_w4a16 import CONFIGS, DECODE_MAX_PAIRS
+    if "tp" not in shape:
+        return list(CONFIGS[arch])
     path = "decode" if shape["T"] * shape["topk"] <= DECODE_MAX_PAIRS else "prefill"
     return [k for k, v in CONFIGS[arch].items() if v["path"] == path]
 
@@ -293,4 +297,5 @@ register(KernelSpec(
     baselines={"torch_dequant_bf16": _dequant_baseline},
     bound="memory",
     aot_shape={"T": 16, "E": 8, "D": 4096, "I": 512, "topk": 6},
+    sm89_mma={"_prefill_w13_kernel": "HMMA", "_prefill_w2_kernel": "HMMA"},
 ))

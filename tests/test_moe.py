@@ -1,0 +1,265 @@
+"""MoE routing and W4A16 experts: specifics beyond the registry sweep (issue 9): ragged experts
+(5, 0, 33 tokens), NaN in padding rows / workspaces, tiny scales, untouched experts never read,
+token permutation (bitwise), decode == prefill, router NaN/inf/ties/hash, bad inputs, the
+safetensors loader."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from ds4lab.numerics import compare
+from ds4lab.reference import moe as R
+from ds4lab_kernels import moe_w4a16 as K
+from ds4lab_kernels.moe_routing import sqrtsoftplus_topk
+
+DEC = {"path": "decode", "BLOCK_N": 256, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
+       "BLOCK_N2": 256, "BLOCK_K2": 128, "num_warps2": 4}
+DEC_SPLIT = dict(DEC, BLOCK_K=128, SPLIT_K=2)
+PRE = {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 128,
+       "num_warps": 4, "SUM_T": 16, "SUM_N": 256}
+PATHS = {"decode": DEC, "decode_split": DEC_SPLIT, "prefill": PRE}
+
+
+def _weights(E=4, D=256, I=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q13 = torch.randint(-8, 8, (E, 2 * I, D), generator=g)
+    q2 = torch.randint(-8, 8, (E, D, I), generator=g)
+    s13 = (torch.rand(E, 2 * I, D // 128, generator=g) + 0.5) / (4.6 * D ** 0.5)
+    s2 = (torch.rand(E, D, I // 128, generator=g) + 0.5) / (4.6 * I ** 0.5)
+    return {"w13_packed": R.pack_int4(q13), "w13_scale": s13.bfloat16(),
+            "w2_packed": R.pack_int4(q2), "w2_scale": s2.bfloat16()}
+
+
+def _ragged(seed=0):
+    """38 tokens, top-2: expert 2 gets 33 tokens, expert 0 gets 5, expert 1 none, expert 3 all."""
+    g = torch.Generator().manual_seed(seed)
+    T = 38
+    ids = torch.empty(T, 2, dtype=torch.int32)
+    ids[:33, 0] = 2
+    ids[33:, 0] = 0
+    ids[:, 1] = 3
+    w = torch.rand(T, 2, generator=g) + 0.1
+    w = (w / w.sum(1, keepdim=True) * 1.5).float()
+    x = torch.randn(T, 256, generator=g).bfloat16()
+    return x, w, ids
+
+
+def _dev(d):
+    return {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+
+
+pytestmark = pytest.mark.interp
+
+
+def test_pack_matches_compressed_tensors():
+    ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    q = torch.randint(-8, 8, (5, 64), dtype=torch.int8)
+    assert torch.equal(R.pack_int4(q), ct.pack_to_int32(q, 4))
+    assert torch.equal(R.unpack_int4(R.pack_int4(q)), q)
+    assert torch.equal(ct.unpack_from_int32(R.pack_int4(q), 4, q.shape), q)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_ragged_experts_and_untouched_expert_never_read(path):
+    w = _weights()
+    w["w13_scale"][1] = float("nan")  # expert 1 has no token: its weights must never be read
+    w["w2_scale"][1] = float("inf")
+    x, tw, ids = _ragged()
+    inp = _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids})
+    out = K.fused_moe_w4a16(**inp, config=PATHS[path])
+    ref = R.fused_moe_w4a16(**{k: v.cpu() for k, v in inp.items()})
+    assert not out.isnan().any()
+    rep = compare(out.cpu(), ref, "bfloat16")
+    assert rep, rep.summary()
+
+
+def test_tile_schedule():
+    ids = torch.tensor([[2, 3]] * 33 + [[0, 3]] * 5, dtype=torch.int32)
+    order, te, tr0, tn = K.moe_tile_schedule(ids, 4, 16)
+    live = tn > 0
+    # expert 0: 5 rows (1 tile), 1: none, 2: 33 (16+16+1), 3: 38 (16+16+6)
+    assert te[live].tolist() == [0, 2, 2, 2, 3, 3, 3]
+    assert tn[live].tolist() == [5, 16, 16, 1, 16, 16, 6]
+    assert tr0[live].tolist() == [0, 5, 21, 37, 38, 54, 70]
+    flat = ids.flatten().long()
+    assert torch.equal(flat[order.long()], torch.sort(flat, stable=True).values)
+    assert len(tn) == -(-76 // 16) + 4  # fixed grid: no host sync
+
+
+@pytest.mark.parametrize("path", ["decode_split", "prefill"])
+def test_nan_workspace_and_padding_rows_stay_out(path):
+    w = _weights()
+    x, tw, ids = _ragged()
+    ids[::4] = -1            # padding tokens (a CUDA-graph batch padded to its bucket)
+    x[::4] = float("nan")
+    inp = _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids})
+    T, P, I, D = 38, 76, 128, 256
+    if path == "prefill":
+        ws = {"h": torch.full((P + 64, I), float("nan"), dtype=torch.float16, device=DEVICE),
+              "y": torch.full((P, D), float("nan"), device=DEVICE)}
+    else:
+        ws = {"part": torch.full((2, P, 2 * I), float("nan"), device=DEVICE)}
+    out = K.fused_moe_w4a16(**inp, config=PATHS[path], workspace=ws)
+    ref = R.fused_moe_w4a16(**{k: v.cpu() for k, v in inp.items()})
+    assert not out.isnan().any()
+    assert torch.all(out[::4] == 0)
+    assert compare(out.cpu(), ref, "bfloat16")
+    if path == "prefill":  # rows past the used pairs were never written
+        assert ws["h"][P:].isnan().all()
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_tiny_scales_no_nan(path):
+    w = _weights()
+    w["w2_scale"] = (w["w2_scale"].float() * 1e-21).bfloat16()  # ~1e-23 scales
+    w["w13_scale"][:, :, 0] = 1e-23
+    x, tw, ids = _ragged()
+    inp = _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids})
+    out = K.fused_moe_w4a16(**inp, config=PATHS[path])
+    ref = R.fused_moe_w4a16(**{k: v.cpu() for k, v in inp.items()})
+    assert not out.isnan().any() and out.abs().max() > 0
+    rep = compare(out.cpu().double() * 1e21, ref.double() * 1e21, "bfloat16")
+    assert rep, rep.summary()
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_token_permutation_is_bitwise(path):
+    """Bound guaranteed: bit-for-bit. Every (token, expert) pair's row is computed from its own
+    x row with a fixed K order (GEMV per pair on decode; MMA rows are independent on prefill), and
+    the top-k sum runs in slot order, so moving tokens between tile positions changes nothing."""
+    w = _weights()
+    x, tw, ids = _ragged()
+    perm = torch.randperm(38)
+    a = K.fused_moe_w4a16(**_dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids}), config=PATHS[path])
+    b = K.fused_moe_w4a16(**_dev({"x": x[perm], **w, "topk_weights": tw[perm].contiguous(),
+                                  "topk_ids": ids[perm].contiguous()}), config=PATHS[path])
+    assert torch.equal(a[perm.to(a.device)].view(torch.int16), b.view(torch.int16))
+
+
+def test_decode_and_prefill_agree():
+    w = _weights()
+    x, tw, ids = _ragged()
+    inp = _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids})
+    a = K.fused_moe_w4a16(**inp, config=DEC)
+    b = K.fused_moe_w4a16(**inp, config=PRE)
+    assert compare(a.cpu(), b.cpu(), "bfloat16")
+
+
+def test_moe_bad_inputs():
+    w = _dev(_weights())
+    x, tw, ids = _ragged()
+    ok = _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids})
+    f = K.fused_moe_w4a16
+    with pytest.raises(TypeError, match="x"):
+        f(**{**ok, "x": ok["x"].float()})
+    with pytest.raises(TypeError, match="w13_packed"):
+        f(**{**ok, "w13_packed": ok["w13_packed"].to(torch.int64)})
+    with pytest.raises(ValueError, match="w2_scale"):
+        f(**{**ok, "w2_scale": ok["w2_scale"][:, :, :0]})
+    with pytest.raises(TypeError, match="topk_ids"):
+        f(**{**ok, "topk_ids": ok["topk_ids"].long()})
+    with pytest.raises(ValueError, match="topk_weights"):
+        f(**{**ok, "topk_weights": ok["topk_weights"][:, :1].contiguous()})
+    with pytest.raises(ValueError, match="x"):
+        f(**{**ok, "x": ok["x"][:, :200]})
+    with pytest.raises(ValueError, match="path"):
+        f(**ok, config={"path": "nope"})
+
+
+# ---- router ----------------------------------------------------------------------------------------
+def test_router_nan_inf_rows_give_valid_distinct_ids():
+    g = torch.Generator().manual_seed(1)
+    lg = torch.randn(6, 256, generator=g)
+    lg[0] = float("nan")
+    lg[1, torch.rand(256, generator=g) < 0.9] = float("nan")
+    lg[2] = float("inf")
+    lg[3] = float("-inf")
+    lg[4, ::2] = float("nan")
+    lg[4, 1::2] = float("-inf")
+    bias = torch.randn(256, generator=g) * 0.1
+    w, ids = sqrtsoftplus_topk(lg.to(DEVICE), bias.to(DEVICE))
+    ids = ids.cpu()
+    for row in ids.tolist():
+        assert len(set(row)) == 6 and all(0 <= i < 256 for i in row)
+    assert ids[0].tolist() == list(range(6))           # all NaN: the lowest ids
+    assert not torch.isnan(w[3]).any()                  # all -inf: scores 0, bias decides
+    assert ids[4].tolist() == R.select_topk(bias.double()[None] + R.sqrt_softplus(lg[4:5]), 6)[0].tolist()
+
+
+def test_router_ties_pick_lowest_ids():
+    lg = torch.zeros(2, 64)
+    w, ids = sqrtsoftplus_topk(lg.to(DEVICE), torch.zeros(64, device=DEVICE), topk=6)
+    assert ids.cpu().tolist() == [list(range(6))] * 2
+    assert torch.allclose(w.cpu(), torch.full((2, 6), 0.25))
+
+
+def test_router_hash_and_scaling():
+    g = torch.Generator().manual_seed(2)
+    lg = torch.randn(4, 32, generator=g)
+    tbl = torch.stack([torch.randperm(32, generator=g)[:6] for _ in range(10)]).to(torch.int32)
+    tbl[3, 2] = 40
+    tok = torch.tensor([3, 0, 9, 12])
+    w, ids = sqrtsoftplus_topk(lg.to(DEVICE), None, 6, 1.5, tok.to(DEVICE), tbl.to(DEVICE))
+    rw, rids = R.sqrtsoftplus_topk(lg, None, 6, 1.5, tok, tbl)
+    assert torch.equal(ids.cpu(), rids)
+    assert ids[0, 2] == -1 and w[0, 2] == 0 and (ids[3] == -1).all() and (w[3] == 0).all()
+    assert compare(w.cpu(), rw, "float32")
+    assert torch.allclose(w.cpu()[:3].sum(1), torch.full((3,), 1.5))
+
+
+def test_router_bad_inputs():
+    lg = torch.randn(3, 16, device=DEVICE)
+    with pytest.raises(TypeError, match="router_logits"):
+        sqrtsoftplus_topk(lg.to(torch.int32))
+    with pytest.raises(ValueError, match="topk"):
+        sqrtsoftplus_topk(lg, topk=17)
+    with pytest.raises(ValueError, match="e_score_correction_bias"):
+        sqrtsoftplus_topk(lg, torch.zeros(15, device=DEVICE))
+    with pytest.raises(ValueError, match="tid2eid"):
+        sqrtsoftplus_topk(lg, input_ids=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="tid2eid"):
+        sqrtsoftplus_topk(lg, topk=6, input_ids=torch.zeros(3, dtype=torch.int32, device=DEVICE),
+                          tid2eid=torch.zeros(5, 4, dtype=torch.int32, device=DEVICE))
+
+
+# ---- loader ------------------------------------------------------------------------------------------
+def _write_ckpt(tmp_path, E=3, D=256, I=256, stacked=False):
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(3)
+    q = {wn: torch.randint(-8, 8, (E,) + ((I, D) if wn != "w2" else (D, I)), generator=g, dtype=torch.int8)
+         for wn in ("w1", "w3", "w2")}
+    s = {wn: torch.rand(E, v.shape[1], v.shape[2] // 128, generator=g).bfloat16() for wn, v in q.items()}
+    pre = "layers.1.ffn"
+    t = {f"{pre}.gate.weight": torch.randn(E, D, generator=g).bfloat16(),
+         f"{pre}.gate.bias": torch.randn(E, generator=g)}
+    if stacked:
+        t[f"{pre}.experts.w13_weight_packed"] = R.pack_int4(torch.cat([q["w1"], q["w3"]], 1))
+        t[f"{pre}.experts.w13_weight_scale"] = torch.cat([s["w1"], s["w3"]], 1)
+        t[f"{pre}.experts.w2_weight_packed"] = R.pack_int4(q["w2"])
+        t[f"{pre}.experts.w2_weight_scale"] = s["w2"]
+    else:
+        for e in range(E):
+            for wn in ("w1", "w3", "w2"):
+                t[f"{pre}.experts.{e}.{wn}.weight_packed"] = R.pack_int4(q[wn][e])
+                t[f"{pre}.experts.{e}.{wn}.weight_scale"] = s[wn][e].clone()
+                t[f"{pre}.experts.{e}.{wn}.weight_shape"] = torch.tensor(list(q[wn][e].shape))
+    save_file(t, str(tmp_path / "model-00001.safetensors"))
+    return q, s
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_loader_reads_pack_quantized_layout_with_tp(tmp_path, stacked):
+    from ds4lab.moe_loader import load_moe_layer
+    q, s = _write_ckpt(tmp_path, stacked=stacked)
+    full = load_moe_layer(tmp_path, layer=1)
+    assert full.w13_packed.dtype == torch.int32 and full.w13_packed.shape == (3, 512, 32)
+    assert torch.equal(R.unpack_int4(full.w13_packed), torch.cat([q["w1"], q["w3"]], 1))
+    assert torch.equal(full.w2_scale, s["w2"])
+    assert full.e_score_correction_bias.dtype == torch.float32
+    r1 = load_moe_layer(tmp_path, layer=1, tp=2, rank=1)
+    assert torch.equal(R.unpack_int4(r1.w13_packed), torch.cat([q["w1"][:, 128:], q["w3"][:, 128:]], 1))
+    assert torch.equal(R.unpack_int4(r1.w2_packed), q["w2"][:, :, 128:])
+    assert torch.equal(r1.w2_scale, s["w2"][:, :, 1:])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        load_moe_layer(tmp_path, layer=1, tp=4, rank=0)
+    with pytest.raises(KeyError):
+        load_moe_layer(tmp_path, layer=2)
