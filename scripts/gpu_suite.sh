@@ -13,9 +13,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --f
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m "not vllm and not notebook and not aot" \
-    tests/test_kernels_registry.py $(ls tests/test_*.py | grep -E "fp8|o_proj|indexer|topk|mla|mhc|moe" ) \
-    2>&1 | tail -40 | tee "$OUT/gpu_tests.log" || rc=1
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m "not vllm and not notebook and not aot" \
+    --tb=short tests/test_kernels_registry.py $(ls tests/test_*.py | grep -E "fp8|o_proj|indexer|topk|mla|mhc|moe" ) \
+    > "$OUT/gpu_tests.log" 2>&1 || rc=1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -60
 fi
 for build in ${BUILDS:-native sm89}; do
   extra=""; [ "$build" = sm89 ] && extra="--no-baselines"
