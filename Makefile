@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP := bash env/setup.sh
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast tour lab aot bench-gpu lock clean info doctor plan
+.PHONY: setup test test-fast tour lab aot bench-gpu lock clean info doctor plan tiny
 
 setup:
 	@$(SETUP)
@@ -40,6 +40,11 @@ doctor: setup
 
 plan: setup
 	$(PY) -m ds4lab plan
+
+## The embedded tiny DeepSeek-V4 checkpoint (~/.cache/ds4lab/tiny-dsv4[-agree])
+tiny: setup
+	$(PY) -m ds4lab tiny
+	$(PY) -m ds4lab tiny --agree-heads
 
 ## Re-resolve env/requirements-cpu.in into the lock (needs network to PyPI)
 lock:
