@@ -86,7 +86,8 @@ def _decode_w13_kernel(
         j = tl.arange(0, 8)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         k_lo = split * K_SPLIT
-        for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
+        for kk in range(0, K_SPLIT, BLOCK_K):
+            k0 = k_lo + kk
             xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k0 + c[:, None] * 8 + j[None, :]).to(tl.float32)
             acc += _gemv_tile(w_ptr, s_ptr, row_off, s_row_off, rmask, xv, k0, stride_sk, BLOCK_K, BLOCK_N)
         tl.store(part_ptr + split * stride_ps + pair.to(tl.int64) * stride_pp + rows, acc, mask=rmask)

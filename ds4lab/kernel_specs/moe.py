@@ -269,6 +269,8 @@ def _moe_config_for(arch, shape):
     if "tp" not in shape:
         return list(CONFIGS[arch])
     path = "decode" if shape["T"] * shape["topk"] <= DECODE_MAX_PAIRS else "prefill"
+    if path == "prefill" and shape["T"] >= 1024:
+        return ["prefill"]  # prefill_m16 is for short prefills (a few hundred pairs)
     return [k for k, v in CONFIGS[arch].items() if v["path"] == path]
 
 
