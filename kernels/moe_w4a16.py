@@ -382,7 +382,9 @@ def moe_tile_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     P = flat.numel()
     key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
     order = torch.sort(key, stable=True).indices.to(torch.int32)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # scatter_add, not bincount: CUDA bincount reads max() back to the host (a sync)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
     start = torch.cumsum(counts, 0) - counts
     tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
@@ -446,6 +448,8 @@ CONFIGS = {
                    "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
         "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
                         "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
+        "decode_n8": {"path": "decode", "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 8, "num_warps": 2,
+                      "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 2},
         "prefill": {"path": "prefill", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_N2": 64,
                     "num_warps": 4, "num_stages": 3},
         "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_N2": 64,
@@ -456,6 +460,8 @@ CONFIGS = {
                    "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
         "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
                         "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
+        "decode_n8": {"path": "decode", "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 8, "num_warps": 2,
+                      "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 2},
         "prefill": {"path": "prefill", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_N2": 128,
                     "num_warps": 8, "num_stages": 3},
         "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 64,
