@@ -239,3 +239,26 @@ def test_torch_compressed_slot_mapping():
     CompressedSlotMapping()(out, slots, qsl, seq, bt, 2, 4, 1, 1)
     # pos 3 -> state 0 -> block 3 (of 2 entries) offset 0 = slot 6; pos 7 is PAD; others PAD
     assert out.tolist() == [-1, 6, -1, -1, -1, -1, -1, -1]
+
+
+def test_plugin_refuses_unknown_vllm_on_cpu(monkeypatch):
+    import ds4lab.vllm_plugin as plugin
+    from ds4lab.vllm_plugin import version_gate
+
+    monkeypatch.setattr(plugin, "_INSTALLED", [])
+    monkeypatch.delenv("DS4LAB_VLLM_PLUGIN", raising=False)
+    monkeypatch.setattr(version_gate, "vllm_version", lambda: "0.99.0")
+    with pytest.raises(plugin.UnsupportedVllmError, match="0.99.0"):
+        plugin.register()
+    assert plugin.installed_patches() == []
+
+
+def test_plugin_is_a_no_op_off_cpu(monkeypatch):
+    import ds4lab.vllm_plugin as plugin
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(plugin, "_INSTALLED", [])
+    monkeypatch.delenv("DS4LAB_VLLM_PLUGIN", raising=False)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
+    plugin.register()
+    assert plugin.installed_patches() == []
