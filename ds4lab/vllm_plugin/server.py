@@ -128,7 +128,7 @@ class VllmServer:
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         deadline = t0 + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
@@ -218,6 +218,18 @@ class VllmServer:
             except psutil.NoSuchProcess:
                 pass
         return total
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the launching process dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), so a SIGKILLed test run does not leave a server behind; the
+    server's own SIGTERM handler then stops its EngineCore."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
 
 
 def _group_alive(pgid: int) -> bool:
