@@ -3,12 +3,14 @@
 Server starts are the cost (~30-60 s each on the 2-core box): one shared subprocess server with MTP
 (start-up numbers, warmup, canary, benchmark + acceptance, the generated warmup.sh/canary.sh),
 one in-process start (kernel-style: a task on the running loop, handlers restored, nothing left),
-and one start per mode for the kill test (SIGKILL of the launching process leaves no EngineCore or
-worker behind).
+and one in-process start for the kill test. The shared server is started by a launcher process that
+stands in for a notebook kernel; its teardown SIGKILLs that launcher and checks that no API server,
+EngineCore or worker is left (the subprocess-mode kill test).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +21,7 @@ import time
 import psutil
 import pytest
 
-from ds4lab.serve import Server, artifacts, build_launch, measure
+from ds4lab.serve import Server, StartupInfo, artifacts, build_launch, measure
 
 pytestmark = pytest.mark.vllm
 
@@ -39,15 +41,70 @@ def _vllm_procs_on(port: int | None = None, pids=()) -> list[psutil.Process]:
     return out
 
 
+LAUNCHER = textwrap.dedent(r'''
+    import asyncio, json, sys
+    from ds4lab.serve import Server, build_launch
+    mode, logp, nspec = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    events = []
+    srv = Server(build_launch("tiny-cpu", {"num_speculative_tokens": nspec}), mode=mode, log_path=logp,
+                 on_progress=events.append)
+    async def main():
+        await srv.astart()
+        print("READY " + json.dumps({"url": srv.url, "model": srv.model, "port": srv.launch.port,
+                                     "pids": srv.pids(), "startup": srv.startup.as_dict(),
+                                     "stages": [e.stage for e in events]}), flush=True)
+        while True:
+            await asyncio.sleep(3600)
+    asyncio.run(main())
+''')
+
+
+class _Launcher:
+    """A process standing in for a notebook kernel: it starts a Server and then just lives."""
+
+    def __init__(self, mode: str, log, nspec: int = 1):
+        self.p = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, str(log), str(nspec)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            line = self.p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("READY "):
+                break
+        if not (lines and lines[-1].startswith("READY ")):
+            self.p.kill()
+            raise AssertionError("".join(lines[-40:]))
+        info = json.loads(lines[-1][6:])
+        self.__dict__.update(info)
+        self.startup = StartupInfo(**info["startup"])
+        self.tree = {c.pid for c in psutil.Process(self.p.pid).children(recursive=True)}
+
+    def sigkill_and_check(self) -> None:
+        """SIGKILL the launcher (a kernel killed hard); nothing of its server may remain."""
+        names = [psutil.Process(x).name() for x in self.pids if psutil.pid_exists(x)]
+        assert any("EngineCore" in n for n in names), names
+        self.p.kill()
+        self.p.wait()
+        pids = set(self.pids) | self.tree
+        deadline = time.time() + 30
+        while time.time() < deadline and _vllm_procs_on(self.port, pids):
+            time.sleep(0.5)
+        left = _vllm_procs_on(self.port, pids)
+        assert not left, [(x.pid, x.info["name"]) for x in left]
+
+
 @pytest.fixture(scope="module")
 def mtp_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "mtp.log"
-    events = []
-    srv = Server(build_launch("tiny-cpu"), log_path=log, on_progress=events.append)
-    with srv:
-        srv.events = events
+    """The shared MTP server, started (subprocess mode) by a launcher process; the teardown is the
+    subprocess-mode kill test: SIGKILL the launcher, check no API server/EngineCore/worker remains."""
+    srv = _Launcher("subprocess", tmp_path_factory.mktemp("serve") / "mtp.log")
+    try:
         yield srv
-    assert not _vllm_procs_on(srv.launch.port)
+    finally:
+        srv.sigkill_and_check()
 
 
 def test_startup_numbers_and_progress(mtp_server):
@@ -56,7 +113,7 @@ def test_startup_numbers_and_progress(mtp_server):
     assert i.kv_tokens and i.kv_tokens > 4096 and i.max_model_len == 4096
     assert i.max_concurrency == pytest.approx(i.kv_tokens / 4096, abs=0.01)
     assert i.kv_gib == 0.25 and i.checkpoint_gib and i.weights_load_s is not None
-    stages = [e.stage for e in mtp_server.events]
+    stages = mtp_server.stages
     assert stages[0] == "launch" and stages[-1] == "ready"
     assert {"weights", "kv_cache", "api"} <= set(stages)
 
@@ -82,9 +139,9 @@ def test_warmup_canary_benchmark_acceptance(mtp_server):
 def test_generated_warmup_and_canary_scripts_work(mtp_server, tmp_path):
     s = mtp_server
     L = build_launch("tiny-cpu", {"warmup_prompt_lens": [8, 64], "warmup_concurrency": [1, 2]},
-                     port=s.launch.port)
-    files = artifacts.write_artifacts(L, tmp_path, port=s.launch.port)
-    env = dict(os.environ, HOST=s.launch.host, PORT=str(s.launch.port))
+                     port=s.port)
+    files = artifacts.write_artifacts(L, tmp_path, port=s.port)
+    env = dict(os.environ, HOST="127.0.0.1", PORT=str(s.port))
     for name in ("warmup.sh", "canary.sh"):
         r = subprocess.run(["bash", str(files[name])], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (name, r.stdout[-2000:], r.stderr[-2000:])
@@ -100,7 +157,7 @@ def test_inprocess_on_running_loop(tmp_path):
     def mine(*_):
         pass
     old_int = signal.signal(signal.SIGINT, mine)
-    old_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    old_env = os.environ.get("VLLM_LOGGING_STREAM")
     try:
         async def run():
             srv = Server(build_launch("tiny-cpu"), mode="inprocess", log_path=tmp_path / "in.log",
@@ -120,56 +177,14 @@ def test_inprocess_on_running_loop(tmp_path):
             return kids
         kids = asyncio.run(run())
         assert signal.getsignal(signal.SIGINT) is mine
-        assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == old_env
+        assert os.environ.get("VLLM_LOGGING_STREAM") == old_env
         time.sleep(0.5)
         assert not _vllm_procs_on(pids=set(kids))
     finally:
         signal.signal(signal.SIGINT, old_int)
 
 
-LAUNCHER = textwrap.dedent(r'''
-    import asyncio, sys, time
-    from ds4lab.serve import Server, build_launch
-    mode, logp = sys.argv[1], sys.argv[2]
-    srv = Server(build_launch("tiny-cpu", {"num_speculative_tokens": 0}), mode=mode, log_path=logp,
-                 on_progress=None)
-    async def main():
-        await srv.astart()
-        print("READY", srv.launch.port, *srv.pids(), flush=True)
-        while True:
-            await asyncio.sleep(3600)
-    asyncio.run(main())
-''')
-
-
-@pytest.mark.parametrize("mode", ["subprocess", "inprocess"])
-def test_sigkill_of_launcher_leaves_nothing(mode, tmp_path):
-    """The notebook kernel dies hard (SIGKILL): the watchdog takes the server's processes with it."""
-    p = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, str(tmp_path / "log")],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        lines = []
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("READY"):
-                break
-        assert lines and lines[-1].startswith("READY"), "".join(lines[-40:])
-        _, port, *pids = lines[-1].split()
-        pids = {int(x) for x in pids}
-        tree = {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
-        names = [psutil.Process(x).name() for x in pids]
-        assert any("EngineCore" in n for n in names), names
-        p.kill()
-        p.wait()
-        deadline = time.time() + 30
-        while time.time() < deadline and _vllm_procs_on(int(port), pids | tree):
-            time.sleep(0.5)
-        left = _vllm_procs_on(int(port), pids | tree)
-        assert not left, [(x.pid, x.info["name"]) for x in left]
-    finally:
-        if p.poll() is None:
-            p.kill()
+def test_sigkill_of_inprocess_launcher_leaves_nothing(tmp_path):
+    """In-process mode, the kernel dies hard (SIGKILL): the watchdog takes the EngineCore with it.
+    (Subprocess mode: the ``mtp_server`` fixture's teardown.)"""
+    _Launcher("inprocess", tmp_path / "log", nspec=0).sigkill_and_check()

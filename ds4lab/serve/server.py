@@ -10,9 +10,12 @@ Two modes, one object (a context manager, sync or async):
   the caller (the notebook kernel's: ``await server.astart()`` / ``async with``). vLLM installs
   SIGINT/SIGTERM handlers (``signal.signal`` and ``loop.add_signal_handler``); they are removed and the
   kernel's own handlers restored as soon as the server is up, so the notebook's interrupt button keeps
-  interrupting cells. ``--distributed-executor-backend uni`` keeps the worker inside the EngineCore
-  process; vLLM's ``AsyncLLM`` always runs that EngineCore as a child process, which is reaped on stop.
-  Its output and the API server's log records go to the same log file.
+  interrupting cells. vLLM's ``AsyncLLM`` always runs the EngineCore as a child process (also with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which only slows it down here: see ``inprocess_env``);
+  ``--distributed-executor-backend uni`` keeps the worker inside that EngineCore, which is reaped on
+  stop. The EngineCore's output and the API server's log records (vLLM's and uvicorn's loggers) go to
+  the log file, not into the notebook's cells. Note the kernel's event loop is blocked while
+  ``AsyncLLM`` starts its EngineCore (a synchronous handshake), so progress arrives in bursts.
 
 In both modes the log streams through :class:`~ds4lab.serve.startup.StartupParser` (progress and the
 start-up numbers, :attr:`Server.startup`) while ``/health`` is polled, and the last log lines are
@@ -37,6 +40,26 @@ from .profiles import Launch, build_launch
 from .startup import ProgressEvent, StartupInfo, StartupParser, print_progress
 
 __all__ = ["Server", "ServerError"]
+
+
+class _LogStream:
+    """Where vLLM's in-process log records go: the running in-process server's log file, else the
+    process's original stderr."""
+
+    target = None
+
+    def write(self, s: str) -> int:
+        t = self.target or sys.__stderr__
+        return t.write(s) if t else 0
+
+    def flush(self) -> None:
+        t = self.target or sys.__stderr__
+        if t:
+            t.flush()
+
+
+#: ``VLLM_LOGGING_STREAM=ext://ds4lab.serve.server.vllm_log_stream`` during an in-process start
+vllm_log_stream = _LogStream()
 
 
 class ServerError(RuntimeError):
@@ -112,7 +135,7 @@ class Server:
                  overrides: Mapping[str, Any] | None = None, mode: str = "subprocess",
                  log_path: str | os.PathLike | None = None, startup_timeout: float = 900.0,
                  on_progress: Callable[[ProgressEvent], None] | None = print_progress,
-                 watchdog: bool = True):
+                 watchdog: bool = True, uni_executor: bool = True):
         if mode not in ("subprocess", "inprocess"):
             raise ValueError(f"mode {mode!r}: 'subprocess' or 'inprocess'")
         self.launch = launch or build_launch(profile, overrides)
@@ -122,6 +145,12 @@ class Server:
         self.startup_timeout = startup_timeout
         self.on_progress = on_progress
         self.use_watchdog = watchdog
+        self.uni_executor = uni_executor
+        #: extra environment for an in-process start. Not ``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+        #: vLLM 0.32's ``AsyncLLM`` (what ``run_server`` uses) runs the EngineCore as a child process
+        #: whatever it says, and the EngineCore inheriting it decoded ~20x slower on the tiny CPU
+        #: checkpoint (4.4 vs 81-85 output tok/s, TPOT 210 vs 10-11 ms, measured 2025-11-30).
+        self.inprocess_env: dict[str, str] = {}
         self.proc: subprocess.Popen | None = None
         self.task: asyncio.Task | None = None
         self.watchdog: subprocess.Popen | None = None
@@ -300,7 +329,8 @@ class Server:
         loop = asyncio.get_running_loop()
         # environment of the launch (restored on stop); engine in-process where vLLM allows it
         env = dict(self.launch.env_overlay)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.update(self.inprocess_env)
+        env["VLLM_LOGGING_STREAM"] = "ext://ds4lab.serve.server.vllm_log_stream"
         saved_env = {k: os.environ.get(k) for k in list(env) + list(self.launch.unset)}
         for k in self.launch.unset:
             os.environ.pop(k, None)
@@ -328,7 +358,7 @@ class Server:
 
             self._redirect_vllm_logging(log)
             argv = list(self.launch.server_args)
-            if "--distributed-executor-backend" not in argv:
+            if self.uni_executor and "--distributed-executor-backend" not in argv:
                 argv += ["--distributed-executor-backend", "uni"]
             args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
             validate_parsed_serve_args(args)
@@ -345,6 +375,7 @@ class Server:
                     await asyncio.sleep(0.5)
             restore_fds()
             fds_restored = True
+            self._swap_vllm_handlers()  # vLLM configured its logging during start-up
             # vLLM's handlers (signal.signal + loop.add_signal_handler): give the kernel its own back
             for s, h in saved_sig.items():
                 try:
@@ -367,17 +398,26 @@ class Server:
             raise
 
     def _redirect_vllm_logging(self, log) -> None:
+        """vLLM's log records in this process go to the log file, not into the notebook's cells:
+        a fresh vLLM logging config resolves ``VLLM_LOGGING_STREAM`` (``ext://`` this module's
+        :data:`vllm_log_stream`); an existing one has its StreamHandlers pointed there."""
         import io
 
-        import vllm.logger  # noqa: F401  (configures the "vllm" logger)
-
         stream = io.TextIOWrapper(open(os.dup(log.fileno()), "ab", buffering=0), write_through=True)
-        lg = logging.getLogger("vllm")
-        for h in lg.handlers:
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                old = h.setStream(stream)
-                self._restore.append(lambda h=h, old=old: h.setStream(old))
-        self._restore.append(stream.close)
+        vllm_log_stream.target = stream
+
+        def done():
+            vllm_log_stream.target = None
+            stream.close()
+        self._restore.append(done)
+        self._swap_vllm_handlers()
+
+    def _swap_vllm_handlers(self) -> None:
+        for name in ("vllm", "uvicorn", "uvicorn.access", "uvicorn.error"):
+            for h in logging.getLogger(name).handlers:
+                if type(h) is logging.StreamHandler and h.stream is not vllm_log_stream:
+                    old = h.setStream(vllm_log_stream)
+                    self._restore.append(lambda h=h, old=old: h.setStream(old))
 
     def _own_children(self) -> list:
         before = getattr(self, "_children_before", set())
