@@ -136,12 +136,26 @@ def _n_sets(inputs: dict, l2_bytes: int) -> int:
     return max(1, min(32, -(-2 * l2_bytes // max(b, 1))))
 
 
+class _Rows(list):
+    """Rows that are also appended to a CSV as they are produced (a run cut short by a time limit
+    keeps every row it measured)."""
+
+    def __init__(self, path: str | None):
+        super().__init__()
+        self.path = path
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        if self.path:
+            write_csv([row], self.path)
+
+
 def run_bench(names=None, tps=(1,), build="native", quick=False, log=print, shape_filter=None,
-              config_filter=None, baselines=True) -> list[dict]:
+              config_filter=None, baselines=True, csv_path: str | None = None) -> list[dict]:
     """Check-then-time every selected (kernel, shape, config) and baseline; returns CSV rows.
 
     ``shape_filter`` (dict) keeps one shape, ``config_filter`` (label) one config, ``baselines``
-    times each spec's baselines next to it."""
+    times each spec's baselines next to it; ``csv_path`` appends each row as soon as it is measured."""
     import torch
     import triton
 
@@ -160,7 +174,7 @@ def run_bench(names=None, tps=(1,), build="native", quick=False, log=print, shap
     base = {"timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "gpu": props.name,
             "sm_clock_mhz": sm, "mem_clock_mhz": mem, "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "git_sha": sha, "build": build, **roofs}
-    rows = []
+    rows = _Rows(csv_path)
     for spec in all_specs():
         if names and spec.name not in names and spec.family not in names:
             continue
@@ -275,9 +289,8 @@ def main(args) -> int:
     only_baselines = args.config == "none"
     rows = run_bench(args.kernels or None, tuple(args.tp or (1, 4)), args.arch, args.quick,
                      shape_filter=args.shape, config_filter="\0" if only_baselines else args.config,
-                     baselines=not args.no_baselines)
+                     baselines=not args.no_baselines, csv_path=os.path.join(args.out, "bench.csv"))
     path = os.path.join(args.out, "bench.csv")
-    write_csv(rows, path)
     bad = [r for r in rows if r.get("status") != "OK"]
     print(f"{len(rows)} rows -> {path}; {len(bad)} not OK")
     return 1 if bad else 0

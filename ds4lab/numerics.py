@@ -156,16 +156,21 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance | str | None = 
 
 
 def compare_exact(out: torch.Tensor, ref: torch.Tensor, name: str = "") -> Report:
-    """Bit-for-bit equality (integers, indices, or floats viewed as their bytes)."""
+    """Bit-for-bit equality (integers, indices, or floats viewed as their bytes; any NaN equals any NaN)."""
     if tuple(out.shape) != tuple(ref.shape):
         raise ValueError(f"compare_exact {name}: out shape {tuple(out.shape)} != ref shape {tuple(ref.shape)}")
     if out.dtype != ref.dtype:
         raise TypeError(f"compare_exact {name}: out dtype {out.dtype} != ref dtype {ref.dtype}")
     o, r = out.detach().cpu(), ref.detach().cpu()
+    both_nan = None
     if o.dtype.is_floating_point:
+        # NaN is NaN: its sign and payload carry no meaning (GPUs produce 0xFF, torch 0x7F for e4m3)
+        both_nan = o.float().isnan() & r.float().isnan()
         width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[o.element_size()]
         o, r = o.view(width), r.view(width)
     fail = o != r
+    if both_nan is not None:
+        fail &= ~both_nan
     rep = Report(ok=not bool(fail.any()), name=name, shape=tuple(out.shape), n_fail=int(fail.sum()))
     if rep.n_fail:
         rep.first_fail = _first(fail.reshape(-1).nonzero().squeeze(1), o.to(torch.float64), r.to(torch.float64))

@@ -66,3 +66,12 @@ def test_mask_and_topk_multiset():
     lens = torch.tensor([2, 5])
     assert not nm.compare_topk(torch.tensor([[0, 2], [-1, -1]]), scores, 2, lens).ok  # 2 >= len
     assert nm.compare_topk(torch.tensor([[0, 1], [-1, -1]]), scores, 2, lens).ok
+
+
+def test_exact_treats_any_nan_as_nan():
+    a = torch.tensor([float("nan"), 1.0]).to(torch.float8_e4m3fn)
+    b = a.view(torch.uint8).clone()
+    b[0] = 0xFF  # negative NaN encoding, as GPUs produce
+    assert nm.compare_exact(a, b.view(torch.float8_e4m3fn)).ok
+    b[1] = 0x39
+    assert not nm.compare_exact(a, b.view(torch.float8_e4m3fn)).ok

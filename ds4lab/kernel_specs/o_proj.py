@@ -342,11 +342,11 @@ def o_proj_check(out, ref, inputs) -> list:
     """bf16 budget on the interpreter. On FP8 tensor cores (~14-bit accumulation, see
     numerics.fp8_mma_rel_error) z can land one e4m3 step away from the reference's before it is
     re-quantized for wo_b (as DeepGEMM's path does), moving an output by up to 2^-3 |z_k w_nk|:
-    there the elementwise budget is a quarter of the output RMS and the similarity budget 2e-5
-    (measured worst on the H200, run 2: 9.2e-6)."""
+    there the elementwise budget is a quarter of the output RMS and the similarity budget 1e-4
+    (measured worst on the H200: 9.2e-6 at N=4096 in run 2, 2.5e-5 at N=256 in run 3)."""
     if fp8_mma_rel_error(out.device) > 2.0 ** -20 and inputs.get("wo_a_s") is not None:
         rms = float(ref.double().square().mean().sqrt()) if ref.numel() else 0.0
-        return [compare(out, ref, Tolerance(atol=0.25 * rms, rtol=0.0625, max_diff=2e-5), name="o_proj out")]
+        return [compare(out, ref, Tolerance(atol=0.25 * rms, rtol=0.0625, max_diff=1e-4), name="o_proj out")]
     return [compare(out, ref, "bfloat16", name="o_proj out")]
 
 
