@@ -15,7 +15,7 @@ tour: setup
 
 ## The whole test suite (CPU: Triton interpreter lane, sm_89/sm_90 compile report, real vLLM, notebooks)
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --nbval-lax tests notebooks $(PYTEST_ARGS)
 
 ## Everything but the slow lanes (vLLM server, notebooks)
 test-fast: setup

@@ -35,7 +35,8 @@ def make(name, title, families, blurb):
                                  "(labelled with their provenance). The sm_89 build rows are the kernel compiled "
                                  "for Ada and assembled for the H200: Ada's instruction mix on real hardware."),
         c(f"# papermill parameters\nfamilies = {families!r}\nmax_shapes = None   # None: every test shape of each kernel\n"
-          "compile_report = True  # sm_89 / sm_90 resources per config (ds4lab aot)\nseed = 0",
+          "compile_report = True  # sm_89 resources per config (ds4lab aot; `make aot` adds sm_90)\n"
+          "archs = ['sm_89']\nseed = 0",
           metadata={"tags": ["parameters"]}),
         c("from IPython.display import display\n\nfrom ds4lab import notebook as nb\n\ndevice = nb.setup()\n"
           "kernels = nb.kernels_of(families)\nprint('kernels:', kernels)"),
@@ -49,7 +50,7 @@ def make(name, title, families, blurb):
           "numerics_total=len(rows), worst_max_rel=max((r['max_rel'] for r in rows), default=0.0))"),
         nbf.v4.new_markdown_cell("## sm_89 compile report\n\nShared memory must stay within 101,376 B per block on "
                                  "sm_89, with no spills; FP8 dots must show `QMMA` in the sm_89 SASS."),
-        c("aot = nb.compile_report(families) if compile_report else []"),
+        c("aot = nb.compile_report(families, archs=archs) if compile_report else []"),
         nbf.v4.new_markdown_cell("## Speed on the H200 (committed rows)\n\nFastest config per shape for the native "
                                  "sm_90 build and the sm_89 build, as a fraction of the roofs measured in the same run, "
                                  "next to the best baseline."),
