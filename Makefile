@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP := bash env/setup.sh
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast tour lab aot bench-gpu lock clean info doctor plan tiny
+.PHONY: setup test test-fast tour lab aot bench-gpu lock clean info doctor plan serve serve-bench tiny
 
 setup:
 	@$(SETUP)
@@ -40,6 +40,15 @@ doctor: setup
 
 plan: setup
 	$(PY) -m ds4lab plan
+
+## OpenAI-compatible vLLM server with MTP (PROFILE=tiny-cpu | ada-upstream | community-sm89-fork)
+PROFILE ?= tiny-cpu
+serve: setup
+	$(PY) -m ds4lab serve --profile $(PROFILE)
+
+## With and without MTP: warmup, canary, tokens/s, TTFT, TPOT, acceptance (table)
+serve-bench: setup
+	$(PY) -m ds4lab serve --profile $(PROFILE) --bench
 
 ## The embedded tiny DeepSeek-V4 checkpoint (~/.cache/ds4lab/tiny-dsv4[-agree])
 tiny: setup
