@@ -98,14 +98,21 @@ def _main(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    with Server(launch) as srv:
-        print(f"serving {srv.model} at {srv.url} (Ctrl-C stops; log {srv.log_path})", flush=True)
-        try:
-            signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+    def _interrupt(*_):
+        raise KeyboardInterrupt
+
+    # SIGTERM (systemd, kill) and SIGINT (also when started with SIGINT ignored, e.g. `cmd &`)
+    # both stop the server group cleanly, during start-up too
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        with Server(launch) as srv:
+            print(f"serving {srv.model} at {srv.url} (Ctrl-C stops; log {srv.log_path})", flush=True)
             while srv.proc is not None and srv.proc.poll() is None:
                 time.sleep(1)
             print(f"server exited with {srv.proc.returncode if srv.proc else '?'}:\n{srv.log_tail()}",
                   file=sys.stderr)
             return 1
-        except KeyboardInterrupt:
-            return 0
+    except KeyboardInterrupt:
+        return 0
