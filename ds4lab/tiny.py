@@ -225,7 +225,6 @@ def build_state_dict(cfg: ModelConfig = TINY_CONFIG, seed: int = 0, agree_heads:
     specs = tensor_specs(cfg)
     D = cfg.hidden_size
     for name, (shape, dtn) in specs.items():
-        leaf = name.rsplit(".", 2)
         if name.endswith("tid2eid"):
             rows = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[: shape[1]]
                                 for _ in range(shape[0])])
@@ -248,7 +247,6 @@ def build_state_dict(cfg: ModelConfig = TINY_CONFIG, seed: int = 0, agree_heads:
             t = torch.randn(shape, generator=g)
         else:  # linear weight [out, in]
             t = torch.randn(shape, generator=g) / (shape[-1] ** 0.5)
-        del leaf
         out[name] = t.to(dt[dtn]).contiguous()
 
     if agree_heads:
