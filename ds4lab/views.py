@@ -67,14 +67,24 @@ def numerics_figure(rows: list[dict], title: str = ""):
 
 
 def ada_estimate_figure(rows: list[dict], title: str = ""):
-    """Predicted decode tokens/s per card and TP (bars) against the bandwidth ceiling (markers)."""
+    """ESTIMATE, not a measurement: predicted decode tokens/s per card, TP and batch (rows of
+    :func:`ds4lab.ada_estimate.decode_model`): bars for the efficiency-carry method and the additive
+    bracket, markers for the bandwidth ceiling and the seeds' published figures; log y."""
     import plotly.graph_objects as go
     fig = go.Figure()
     for card in sorted({r["card"] for r in rows}):
         sel = [r for r in rows if r["card"] == card]
-        x = [f"TP{r['tp']} B{r['batch']}" for r in sel]
-        fig.add_bar(x=x, y=[r["tok_s"] for r in sel], name=f"{card} predicted")
-        fig.add_scatter(x=x, y=[r["ceiling_tok_s"] for r in sel], mode="markers", name=f"{card} bandwidth ceiling")
-    fig.update_layout(barmode="group", title=title or "decode step model (estimate)", yaxis_title="tokens/s",
-                      yaxis_type="log", height=480)
+        x = [[r["card"] for r in sel], [f"TP{r['tp']} B{r['batch']}" for r in sel]]
+        fig.add_bar(x=x, y=[r["tok_s"] for r in sel], name=f"{card} estimate (efficiency carried)")
+        if "tok_s_additive" in sel[0]:
+            fig.add_bar(x=x, y=[r["tok_s_additive"] for r in sel], name=f"{card} estimate (additive bracket)",
+                        opacity=0.5)
+        fig.add_scatter(x=x, y=[r["ceiling_tok_s"] for r in sel], mode="markers", marker_symbol="line-ew-open",
+                        marker_size=14, name=f"{card} bandwidth ceiling")
+        seeds = [(xx, yy, r["seed_tok_s"]) for xx, yy, r in zip(*x, sel) if r.get("seed_tok_s")]
+        if seeds:
+            fig.add_scatter(x=[[s[0] for s in seeds], [s[1] for s in seeds]], y=[s[2] for s in seeds],
+                            mode="markers", marker_symbol="star", marker_size=12, name=f"{card} seed figure")
+    fig.update_layout(barmode="group", title=title or "decode step model (ESTIMATE)", yaxis_title="tokens/s",
+                      yaxis_type="log", height=520, legend_orientation="h")
     return fig

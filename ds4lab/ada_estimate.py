@@ -1,0 +1,646 @@
+"""Ada (sm_89) estimates from the H200 sm_89-build rows, and a DeepSeek-V4-Flash decode-step model.
+
+Everything here is an ESTIMATE: no Ada card was measured. Pure Python over benchmark rows
+(:func:`ds4lab.kernel_report.load_results`) and :mod:`ds4lab.geometry`; no torch.
+
+Scaling method (issue 15 item 3)
+--------------------------------
+For a benchmark row (our kernel, the sm_89 build run on the H200: same ISA and instruction mix as on
+Ada) the efficiency is the fraction of its binding roof it reached on the H200, both roofs measured
+in the same run::
+
+    e = max( (min_bytes / t) / roof_copy_tbps , (flops / t) / roof_fp8_tflops )
+
+and the time on an Ada card is the card's roofline time at the same efficiency::
+
+    t_ada = max( launch_floor_us , max(min_bytes / BW_card, flops / FP8_card) / e )
+
+So a memory-bound row scales by the bandwidth ratio, a compute-bound one by the FP8 ratio. It ignores
+L2 size (72-96 MB on Ada vs 50 MB on the H200), SM count and clocks (a latency-bound kernel, small
+``e``, is charged the whole bandwidth ratio: pessimistic), cache/TMA differences, and anything below a
+launch floor of ``launch_floor_us`` (default 3 us, CUDA-graph replay of one small kernel: our H200
+floor rows are 1.7-2.6 us). Bracketing it, :func:`additive_time` carries the H200's latency part
+over unchanged and streams the bytes on Ada at ``stream_eff`` of its bandwidth (optimistic for
+kernels that were bandwidth-starved on the H200).
+
+Card figures (:data:`CARDS`) are datasheet leads from SPEC.md §4, not measurements.
+
+Decode-step model (issue 15 item 4)
+-----------------------------------
+:func:`decode_terms` maps every op of ``geometry.op_shapes(cfg, tp)`` to the registered kernel(s)
+that implement it at T = batch tokens (plain) or T = batch x (1 + k) (MTP verification, next_n = 2)
+plus one drafter pass of the MTP layer, looks up the nearest committed row (sm_89 build, else native,
+else a roofline estimate at ``est_efficiency``), and multiplies by the calls per step. Ops with no
+kernel yet (RMSNorm, compressors, router GEMM, LM head, all-reduce, sampler) are added as labelled
+estimates. :func:`decode_model` sums per card/TP/batch; :func:`bandwidth_ceiling` gives the bytes a
+step must read per rank over the card bandwidth.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from .geometry import DEFAULT_CONFIG, LayerKind, ModelConfig, layer_counts, op_shapes
+
+__all__ = ["Card", "CARDS", "H200", "SEED_FIGURES", "Assumptions", "row_efficiency", "scale_row",
+           "ada_scaled_table", "additive_time", "kernel_bytes", "kernel_flops", "decode_terms",
+           "bandwidth_ceiling", "weight_bytes_per_rank", "decode_model", "headline", "ESTIMATED_OPS"]
+
+
+@dataclass(frozen=True)
+class Card:
+    """One GPU. ``bw_tbps`` memory bandwidth (TB/s), ``fp8_tflops`` dense FP8 with fp32 accumulate,
+    ``mem_gb`` memory, ``link_gbs`` effective all-reduce bus bandwidth (GB/s), ``allreduce_us`` the
+    per-all-reduce latency, ``source`` where the figures come from."""
+    name: str
+    bw_tbps: float
+    fp8_tflops: float
+    mem_gb: float
+    sms: int
+    link_gbs: float
+    allreduce_us: float
+    source: str
+
+
+# SPEC.md §4 (datasheet leads). Links: all three are PCIe 4.0 x16 cards without NVLink. GeForce has
+# P2P disabled, so NCCL all-reduce goes through host memory (~10-15 GB/s bus bandwidth reported by
+# nccl-tests users on 4x 4090); pro cards keep P2P over PCIe (~20 GB/s). Latencies: small-message
+# NCCL ring over PCIe, ~10-20 us (a lead, not measured here).
+CARDS: dict[str, Card] = {c.name: c for c in (
+    Card("RTX 4090-48G", 1.008, 330.0, 48, 128, 12.0, 18.0,
+         "SPEC.md §4 datasheet lead (GeForce FP8 fp32-acc = half rate); 48 GB memory mod"),
+    Card("RTX 6000 Ada", 0.960, 728.0, 48, 142, 20.0, 12.0, "SPEC.md §4 datasheet lead"),
+    Card("L40S", 0.864, 733.0, 48, 142, 20.0, 12.0, "SPEC.md §4 datasheet lead"),
+)}
+# The benchmark GPU, measured (SPEC.md §4); rows carry their own same-run roofs, used in preference.
+H200 = Card("H200", 4.25, 1256.0, 141, 132, 0.0, 0.0, "measured (copy roof, cuBLAS FP8 8192^3)")
+
+# The seeds' published figures (batch 1, one stream; SPEC.md §6 seed recipe). Claims, not measured here.
+SEED_FIGURES = [
+    {"card": "RTX 4090-48G", "tp": 4, "batch": 1, "mode": "plain", "tok_s": 82.0,
+     "source": "fork yhfgyyf/vllm-deepseek-v4-sm89, 4x RTX 4090-48G TP4"},
+    {"card": "RTX 6000 Ada", "tp": 4, "batch": 1, "mode": "plain", "tok_s": 80.0,
+     "source": "seed claim, 4x RTX 6000 Ada TP4"},
+    {"card": "RTX 6000 Ada", "tp": 4, "batch": 1, "mode": "mtp", "tok_s": 124.0, "tok_s_range": "115-133",
+     "source": "seed claim, 4x RTX 6000 Ada TP4, MTP k=1"},
+]
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Every assumption of the decode model, each with its default and where it comes from."""
+    launch_floor_us: float = 3.0      # per kernel call under CUDA-graph replay (H200 floor rows 1.7-2.6 us)
+    stream_eff: float = 0.85          # fraction of card bandwidth a streaming kernel reaches (additive model)
+    est_efficiency: float = 0.3       # roof fraction for small ops with no row (typical of our decode rows)
+    est_weight_efficiency: float = 0.6  # roof fraction of large weight-streaming GEMVs with no kernel
+                                        # (LM head, compressors, router): cuBLAS/Marlin-class GEMV, a lead
+    ctx_len: int = 8192               # context per request (tokens) for cache reads
+    mtp_acceptance: float = 0.8       # P(draft accepted), MTP k=1 (DeepSeek-V3 report: 85-90% for token 2)
+    mtp_k: int = 1                    # draft tokens per step (seeds use num_speculative_tokens=1)
+    lm_head_bytes: float = 2.0        # LM head dtype bytes (bf16 in the checkpoint), vocab-split by TP
+    mtp_weight_bytes: float = 2.0     # community checkpoint: MTP block mtp.0.* is BF16 (SPEC.md §1)
+    compressor_weight_bytes: float = 1.0  # compressor wkv/wgate (dim -> coff*head_dim) assumed FP8
+    router_weight_bytes: float = 2.0  # router gate [256, 4096] assumed bf16, replicated
+    uniform_routing: bool = True      # distinct experts touched: E(1-(1-k/E)^T) (uniform routing)
+    plain_runs_mtp_layer: bool = False  # vLLM runs the MTP layer only as the drafter
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- the scaling method --------------------------------------------------------------------------
+
+def row_efficiency(row: dict) -> float | None:
+    """Fraction of its binding roof a row reached (max of bandwidth and FP8 fractions, same-run roofs)."""
+    t = row.get("p50_us")
+    if not t:
+        return None
+    bw = (row.get("min_bytes") or 0.0) / (t * 1e-6) / 1e12
+    fl = (row.get("flops") or 0.0) / (t * 1e-6) / 1e12
+    roof_bw = row.get("roof_copy_tbps") or H200.bw_tbps
+    roof_fp8 = row.get("roof_fp8_tflops") or H200.fp8_tflops
+    e = max(bw / roof_bw, fl / roof_fp8)
+    return e if e > 0 else None
+
+
+def roof_us(min_bytes: float, flops: float, card: Card) -> float:
+    """Roofline time (us) of ``min_bytes`` and ``flops`` on ``card``."""
+    return max(min_bytes / (card.bw_tbps * 1e12), flops / (card.fp8_tflops * 1e12)) * 1e6
+
+
+def eff_time(min_bytes: float, flops: float, e: float, card: Card, floor_us: float) -> float:
+    """The issue's method: the card's roofline time at efficiency ``e``, not below the launch floor."""
+    return max(floor_us, roof_us(min_bytes, flops, card) / e)
+
+
+def additive_time(min_bytes: float, flops: float, t_h200_us: float, card: Card, a: Assumptions,
+                  h200: Card = H200) -> float:
+    """Bracket: t = latency part (H200 time minus its streaming time at ``stream_eff``, carried over)
+    + the card's streaming time at ``stream_eff``; not below the launch floor."""
+    stream_h = roof_us(min_bytes, flops, h200) / a.stream_eff
+    lat = max(0.0, t_h200_us - stream_h)
+    return max(a.launch_floor_us, lat + roof_us(min_bytes, flops, card) / a.stream_eff)
+
+
+def _h200_of(row: dict) -> Card:
+    return Card("H200", row.get("roof_copy_tbps") or H200.bw_tbps, row.get("roof_fp8_tflops") or H200.fp8_tflops,
+                141, 132, 0, 0, "same-run roofs")
+
+
+def scale_row(row: dict, card: Card, a: Assumptions = Assumptions()) -> dict:
+    """One benchmark row scaled to ``card``: efficiency, H200 time, Ada time (method + additive)."""
+    e = row_efficiency(row)
+    b, f = row.get("min_bytes") or 0.0, row.get("flops") or 0.0
+    out = {"kernel": row["kernel"], "build": row["build"], "tp": row["tp"], "shape": row["shape"],
+           "h200_us": row["p50_us"], "e": e, "card": card.name}
+    if e is None:
+        out.update(ada_us=None, ada_additive_us=None, bound=None, ratio=None)
+        return out
+    h = _h200_of(row)
+    mem = b / (h.bw_tbps * 1e12) >= f / (h.fp8_tflops * 1e12)
+    out["bound"] = "memory" if mem else "compute"
+    out["ada_us"] = eff_time(b, f, e, card, a.launch_floor_us)
+    out["ada_additive_us"] = additive_time(b, f, row["p50_us"], card, a, h)
+    out["ratio"] = out["ada_us"] / row["p50_us"]
+    return out
+
+
+def _best_rows(rows: list[dict], build: str | None = "sm89") -> list[dict]:
+    """Our kernel's fastest config per (kernel, build, tp, shape), OK rows with a p50."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("impl") != "ds4lab" or r.get("p50_us") is None or r.get("status", "OK") != "OK":
+            continue
+        if build and r.get("build") != build:
+            continue
+        k = (r["kernel"], r["build"], r["tp"], r["shape"])
+        if k not in best or r["p50_us"] < best[k]["p50_us"]:
+            best[k] = r
+    return [best[k] for k in sorted(best, key=lambda k: (k[0], k[1], k[2] or 0, k[3]))]
+
+
+def ada_scaled_table(rows: list[dict], cards=None, a: Assumptions = Assumptions()) -> list[dict]:
+    """Every sm_89-build row scaled to every card: one row per (kernel, tp, shape) with a column per card."""
+    cards = list((cards or CARDS).values()) if isinstance(cards or CARDS, dict) else list(cards)
+    out = []
+    for r in _best_rows(rows, "sm89"):
+        t = None
+        for c in cards:
+            s = scale_row(r, c, a)
+            if t is None:
+                t = {"kernel": r["kernel"], "tp": r["tp"], "shape": r["shape"], "bound": s["bound"],
+                     "h200_sm89_us": r["p50_us"], "e": s["e"]}
+            t[f"{c.name} us"] = s["ada_us"]
+            t[f"{c.name} additive us"] = s["ada_additive_us"]
+        out.append(t)
+    return out
+
+
+# ---- byte / FLOP formulas (the registry's, restated without torch; tests prove they agree) -------
+
+def kernel_bytes(kernel: str, s: dict) -> float:
+    """Minimum bytes of one call (same formulas as ``ds4lab/kernel_specs``)."""
+    if kernel == "fp8_gemm_nt":
+        M, N, K = s["M"], s["N"], s["K"]
+        return N * K + M * K + 2 * M * N + (N // 128) * (K // 128) + M * (-(-K // 512)) * 4
+    if kernel == "per_token_group_quant_fp8":
+        M, K = s["M"], s["K"]
+        return M * K * 3 + M * (-(-(K // 128) // 4)) * 4
+    if kernel == "fp8_einsum_bhr_hdr_bhd":
+        T, G, N, K = s["T"], s["G"], s["N"], s["K"]
+        return G * N * K + G * (N // 128) * (K // 128) * 4 + T * G * K + T * G * K // 128 + T * G * N * 2
+    if kernel == "inv_rope_fp8_quant":
+        n = s["T"] * s["H"] * 512
+        return n * 3 + n // 128 + s["T"] * (8 + 64 * 4)
+    if kernel == "fused_moe_w4a16":
+        D, I, T, k, E = s["D"], s["I"], s["T"], s["topk"], s["E"]
+        return min(E, T * k) * (3 * D * I // 2 + 3 * D * I // 128 * 2) + T * D * 4 + T * k * 8
+    if kernel == "sqrtsoftplus_topk":
+        return s["T"] * s["E"] * 4 + s["E"] * 4 + s["T"] * s["topk"] * 8
+    if kernel == "fp8_paged_mqa_logits":
+        return s["B"] * s["ctx"] * 132 + s["B"] * s["next_n"] * s["ctx"] * 4
+    if kernel == "topk_indices":
+        return s["R"] * s["N"] * 4 + s["R"] * s["k"] * 4
+    if kernel == "sparse_mla_decode":
+        return s["T"] * ((s.get("W", 0) + s["Kc"]) * 588 + 2 * s["H"] * 1024)
+    if kernel == "fp8_ds_mla_insert":
+        return s["T"] * (1024 + 576 + 12)
+    if kernel == "indexer_k_cache_insert":
+        return s["T"] * (128 * 3 + 12)
+    if kernel in ("mhc_fused_post_pre", "mhc_pre", "hc_head"):
+        T, D, hc, N = s["T"], s["D"], s["hc"], s["N"]
+        K, coef = hc * D, T * (hc + hc * hc) * 4
+        if kernel == "mhc_pre":
+            return T * K * 2 + N * K * 4 + D * 2 + T * D * 2 + coef
+        if kernel == "hc_head":
+            return T * K * 2 + hc * K * 4 + T * D * 2
+        return T * K * 2 + T * D * 2 + 2 * coef + N * K * 4 + D * 2 + T * K * 2 + T * D * 2
+    raise KeyError(kernel)
+
+
+def kernel_flops(kernel: str, s: dict) -> float:
+    """Useful FLOPs of one call (same formulas as ``ds4lab/kernel_specs``; 0 for data movement)."""
+    if kernel == "fp8_gemm_nt":
+        return 2.0 * s["M"] * s["N"] * s["K"]
+    if kernel == "fp8_einsum_bhr_hdr_bhd":
+        return 2.0 * s["T"] * s["G"] * s["N"] * s["K"]
+    if kernel == "fused_moe_w4a16":
+        return 2.0 * s["T"] * s["topk"] * 3 * s["D"] * s["I"]
+    if kernel == "fp8_paged_mqa_logits":
+        valid = s["B"] * sum(s["ctx"] - s["next_n"] + 1 + i for i in range(s["next_n"]))
+        return 2.0 * s.get("H", 64) * 128 * valid
+    if kernel == "sparse_mla_decode":
+        return 4.0 * s["T"] * s["H"] * (s.get("W", 0) + s["Kc"]) * 512
+    if kernel in ("mhc_fused_post_pre", "mhc_pre", "hc_head"):
+        T, D, hc, N = s["T"], s["D"], s["hc"], s["N"]
+        K = hc * D
+        if kernel == "hc_head":
+            return 2.0 * T * K * hc + 2.0 * T * K
+        return 2.0 * T * K * N + (2.0 * T * K * (hc + 1) if kernel == "mhc_fused_post_pre" else 0.0)
+    return 0.0
+
+
+# ---- row lookup -------------------------------------------------------------------------------------
+
+_TOKEN_KEYS = ("M", "T", "B", "R")  # the per-step token count of each kernel's shape
+
+
+def _shape(r: dict) -> dict:
+    s = r.get("_shape")
+    if s is None:
+        s = json.loads(r["shape"]) if isinstance(r["shape"], str) else dict(r["shape"])
+        r["_shape"] = s
+    return s
+
+
+def _dist(a: dict, b: dict, tok: str | None) -> float:
+    """Log2 distance between shapes over the non-token keys (a differing string key costs 100)."""
+    d = 0.0
+    for k in set(a) | set(b):
+        if k == tok or k in ("scale_fmt", "a_fmt", "b_fmt", "x_fmt", "w_fmt"):
+            continue
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va > 0 and vb > 0:
+            d += abs(math.log2(va / vb))
+        elif va != vb:
+            d += 100.0
+    return d
+
+
+def lookup_efficiency(rows: list[dict], kernel: str, shape: dict, tp: int,
+                      max_token_gap: float = 4.0) -> tuple[float | None, str, str]:
+    """Efficiency ``e`` of ``kernel`` at ``shape``: sm_89-build rows first, then native.
+
+    Among rows of the build, the nearest shape in the non-token dims (same TP preferred) is chosen and
+    ``e`` is interpolated linearly in log(tokens) between the bracketing token counts (clamped
+    outside). A build is used first only where it has the same non-token dims and a token count within
+    ``max_token_gap`` x of the target (the sm_89 build covers a third of the shapes, so an sm_89 row at
+    M=256 does not stand for M=1 when the native build has M=1); failing that in both builds, the
+    nearest row of either (sm_89 first) is used. Returns ``(e, source, match)``, source
+    ``measured-sm89`` / ``measured-native``; ``(None, "estimated", "no row")`` when nothing matches.
+    """
+    tok = next((k for k in _TOKEN_KEYS if k in shape), None)
+    builds = (("sm89", "measured-sm89"), ("native", "measured-native"))
+    # first pass: same non-token dims and a token count within max_token_gap; second: nearest anything
+    for strict in (True, False):
+        for build, label in builds:
+            got = _lookup_build(rows, kernel, shape, tp, tok, build, strict, max_token_gap)
+            if got is not None:
+                return got[0], label, got[1]
+    return None, "estimated", "no row"
+
+
+def _lookup_build(rows, kernel, shape, tp, tok, build, strict, gap):
+    cand = [r for r in rows if r["kernel"] == kernel and r["build"] == build and row_efficiency(r)]
+    if not cand:
+        return None
+    scored = [(_dist(_shape(r), shape, tok) + (0.0 if r["tp"] == tp else 0.5), r) for r in cand]
+    dmin = min(d for d, _ in scored)
+    if strict and dmin > 0.5:
+        return None
+    near = [r for d, r in scored if d == dmin]
+    suffix = "" if dmin == 0 else (", other TP" if dmin == 0.5 else ", nearest shape")
+    if tok is None:
+        return row_efficiency(near[0]), ("exact" if dmin == 0 else "nearest shape")
+    pts = sorted({(_shape(r)[tok], row_efficiency(r)) for r in near if tok in _shape(r)})
+    x = shape[tok]
+    below = [p for p in pts if p[0] <= x]
+    above = [p for p in pts if p[0] >= x]
+    if below and above:
+        (x0, e0), (x1, e1) = below[-1], above[0]
+        if strict and max(x / x0, x1 / x) > gap and x0 != x1:
+            return None
+        if x0 == x1:
+            return e0, ("exact" if dmin == 0 else "same tokens") + suffix
+        w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return e0 + w * (e1 - e0), f"interp {tok} {x0}-{x1}" + suffix
+    p = below[-1] if below else above[0]
+    if strict and max(x / p[0], p[0] / x) > gap:
+        return None
+    return p[1], f"nearest {tok}={p[0]}" + suffix
+
+
+# ---- the decode-step model ------------------------------------------------------------------------
+
+# Ops that no ds4lab kernel implements yet: always estimated, each with its basis.
+ESTIMATED_OPS = {
+    "rmsnorm": "attn_norm, ffn_norm, q_norm, kv_norm per layer (+ indexer q-norm on C4A): launch-floor bound",
+    "rope_qk": "forward RoPE on q and the new k entry, one fused call per layer",
+    "compressor": "C4A main + indexer compressor, C128A compressor: wkv/wgate dim -> coff*head_dim GEMVs",
+    "router_gate": "router logits x @ W_gate^T [256, 4096], replicated",
+    "lm_head": "vocab-parallel LM head [129280/tp, 4096], once per forward pass",
+    "all_reduce": "two per layer at TP > 1 (after wo_b and after the MoE), T x 4096 bf16, ring over PCIe",
+    "sampler": "argmax / sampling over the gathered logits, once per forward pass",
+}
+
+# geometry op -> how it is implemented (kernels it maps to); every op of op_shapes() is listed.
+OP_MAP = {
+    "wq_a_wkv": "fp8_gemm_nt", "wq_b": "fp8_gemm_nt", "wo_b": "fp8_gemm_nt", "indexer_wq_b": "fp8_gemm_nt",
+    "shared_gate_up": "fp8_gemm_nt", "shared_down": "fp8_gemm_nt",
+    "act_quant_hidden": "per_token_group_quant_fp8",
+    "o_proj": "inv_rope_fp8_quant + fp8_einsum_bhr_hdr_bhd + per_token_group_quant_fp8 (wo_b is its own op)",
+    "mqa_logits": "fp8_paged_mqa_logits", "topk_indices": "topk_indices", "sparse_mla": "sparse_mla_decode",
+    "hc_prenorm_gemm": "mhc_fused_post_pre (decode path: post of one sublayer fused with pre of the next)",
+    "moe_w13": "fused_moe_w4a16 (w13 + w2 in one call; router sqrtsoftplus_topk)", "moe_w2": "(in moe_w13's call)",
+    "kv_cache_insert": "fp8_ds_mla_insert", "indexer_k_insert": "indexer_k_cache_insert",
+}
+
+
+def _expected_experts(cfg: ModelConfig, T: int, a: Assumptions) -> float:
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    if not a.uniform_routing:
+        return float(min(E, T * k))
+    return E * (1.0 - (1.0 - k / E) ** T)
+
+
+def _kernel_calls(cfg: ModelConfig, tp: int, T: int, B: int, next_n: int, a: Assumptions,
+                  mtp_bf16: bool = False) -> list[dict]:
+    """Per-layer-kind kernel calls at ``T`` tokens (``B`` requests x ``next_n`` rows).
+
+    Each entry: op, kernel, shape, layers (kinds it runs in), per_layer, and for estimated ops the
+    bytes / flops / fixed time that stand in for a row.
+    """
+    ops = op_shapes(cfg, tp)
+    D = cfg.hidden_size
+    g = ops["o_proj"].dims["G"]
+    inter = cfg.moe_intermediate_size // tp
+    L = a.ctx_len
+    calls = []
+
+    def add(op, kernel, shape, layers, per_layer=1, **kw):
+        calls.append({"op": op, "kernel": kernel, "shape": shape, "layers": tuple(layers),
+                      "per_layer": per_layer, **kw})
+
+    for name in ("wq_a_wkv", "wq_b", "wo_b", "indexer_wq_b", "shared_gate_up", "shared_down"):
+        o = ops[name]
+        add(name, "fp8_gemm_nt", {"op": name, "M": T, "N": o.dims["N"], "K": o.dims["K"]}, o.layers)
+    o = ops["act_quant_hidden"]
+    add("act_quant_hidden", "per_token_group_quant_fp8", {"M": T, "K": D}, o.layers, o.per_layer)
+    # the other FP8 GEMM inputs (q latent, wo_b input, shared-expert down input): not in the op list
+    add("act_quant_q", "per_token_group_quant_fp8", {"M": T, "K": cfg.q_lora_rank}, ops["wq_b"].layers)
+    add("act_quant_wo_b", "per_token_group_quant_fp8", {"M": T, "K": g * cfg.o_lora_rank}, ops["wo_b"].layers)
+    add("act_quant_shared_down", "per_token_group_quant_fp8", {"M": T, "K": inter}, ops["shared_down"].layers)
+    o = ops["o_proj"]
+    add("o_proj", "inv_rope_fp8_quant", {"T": T, "H": o.dims["H"], "P": 8192}, o.layers)
+    add("o_proj", "fp8_einsum_bhr_hdr_bhd", {"T": T, "G": g, "N": cfg.o_lora_rank, "K": o.dims["K"]}, o.layers)
+    # lightning indexer over the 4x-compressed context, decode form (paged, next_n rows per request)
+    add("mqa_logits", "fp8_paged_mqa_logits", {"B": B, "next_n": next_n, "ctx": max(1, L // 4), "H": 64},
+        ops["mqa_logits"].layers)
+    add("topk_indices", "topk_indices", {"R": T, "N": max(1, L // 4), "k": cfg.index_topk}, ops["topk_indices"].layers)
+    h = ops["sparse_mla"].dims["H"]
+    add("sparse_mla", "sparse_mla_decode", {"T": T, "H": h, "W": cfg.sliding_window,
+                                            "Kc": min(cfg.index_topk, L // 4), "comp_bs": 64}, (LayerKind.C4A,))
+    add("sparse_mla", "sparse_mla_decode", {"T": T, "H": h, "W": cfg.sliding_window,
+                                            "Kc": max(1, L // 128), "comp_bs": 2}, (LayerKind.C128A,))
+    add("sparse_mla", "sparse_mla_decode", {"T": T, "H": h, "W": cfg.sliding_window, "Kc": 0, "comp_bs": 64},
+        (LayerKind.SWA, LayerKind.MTP))
+    o = ops["hc_prenorm_gemm"]
+    add("hc_prenorm_gemm", "mhc_fused_post_pre", {"T": T, "D": D, "hc": cfg.hc_mult, "N": cfg.hc_mix_dim},
+        o.layers, o.per_layer)
+    o = ops["moe_w13"]
+    add("moe_w13+moe_w2", "fused_moe_w4a16", {"T": T, "E": cfg.n_routed_experts, "D": D, "I": inter,
+                                              "topk": cfg.num_experts_per_tok, "tp": tp}, o.layers)
+    add("moe_router", "sqrtsoftplus_topk", {"T": T, "E": cfg.n_routed_experts, "topk": cfg.num_experts_per_tok},
+        o.layers)
+    add("kv_cache_insert", "fp8_ds_mla_insert", {"T": T, "block_size": 64, "num_blocks": 64},
+        ops["kv_cache_insert"].layers)
+    add("indexer_k_insert", "indexer_k_cache_insert", {"T": T, "num_blocks": 2}, ops["indexer_k_insert"].layers)
+    # ---- estimated: no kernel yet ----
+    allk = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A, LayerKind.MTP)
+    add("rmsnorm", None, {"T": T}, allk, 4, bytes=T * D * 4 * 4, flops=0.0)
+    add("rmsnorm", None, {"T": T}, (LayerKind.C4A,), 1, bytes=T * 8192 * 4, flops=0.0)
+    add("rope_qk", None, {"T": T}, allk, 1, bytes=T * (h + 1) * cfg.qk_rope_head_dim * 2 * 2, flops=0.0)
+    cb = a.compressor_weight_bytes
+    add("compressor", None, {"T": T, "N": 2 * 2 * cfg.head_dim + 2 * 2 * cfg.index_head_dim}, (LayerKind.C4A,), 1,
+        bytes=(2 * 2 * cfg.head_dim + 2 * 2 * cfg.index_head_dim) * D * cb, flops=0.0, weight=True)
+    add("compressor", None, {"T": T, "N": 2 * cfg.head_dim}, (LayerKind.C128A,), 1,
+        bytes=2 * cfg.head_dim * D * cb, flops=0.0, weight=True)
+    add("router_gate", None, {"T": T, "N": cfg.n_routed_experts}, allk, 1,
+        bytes=cfg.n_routed_experts * D * a.router_weight_bytes, flops=2.0 * T * cfg.n_routed_experts * D, weight=True)
+    if tp > 1:
+        add("all_reduce", None, {"T": T, "tp": tp}, allk, 2, allreduce_bytes=T * D * 2)
+    for c in calls:
+        c["mtp_bf16"] = mtp_bf16
+    return calls
+
+
+def _counts(cfg: ModelConfig, with_main: bool, with_mtp: bool) -> dict[str, int]:
+    c = layer_counts(cfg)
+    if not with_main:
+        c = {k: 0 for k in c}
+        c[LayerKind.MTP] = layer_counts(cfg)[LayerKind.MTP]
+    elif not with_mtp:
+        c[LayerKind.MTP] = 0
+    return c
+
+
+def _term_time(call: dict, rows: list[dict], tp: int, card: Card, a: Assumptions) -> dict:
+    """Time of one call on ``card`` (efficiency method and additive bracket) with its source."""
+    if call["kernel"] is None:
+        if "allreduce_bytes" in call:
+            n = call["allreduce_bytes"]
+            t = card.allreduce_us + 2 * (tp - 1) / tp * n / (card.link_gbs * 1e9) * 1e6
+            return {"source": "estimated", "match": "link model", "us": t, "us_add": t, "e": None}
+        e = a.est_weight_efficiency if call.get("weight") else a.est_efficiency
+        t = eff_time(call["bytes"], call["flops"], e, card, a.launch_floor_us)
+        return {"source": "estimated", "match": f"roofline at e={e}", "us": t, "us_add": t, "e": e}
+    k, s = call["kernel"], call["shape"]
+    b, f = kernel_bytes(k, s), kernel_flops(k, s)
+    if call.get("mtp_bf16") and k in ("fp8_gemm_nt", "fp8_einsum_bhr_hdr_bhd"):
+        b += s.get("N", 0) * s.get("K", 0) * s.get("G", 1) * (a.mtp_weight_bytes - 1)  # bf16 drafter weights
+    e, src, match = lookup_efficiency(rows, k, s, tp)
+    if e is None:
+        e, src, match = a.est_efficiency, "estimated", f"no row; roofline at e={a.est_efficiency}"
+    t = eff_time(b, f, e, card, a.launch_floor_us)
+    t_h = max(a.launch_floor_us, roof_us(b, f, H200) / e)
+    return {"source": src, "match": match, "us": t, "us_add": additive_time(b, f, t_h, card, a), "e": e}
+
+
+def decode_terms(rows: list[dict], card: Card, tp: int, batch: int, mode: str = "plain",
+                 cfg: ModelConfig = DEFAULT_CONFIG, a: Assumptions = Assumptions()) -> list[dict]:
+    """Every term of one decode step: op, kernel, pass (target/drafter), calls, us per call, us per
+    step, source (measured-sm89 / measured-native / estimated) and how the row was matched.
+
+    ``mode="plain"``: the 43 main layers at T = batch. ``mode="mtp"``: the main layers verify at
+    T = batch x (1 + k) (paged indexer with next_n = 1 + k), then the MTP layer drafts at T = batch.
+    Per-step terms (hc_head, LM head, sampler) are added once per pass.
+    """
+    rows = _best_rows(rows, None)
+    passes = []
+    if mode == "plain":
+        passes.append(("target", batch, 1, _counts(cfg, True, a.plain_runs_mtp_layer), False))
+    elif mode == "mtp":
+        nn = 1 + a.mtp_k
+        passes.append(("target", batch * nn, nn, _counts(cfg, True, False), False))
+        passes.append(("drafter", batch, 1, _counts(cfg, False, True), True))
+    else:
+        raise ValueError(f"mode={mode!r}: 'plain' or 'mtp'")
+    out = []
+    for pname, T, nn, counts, bf16 in passes:
+        calls = _kernel_calls(cfg, tp, T, batch, nn, a, mtp_bf16=bf16)
+        calls.append({"op": "hc_head", "kernel": "hc_head", "shape": {"T": T, "D": cfg.hidden_size,
+                      "hc": cfg.hc_mult, "N": cfg.hc_mix_dim}, "layers": ("step",), "per_layer": 1})
+        calls.append({"op": "lm_head", "kernel": None, "shape": {"T": T}, "layers": ("step",), "per_layer": 1,
+                      "bytes": cfg.vocab_size // tp * cfg.hidden_size * a.lm_head_bytes,
+                      "flops": 2.0 * T * cfg.vocab_size // tp * cfg.hidden_size, "weight": True})
+        calls.append({"op": "sampler", "kernel": None, "shape": {"T": T}, "layers": ("step",), "per_layer": 1,
+                      "bytes": T * cfg.vocab_size * 4, "flops": 0.0})
+        for c in calls:
+            n = sum(counts.get(k, 0) for k in c["layers"]) if c["layers"] != ("step",) else 1
+            n *= c["per_layer"]
+            if n == 0:
+                continue
+            tt = _term_time(c, rows, tp, card, a)
+            out.append({"pass": pname, "op": c["op"], "kernel": c["kernel"] or "(none)", "T": T,
+                        "shape": json.dumps(c["shape"]), "calls": n, "us_per_call": tt["us"],
+                        "us": tt["us"] * n, "us_additive": tt["us_add"] * n, "e": tt["e"],
+                        "source": tt["source"], "match": tt["match"]})
+    return out
+
+
+def weight_bytes_per_rank(cfg: ModelConfig = DEFAULT_CONFIG, tp: int = 1, all_experts: bool = True,
+                          a: Assumptions = Assumptions()) -> float:
+    """Weight bytes one rank holds (all experts) - the memory-fit check, not the ceiling."""
+    ops = op_shapes(cfg, tp)
+    counts = layer_counts(cfg)
+    main = {k: v for k, v in counts.items() if k != LayerKind.MTP}
+    tot = 0.0
+    for n, o in ops.items():
+        if o.family == "fp8_gemm":
+            w = o.dims["N"] * o.dims["K"]
+        elif n == "o_proj":
+            w = o.dims["G"] * o.dims["R"] * o.dims["K"]
+        else:
+            continue
+        tot += w * sum(main.get(k, 0) for k in o.layers)
+        if LayerKind.MTP in o.layers:
+            tot += w * a.mtp_weight_bytes * counts[LayerKind.MTP]
+    inter = cfg.moe_intermediate_size // tp
+    ex = 3 * cfg.hidden_size * inter // 2 + 3 * cfg.hidden_size * inter // 128 * 2
+    tot += ex * cfg.n_routed_experts * cfg.num_layers_with_mtp
+    tot += (cfg.vocab_size // tp) * cfg.hidden_size * a.lm_head_bytes * 2  # embedding + head
+    return tot
+
+
+def bandwidth_ceiling(card: Card, tp: int, batch: int, mode: str = "plain", cfg: ModelConfig = DEFAULT_CONFIG,
+                      a: Assumptions = Assumptions()) -> dict:
+    """Bytes one rank must read per decode step, and the tokens/s that bandwidth allows.
+
+    Per rank: dense FP8 weights (wq_a/wkv, wq_b, wo_a, wo_b, indexer wq_b, shared expert; BF16 in the
+    MTP layer), compressors and router (estimated dtypes), the routed experts touched at this batch
+    (W4A16 INT4 + bf16 group scales; expected distinct experts under uniform routing), the vocab-split
+    LM head, and the KV / indexer cache reads at ``ctx_len`` per request: SWA window 128 x 584 B per
+    layer, C4A indexer keys ctx/4 x 132 B + top-512 x 584 B, C128A ctx/128 x 584 B (caches are
+    replicated: every rank reads them in full). Activations are left out.
+    """
+    ops = op_shapes(cfg, tp)
+    D = cfg.hidden_size
+    L = a.ctx_len
+    inter = cfg.moe_intermediate_size // tp
+    ex = 3 * D * inter // 2 + 3 * D * inter // 128 * 2
+
+    def pass_bytes(T, counts, bf16):
+        wb = a.mtp_weight_bytes if bf16 else 1.0
+        b = 0.0
+        for n, o in ops.items():
+            c = sum(counts.get(k, 0) for k in o.layers)
+            if not c:
+                continue
+            if o.family == "fp8_gemm":
+                b += c * o.dims["N"] * o.dims["K"] * wb
+            elif n == "o_proj":
+                b += c * o.dims["G"] * o.dims["R"] * o.dims["K"] * wb
+            elif n == "moe_w13":
+                b += c * _expected_experts(cfg, T, a) * ex
+        b += counts.get(LayerKind.C4A, 0) * (4 * cfg.head_dim + 4 * cfg.index_head_dim) * D * a.compressor_weight_bytes
+        b += counts.get(LayerKind.C128A, 0) * 2 * cfg.head_dim * D * a.compressor_weight_bytes
+        b += sum(counts.values()) * cfg.n_routed_experts * D * a.router_weight_bytes
+        b += cfg.vocab_size // tp * D * a.lm_head_bytes
+        kv = sum(counts.values()) * cfg.sliding_window * 584
+        kv += counts.get(LayerKind.C4A, 0) * (L // 4 * 132 + min(cfg.index_topk, L // 4) * 584)
+        kv += counts.get(LayerKind.C128A, 0) * (L // 128) * 584
+        return b + batch * kv
+
+    if mode == "plain":
+        byts = pass_bytes(batch, _counts(cfg, True, a.plain_runs_mtp_layer), False)
+        tokens = batch
+    else:
+        byts = pass_bytes(batch * (1 + a.mtp_k), _counts(cfg, True, False), False)
+        byts += pass_bytes(batch, _counts(cfg, False, True), True)
+        tokens = batch * (1 + a.mtp_acceptance * a.mtp_k)
+    t = byts / (card.bw_tbps * 1e12)
+    return {"bytes_per_step": byts, "ceiling_step_ms": t * 1e3, "ceiling_tok_s": tokens / t}
+
+
+def decode_model(rows: list[dict], cards=None, tps=(1, 2, 4, 8), batches=(1, 4, 16), modes=("plain", "mtp"),
+                 cfg: ModelConfig = DEFAULT_CONFIG, a: Assumptions = Assumptions()) -> list[dict]:
+    """Predicted decode tokens/s per card, TP, batch and mode, with the bandwidth ceiling and the seeds.
+
+    ``tok_s`` uses the issue's efficiency-carry method; ``tok_s_additive`` the additive bracket.
+    ``measured_frac`` is the share of the step time that rests on a measured (sm_89 or native) row.
+    ``fits``: all weights of one rank within 90% of the card's memory.
+    """
+    cards = list((cards or CARDS).values()) if isinstance(cards or CARDS, dict) else list(cards)
+    out = []
+    for card in cards:
+        for tp in tps:
+            fits = weight_bytes_per_rank(cfg, tp, a=a) <= 0.9 * card.mem_gb * 1e9
+            for mode in modes:
+                for batch in batches:
+                    terms = decode_terms(rows, card, tp, batch, mode, cfg, a)
+                    us = sum(t["us"] for t in terms)
+                    us_add = sum(t["us_additive"] for t in terms)
+                    tokens = batch * (1 + a.mtp_acceptance * a.mtp_k) if mode == "mtp" else batch
+                    ceil = bandwidth_ceiling(card, tp, batch, mode, cfg, a)
+                    share = {s: sum(t["us"] for t in terms if t["source"] == s) / us
+                             for s in ("measured-sm89", "measured-native", "estimated")}
+                    seed = next((s for s in SEED_FIGURES if s["card"] == card.name and s["tp"] == tp
+                                 and s["batch"] == batch and s["mode"] == mode), None)
+                    out.append({"card": card.name, "tp": tp, "mode": mode, "batch": batch, "fits": fits,
+                                "step_ms": us / 1e3, "tok_s": tokens / (us * 1e-6),
+                                "tok_s_additive": tokens / (us_add * 1e-6),
+                                "ceiling_tok_s": ceil["ceiling_tok_s"], "gb_per_step": ceil["bytes_per_step"] / 1e9,
+                                "sm89_share": share["measured-sm89"], "native_share": share["measured-native"],
+                                "estimated_share": share["estimated"],
+                                "seed_tok_s": seed["tok_s"] if seed else None,
+                                "seed": seed.get("tok_s_range", "") + (" " if seed and seed.get("tok_s_range") else "")
+                                + seed["source"] if seed else ""})
+    return out
+
+
+def headline(model_rows: list[dict]) -> dict:
+    """The numbers the tour summary records (TP4 batch 1, per seed card)."""
+    out = {}
+    for card, key in (("RTX 4090-48G", "4090_48g"), ("RTX 6000 Ada", "6000ada"), ("L40S", "l40s")):
+        for mode in ("plain", "mtp"):
+            r = next((r for r in model_rows if r["card"] == card and r["tp"] == 4 and r["batch"] == 1
+                      and r["mode"] == mode), None)
+            if r is None:
+                continue
+            out[f"{key}_tp4_b1_{mode}_tok_s"] = round(r["tok_s"], 1)
+            out[f"{key}_tp4_b1_{mode}_tok_s_additive"] = round(r["tok_s_additive"], 1)
+            out[f"{key}_tp4_b1_{mode}_ceiling_tok_s"] = round(r["ceiling_tok_s"], 1)
+            if r["seed_tok_s"]:
+                out[f"{key}_tp4_b1_{mode}_seed_tok_s"] = r["seed_tok_s"]
+    return out
