@@ -9,6 +9,6 @@ python3.11 -m venv "$tmp/v"
 { echo "# Exact closure for env/requirements-cpu.in on CPython 3.11 x86-64. Installed with"
   echo "#   pip install --no-deps --only-binary=:all: -r env/requirements-cpu.lock"
   echo "# so nothing outside this list can be resolved in. Regenerate: make lock."
-  "$tmp/v/bin/pip" freeze --exclude-editable | grep -viE '^(torchvision|torchaudio|torchcodec)==' ; } > env/requirements-cpu.lock
+  "$tmp/v/bin/pip" freeze --all --exclude-editable | grep -v "^pip==" | grep -viE '^(torchvision|torchaudio|torchcodec)==' ; } > env/requirements-cpu.lock
 rm -rf "$tmp"
 echo "wrote env/requirements-cpu.lock"
