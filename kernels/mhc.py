@@ -632,25 +632,43 @@ def hc_head(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc
 #   spills on sm_89 at 255 registers; BK=32/16 do not). PLAIN_*: the standalone post (no dot, M may be 1).
 # APPLY_*: gates/Sinkhorn/collapse, one token per program, whole hidden row in registers.
 # WAVES x SMs programs are targeted by choosing the split count; each split keeps >= MIN_K_BLOCKS blocks.
+_PREFILL_89 = {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 64, "GEMM_WARPS": 8, "GEMM_STAGES": 3,
+               "POST_BLOCK_M": 64, "POST_BLOCK_K": 16, "POST_WARPS": 4, "POST_STAGES": 1,
+               "PLAIN_BLOCK_M": 4, "PLAIN_BLOCK_K": 512, "PLAIN_WARPS": 4,
+               "APPLY_BLOCK_T": 1, "APPLY_WARPS": 8, "WAVES": 2, "MIN_K_BLOCKS": 2}
+_PREFILL_90 = {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
+               "POST_BLOCK_M": 64, "POST_BLOCK_K": 32, "POST_WARPS": 8, "POST_STAGES": 1,
+               "PLAIN_BLOCK_M": 4, "PLAIN_BLOCK_K": 512, "PLAIN_WARPS": 4,
+               "APPLY_BLOCK_T": 1, "APPLY_WARPS": 8, "WAVES": 2, "MIN_K_BLOCKS": 2}
 CONFIGS = {
     "sm_89": {
         "decode": {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 2,
                    "POST_BLOCK_M": 16, "POST_BLOCK_K": 32, "POST_WARPS": 4, "POST_STAGES": 1,
                    "PLAIN_BLOCK_M": 1, "PLAIN_BLOCK_K": 256, "PLAIN_WARPS": 2,
                    "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1},
-        "prefill": {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 64, "GEMM_WARPS": 8, "GEMM_STAGES": 3,
-                    "POST_BLOCK_M": 64, "POST_BLOCK_K": 16, "POST_WARPS": 4, "POST_STAGES": 1,
-                    "PLAIN_BLOCK_M": 4, "PLAIN_BLOCK_K": 512, "PLAIN_WARPS": 4,
-                    "APPLY_BLOCK_T": 1, "APPLY_WARPS": 8, "WAVES": 2, "MIN_K_BLOCKS": 2},
+        "prefill": _PREFILL_89,
+        # candidates (H200 run 4; never picked by pick_config): the prefill row with one change each.
+        # fused pass 1 at 1 CTA/SM (228 regs x 256 threads on sm_90): smaller tiles, more programs in flight
+        "fused_m32": {**_PREFILL_89, "POST_BLOCK_M": 32, "POST_BLOCK_K": 32, "POST_WARPS": 4, "WAVES": 4},
+        "fused_m64k16": {**_PREFILL_89, "POST_BLOCK_M": 64, "POST_BLOCK_K": 16, "POST_WARPS": 4, "WAVES": 4},
+        "fused_m32_waves8": {**_PREFILL_89, "POST_BLOCK_M": 32, "POST_BLOCK_K": 32, "POST_WARPS": 4, "WAVES": 8},
+        # pre-norm GEMM at large T: more split-K programs (S = WAVES x SMs / m-tiles)
+        "gemm_waves8": {**_PREFILL_89, "WAVES": 8},
+        "gemm_m32": {**_PREFILL_89, "GEMM_BLOCK_M": 32, "GEMM_STAGES": 4, "WAVES": 4},
     },
     "sm_90": {
         "decode": {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
                    "POST_BLOCK_M": 16, "POST_BLOCK_K": 32, "POST_WARPS": 4, "POST_STAGES": 1,
                    "PLAIN_BLOCK_M": 1, "PLAIN_BLOCK_K": 256, "PLAIN_WARPS": 2,
                    "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1},
-        "prefill": {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
-                    "POST_BLOCK_M": 64, "POST_BLOCK_K": 32, "POST_WARPS": 8, "POST_STAGES": 1,
-                    "PLAIN_BLOCK_M": 4, "PLAIN_BLOCK_K": 512, "PLAIN_WARPS": 4,
-                    "APPLY_BLOCK_T": 1, "APPLY_WARPS": 8, "WAVES": 2, "MIN_K_BLOCKS": 2},
+        "prefill": _PREFILL_90,
+        # candidates (H200 run 4; never picked by pick_config): the prefill row with one change each.
+        # fused pass 1 at 1 CTA/SM (228 regs x 256 threads on sm_90): smaller tiles, more programs in flight
+        "fused_m32": {**_PREFILL_90, "POST_BLOCK_M": 32, "POST_BLOCK_K": 32, "POST_WARPS": 4, "WAVES": 4},
+        "fused_m64k16": {**_PREFILL_90, "POST_BLOCK_M": 64, "POST_BLOCK_K": 16, "POST_WARPS": 4, "WAVES": 4},
+        "fused_m32_waves8": {**_PREFILL_90, "POST_BLOCK_M": 32, "POST_BLOCK_K": 32, "POST_WARPS": 4, "WAVES": 8},
+        # pre-norm GEMM at large T: more split-K programs (S = WAVES x SMs / m-tiles)
+        "gemm_waves8": {**_PREFILL_90, "WAVES": 8},
+        "gemm_m32": {**_PREFILL_90, "GEMM_BLOCK_M": 32, "GEMM_STAGES": 4, "WAVES": 4},
     },
 }

@@ -135,6 +135,104 @@ def _decode_w2_kernel(
 
 
 @triton.jit
+def _nib(p, J: tl.constexpr):
+    """Nibble J of each int32 word as fp32 ``q - 8`` without an I2F (quarter rate on sm_89/sm_90):
+    ``q | 0x4B000000`` is the float ``2^23 + q`` (exact), minus ``2^23 + 8`` (exact)."""
+    q = ((p >> (4 * J)) & 0xF) | 0x4B000000
+    return q.to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def _decode_w13_h_kernel(
+    x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr,
+    I, KW, E, limit,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Decode variant "h" (config ``"unpack": "2d"``): h[pair, n] = swiglu(gate_e[n] . x_t,
+    up_e[n] . x_t) over the whole K (no K split: gate and up rows in one program, SwiGLU fused, no
+    partials). The packed words stay in the 2-D ``[BLOCK_N, BLOCK_K/8]`` load layout (contiguous
+    along K, vector loads); nibble j of every word is multiplied by x[8c+j] (8 FMAs per word, no 3-D
+    broadcast, no layout conversion); group scales are gathered per word (L1 hits)."""
+    pair = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(ids_ptr + pair)
+    if (e >= 0) & (e < E):
+        NC: tl.constexpr = BLOCK_K // 8
+        t = pair // TOPK
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < I
+        e64 = e.to(tl.int64)
+        g_off = e64 * stride_we + rows.to(tl.int64) * stride_wn
+        u_off = g_off + I * stride_wn
+        gs_off = e64 * stride_se + rows.to(tl.int64) * stride_sn
+        us_off = gs_off + I * stride_sn
+        c = tl.arange(0, NC)
+        x_row = x_ptr + t.to(tl.int64) * stride_xt
+        acc_g = tl.zeros([BLOCK_N, NC], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, NC], dtype=tl.float32)
+        for w0 in range(0, KW, NC):
+            w0 = tl.multiple_of(w0, NC)
+            pg = tl.load(w_ptr + g_off[:, None] + (w0 + c)[None, :], mask=rmask[:, None], other=0)
+            pu = tl.load(w_ptr + u_off[:, None] + (w0 + c)[None, :], mask=rmask[:, None], other=0)
+            ig = tl.zeros([BLOCK_N, NC], dtype=tl.float32)
+            iu = tl.zeros([BLOCK_N, NC], dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_row + (w0 + c) * 8 + j).to(tl.float32)[None, :]
+                ig += _nib(pg, j) * xj
+                iu += _nib(pu, j) * xj
+            grp = ((w0 + c) // 16)[None, :] * stride_sk
+            sg = tl.load(s_ptr + gs_off[:, None] + grp, mask=rmask[:, None], other=0.0).to(tl.float32)
+            su = tl.load(s_ptr + us_off[:, None] + grp, mask=rmask[:, None], other=0.0).to(tl.float32)
+            acc_g += ig * sg
+            acc_u += iu * su
+        h = _swiglu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit)
+        tl.store(h_ptr + pair.to(tl.int64) * stride_hp + rows, h, mask=rmask)
+
+
+@triton.jit
+def _decode_w2_h_kernel(
+    h_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
+    N, IW, E,
+    stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ot,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Decode variant "h": out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . h[pair_j, :] (h from
+    ``_decode_w13_h_kernel``: one fp32 row per pair, no split partials to re-sum per program),
+    same 2-D nibble loop; top-k unrolled with masks, summed in slot order."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    NC: tl.constexpr = BLOCK_K // 8
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    c = tl.arange(0, NC)
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(TOPK):
+        pair = t * TOPK + slot
+        e = tl.load(ids_ptr + pair)
+        valid = (e >= 0) & (e < E)
+        e64 = tl.where(valid, e, 0).to(tl.int64)
+        vmask = rmask & valid
+        row_off = e64 * stride_we + rows.to(tl.int64) * stride_wn
+        s_row_off = e64 * stride_se + rows.to(tl.int64) * stride_sn
+        h_row = h_ptr + pair.to(tl.int64) * stride_hp
+        acc = tl.zeros([BLOCK_N, NC], dtype=tl.float32)
+        for w0 in range(0, IW, NC):
+            w0 = tl.multiple_of(w0, NC)
+            p = tl.load(w_ptr + row_off[:, None] + (w0 + c)[None, :], mask=vmask[:, None], other=0)
+            it = tl.zeros([BLOCK_N, NC], dtype=tl.float32)
+            for j in tl.static_range(8):
+                hj = tl.load(h_row + (w0 + c) * 8 + j, mask=valid, other=0.0)[None, :]
+                it += _nib(p, j) * hj
+            s = tl.load(s_ptr + s_row_off[:, None] + ((w0 + c) // 16)[None, :] * stride_sk,
+                        mask=vmask[:, None], other=0.0).to(tl.float32)
+            acc += it * s
+        wt = tl.load(tw_ptr + pair)
+        out += tl.where(valid, wt * tl.sum(acc, axis=1), 0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
 def _prefill_w13_kernel(
     x_ptr, w_ptr, s_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_n_ptr, h_ptr,
     I, K, limit,
@@ -346,6 +444,8 @@ def _decode(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
     I = N2 // 2
     K_TOP = ids.shape[1]
     P = T * K_TOP
+    if cfg.get("unpack") == "2d":
+        return _decode_h(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace)
     BK1, BK2 = min(cfg["BLOCK_K"], D), min(cfg["BLOCK_K2"], I)  # small (test) shapes
     if BK1 % GROUP or D % BK1 or BK2 % GROUP or I % BK2:
         raise ValueError(f"config: BLOCK_K={BK1}/BLOCK_K2={BK2} must be multiples of {GROUP} dividing "
@@ -370,6 +470,38 @@ def _decode(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
         w2s.stride(2), out.stride(0),
         TOPK=K_TOP, BLOCK_N=cfg["BLOCK_N2"], BLOCK_K=BK2, num_warps=cfg["num_warps2"],
         num_stages=cfg.get("num_stages", 2))
+
+
+def _decode_h(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
+    """Decode variant "h" (candidate configs ``*_2d``): gate+up+SwiGLU per row tile over the whole K
+    into ``h [pairs, inter]`` fp32, then the down projection reading h (2 launches, no K split)."""
+    T, D = x.shape
+    E, N2 = w13p.shape[:2]
+    I = N2 // 2
+    K_TOP = ids.shape[1]
+    P = T * K_TOP
+    BK1, BK2 = min(cfg["BLOCK_K"], D), min(cfg["BLOCK_K2"], I)  # small (test) shapes
+    if BK1 % GROUP or D % BK1 or BK2 % GROUP or I % BK2:
+        raise ValueError(f"config: BLOCK_K={BK1}/BLOCK_K2={BK2} must be multiples of {GROUP} dividing "
+                         f"hidden={D}/inter={I}")
+    h = (workspace or {}).get("h")
+    if h is None:
+        h = torch.empty((P, I), dtype=torch.float32, device=x.device)
+    elif h.dtype != torch.float32 or tuple(h.shape) != (P, I) or h.stride(1) != 1:
+        raise ValueError(f"workspace['h']: expected float32 ({P}, {I})")
+    _decode_w13_h_kernel[(P, triton.cdiv(I, cfg["BLOCK_N"]))](
+        x, w13p, w13s, ids, h, I, D // PACK, E, float(limit),
+        x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
+        h.stride(0),
+        TOPK=K_TOP, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BK1, num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 2))
+    _decode_w2_h_kernel[(T, triton.cdiv(D, cfg["BLOCK_N2"]))](
+        h, w2p, w2s, ids, tw, out, D, I // PACK, E,
+        h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2),
+        out.stride(0),
+        TOPK=K_TOP, BLOCK_N=cfg["BLOCK_N2"], BLOCK_K=BK2, num_warps=cfg["num_warps2"],
+        num_stages=cfg.get("num_stages", 2))
+    return out
 
 
 def moe_tile_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -450,6 +582,15 @@ CONFIGS = {
                         "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
         "decode_n8": {"path": "decode", "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 8, "num_warps": 2,
                       "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 2},
+        # candidates (H200 run 4; not picked by default): decode variant "h" (unpack 2d: words kept in
+        # their 2-D load layout, nibbles via the 2^23 bit trick instead of I2F, gate+up+SwiGLU in one
+        # program over the whole K, w2 reads h instead of re-summing split partials per program)
+        "decode_2d": {"path": "decode", "unpack": "2d", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4,
+                      "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
+        "decode_2d_n8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4,
+                         "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
+        "decode_2d_w8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8,
+                         "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 8, "num_stages": 4},
         "prefill": {"path": "prefill", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_N2": 64,
                     "num_warps": 4, "num_stages": 3},
         "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_N2": 64,
@@ -462,6 +603,15 @@ CONFIGS = {
                         "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
         "decode_n8": {"path": "decode", "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 8, "num_warps": 2,
                       "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 2},
+        # candidates (H200 run 4; not picked by default): decode variant "h" (unpack 2d: words kept in
+        # their 2-D load layout, nibbles via the 2^23 bit trick instead of I2F, gate+up+SwiGLU in one
+        # program over the whole K, w2 reads h instead of re-summing split partials per program)
+        "decode_2d": {"path": "decode", "unpack": "2d", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4,
+                      "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
+        "decode_2d_n8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4,
+                         "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
+        "decode_2d_w8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8,
+                         "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 8, "num_stages": 4},
         "prefill": {"path": "prefill", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_N2": 128,
                     "num_warps": 8, "num_stages": 3},
         "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 64,
