@@ -212,8 +212,8 @@ def _check_idx(name, idx, lname, lens, T, device, optional_len=False):
 def _splits(n_base: int, n_tiles: int, device, cfg: dict) -> int:
     if cfg.get("SPLITS"):
         return max(1, min(int(cfg["SPLITS"]), n_tiles))
-    target = 2 * _num_sms(device)
-    if n_base >= target // 2:
+    target = cfg.get("PROGS_PER_SM", 2) * _num_sms(device)
+    if n_base >= (target + 1) // 2:
         return 1
     per = max(cfg.get("MIN_TILES", 2), triton.cdiv(n_tiles * n_base, target))
     return max(1, triton.cdiv(n_tiles, per))
@@ -378,6 +378,13 @@ CONFIGS = {
         "h16n32": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
         "h32n32": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
         "h64n32": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+        # candidates for T >= 32 at H = 64, benchmarked next to the defaults (NOTES.md, sparse_mla
+        # candidates). p1: split target one program per SM (the 131 KB of shared memory allow only
+        # one) -> T=128 unsplit, T=32 4 splits instead of 7; w16: 16 warps (accumulator 64
+        # regs/thread, 2x the warps to hide the gather latency); n64: 64-candidate tiles (10 trips).
+        "h64n32p1": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PROGS_PER_SM": 1},
+        "h64n32w16": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 16, "num_stages": 1},
+        "h64n64": {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1},
     },
 }
 
