@@ -126,7 +126,7 @@ def ptx_for_other_arch(ptx: str, arch: str = "sm_90") -> str:
 
 def compile_spec(spec, arch: str, label: str, shape: dict | None = None) -> list[AotRow]:
     """Compile one (kernel, config) for ``arch`` by calling its launcher on CPU tensors."""
-    shape = shape or spec.aot_shape or spec.test_shapes[-1]
+    shape = shape or _aot_shapes(spec)[0]
     cfg = spec.configs[arch][label]
     inputs = spec.make_inputs(shape, spec.cases[0], 0, "cpu")
     rows = []
@@ -150,6 +150,13 @@ def compile_spec(spec, arch: str, label: str, shape: dict | None = None) -> list
     return rows
 
 
+def _aot_shapes(spec) -> list[dict]:
+    """``spec.aot_shape``: one shape or a list (constexpr specialisations the launcher reaches at
+    different shapes, e.g. the C4A and C128A block sizes of sparse MLA decode); default test_shapes[-1]."""
+    s = spec.aot_shape or spec.test_shapes[-1]
+    return list(s) if isinstance(s, (list, tuple)) else [s]
+
+
 def report(names: list[str] | None = None, archs=("sm_89", "sm_90")) -> list[AotRow]:
     from .registry import all_specs
     rows = []
@@ -157,17 +164,21 @@ def report(names: list[str] | None = None, archs=("sm_89", "sm_90")) -> list[Aot
         if names and spec.name not in names and spec.family not in names:
             continue
         for arch in archs:
-            shape = spec.aot_shape or spec.test_shapes[-1]
-            for label in spec.config_labels(arch, shape):
-                rows.extend(compile_spec(spec, arch, label, shape))
+            for shape in _aot_shapes(spec):
+                for label in spec.config_labels(arch, shape):
+                    rows.extend(compile_spec(spec, arch, label, shape))
     return rows
 
 
 def format_table(rows: list[AotRow]) -> str:
     head = f"{'kernel':<28} {'triton fn':<36} {'arch':<6} {'config':<10} {'warps':>5} {'smem B':>8} {'regs':>4} {'spill':>6} {'local':>5}  mma / verdict"
     lines = [head, "-" * len(head)]
+    multi = {(r.kernel, r.arch, r.config) for r in rows
+             if any(o.shape != r.shape and (o.kernel, o.arch, o.config) == (r.kernel, r.arch, r.config) for o in rows)}
     for r in rows:
         mma = ",".join(f"{k}:{v}" for k, v in r.mma.items() if v) or "-"
+        if (r.kernel, r.arch, r.config) in multi:  # several AOT shapes: say which one
+            mma += "  @" + ",".join(f"{k}={v}" for k, v in r.shape.items())
         lines.append(f"{r.kernel:<28} {r.triton_fn[:36]:<36} {r.arch:<6} {r.config:<10} {r.num_warps:>5} {r.shared:>8} "
                      f"{r.registers:>4} {r.spill_stores:>6} {r.local:>5}  {mma} {'OK' if r.ok else 'FAIL: ' + r.why}")
     return "\n".join(lines)

@@ -64,7 +64,7 @@ class KernelSpec:
     baselines: dict[str, Callable[[dict], Callable[[], Any]]] = field(default_factory=dict)
     gpu_only: str | None = None
     bound: str = "memory"
-    aot_shape: dict | None = None  # a shape to compile at in the compile report (default test_shapes[-1])
+    aot_shape: dict | list[dict] | None = None  # shape(s) to compile at in the compile report (default test_shapes[-1])
     sm89_mma: dict[str, str] = field(default_factory=dict)  # triton fn -> SASS op required on sm_89 (e.g. QMMA)
 
     def launcher_fn(self) -> Callable:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from ds4lab.kernel_specs.indexer import BLOCK_BYTES, make_cache
+from ds4lab.kernel_specs.indexer import BLOCK_BYTES, _logit_tol, make_cache
 from ds4lab.numerics import compare
 from ds4lab.reference import indexer as ref
 from ds4lab_kernels import indexer as K
@@ -99,7 +99,10 @@ def test_paged_next_n_2_causal_rows_and_1d_convention_agree():
         assert torch.isfinite(a[2 * b + 1, :lim[b, 1]]).all()
     inp1 = dict(inp, context_lens=inp["context_lens"][:, 1].contiguous())
     assert torch.equal(K.fp8_paged_mqa_logits(**inp1).cpu(), a.cpu())
-    assert compare(a, ref.fp8_paged_mqa_logits(**inp), "float32")
+    # interpreter: fp32 accumulation, the fp32 budget; FP8 tensor cores keep ~14 accumulator bits:
+    # the sweep's budget from numerics.fp8_mma_rel_error (kernel_specs.indexer._logit_tol)
+    r = ref.fp8_paged_mqa_logits(**inp)
+    assert compare(a, r, _logit_tol(r.cpu(), a.device) if a.is_cuda else "float32")
 
 
 def test_paged_bad_block_id_gives_nan_not_numbers():

@@ -58,12 +58,15 @@ def test_sinkhorn_doubly_stochastic(case):
     inp, seed = _inputs("pre", 16, D=128, case=case)
     _, comb, _ = K.mhc_pre(**inp)
     _, rcomb, _ = R.mhc_pre(**inp)
-    comb = comb.cpu().double()
+    comb, rcomb = comb.cpu().double(), rcomb.cpu().double()
     assert (comb > 0).all(), f"seed={seed}"
     # the last step normalises columns: sum = s / (s + eps), 1 - 1e-6 up to rounding
     assert (comb.sum(-2) - 1).abs().max() < 5e-6, f"seed={seed}"
-    # rows: whatever 20 iterations reach, the kernel reaches the same (fp64 reference)
-    assert (comb.sum(-1) - rcomb.double().sum(-1)).abs().max() < 1e-4, f"seed={seed}"
+    # rows: whatever 20 iterations reach, the kernel reaches the same (fp64 reference). fp32 mixes
+    # (interpreter): 1e-4. TF32 mixes (CUDA): the comb budget of the sweep summed over the row's 4 entries.
+    tol = S._tol(inp)
+    budget = 1e-4 if tol is S._TOL_FP32 else 4 * tol.atol + tol.rtol * rcomb.abs().sum(-1)
+    assert ((comb.sum(-1) - rcomb.sum(-1)).abs() <= budget).all(), f"seed={seed}"
     if case == "random":
         assert (comb.sum(-1) - 1).abs().max() < 0.05, f"seed={seed}: rows far from stochastic"
 
@@ -88,7 +91,10 @@ def test_broadcast_equals_four_copies():
     assert out.float().abs().sum(-1).min() > 0, f"seed={seed}: all-zero layer input from the broadcast path"
     pre_in = {k: v for k, v in inp.items() if k != "x"}
     post2, comb2, out2 = K.mhc_pre(res.contiguous(), **pre_in)
-    _assert_all([compare(post, post2, S._TOL_FP32, "post"), compare(comb, comb2, S._TOL_FP32, "comb"),
+    # both paths' mixes come from TF32 dots on CUDA (different operands: the 4 copies vs the summed fn),
+    # so the budget is the TF32 one there and the fp32 one on the interpreter (kernel_specs.mhc._tol)
+    tol = S._tol(inp)
+    _assert_all([compare(post, post2, tol, "post"), compare(comb, comb2, tol, "comb"),
                  compare(out, out2, "bfloat16", "layer_input")], seed)
     # precomputed fn_broadcast (vLLM keeps it from weight loading) gives the same result
     fb = inp["fn"].view(24, 4, 256).sum(1)

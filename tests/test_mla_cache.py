@@ -58,15 +58,15 @@ def test_explicit_byte_offsets():
     assert out[0].sum() == 0                 # block 0 untouched
 
 
-def test_3d_strided_view_and_padded_stride():
+def test_3d_strided_view_and_padded_stride(device):
     # vLLM view: (num_blocks, 64, 584) over blocks padded to 37,440 B
     bs, nb = 64, 2
-    raw = torch.zeros(nb, block_bytes(bs), dtype=torch.uint8)
+    raw = torch.zeros(nb, block_bytes(bs), dtype=torch.uint8, device=device)
     view3 = torch.as_strided(raw, (nb, bs, 584), (block_bytes(bs), 584, 1))
     kv = torch.randn(3, 512).bfloat16()
     slots = torch.tensor([1, 64, 127], dtype=torch.int32)
-    fp8_ds_mla_insert(kv, slots, view3, bs)
-    assert torch.equal(raw, ref.fp8_ds_mla_insert(kv, slots, torch.zeros_like(raw), bs))
+    fp8_ds_mla_insert(kv.to(device), slots.to(device), view3, bs)   # writes through the view into raw
+    assert torch.equal(raw.cpu(), ref.fp8_ds_mla_insert(kv, slots, torch.zeros_like(raw.cpu()), bs))
 
 
 def test_skip_and_short_slot_mapping():

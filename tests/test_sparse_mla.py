@@ -50,7 +50,9 @@ def test_c4a_window_and_topk_boundaries(tp):
 def test_c128a_lengths_every_residue_mod4_around_4096():
     lens = [4094, 4095, 4096, 4097]
     inputs = _decode_inputs(_gen(), 4, 16, 128, 4098, 2, [128] * 4, lens, n_comp=1024)
-    out = sparse_mla_decode(**inputs, config={"BLOCK_H": 16, "BLOCK_N": 256, "num_warps": 4})
+    # the config the launcher picks (a table row, which the compile report checks at this C128A shape);
+    # an ad-hoc BLOCK_N=256 tile needed 528 KiB of shared memory on sm_90 (limit 227 KiB)
+    out = sparse_mla_decode(**inputs)
     _ok(out, inputs)
 
 

@@ -48,10 +48,13 @@ def test_extreme_values_and_large_row():
     assert torch.equal(out, ref(x, 512))
 
 
-def test_k_other_than_512_and_out_buffer():
+def test_k_other_than_512_and_out_buffer(device):
     x = torch.randn(3, 257)
-    out = torch.empty(3, 7, dtype=torch.int32)
-    topk_indices(x.to(DEVICE), 7, out=out.to(DEVICE) if DEVICE != "cpu" else out)
+    # the buffer must live on the kernel's device: `out.to("cuda")` would hand the kernel a copy and
+    # leave the checked CPU tensor uninitialised
+    out = torch.full((3, 7), -2, dtype=torch.int32, device=device)
+    got = topk_indices(x.to(device), 7, out=out)
+    assert got.data_ptr() == out.data_ptr()
     assert torch.equal(out.cpu(), ref(x, 7))
 
 

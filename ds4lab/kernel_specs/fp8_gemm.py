@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..geometry import op_shapes
-from ..numerics import compare
+from ..numerics import compare, fp8_mma_rel_error
 from ..reference import fp8_gemm as R
 from ..reference.quant import per_token_group_quant_fp8 as _act_quant
 from ..registry import KernelSpec, register
@@ -72,15 +72,48 @@ def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") 
     return {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale}
 
 
+def _abs_terms(inputs, rows=None) -> torch.Tensor:
+    """``S[m, n] = sum_kb (sum_k |A[m, k] B[n, k]|) * |sA[m, kb] sB[n // 128, kb]|`` (float32 on the
+    inputs' device, returned as float64 on CPU; non-finite entries -> 0): the magnitude an
+    accumulation error is relative to."""
+    a, b = inputs["a"], inputs["b"]
+    G = a.shape[1] // BLOCK
+    sa = R.decode_scales(inputs["a_scale"], G).float().abs()
+    if rows is not None:
+        a, sa = a[rows.to(a.device)], sa[rows.to(sa.device)]
+    sb = R.decode_scales(inputs["b_scale"], G).float().abs().repeat_interleave(BLOCK, 0)[: b.shape[0]]
+    af, bf = a.float().abs(), b.float().abs()
+    S = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+    for kb in range(G):
+        ks = slice(kb * BLOCK, (kb + 1) * BLOCK)
+        S += (af[:, ks] @ bf[:, ks].T) * sa[:, kb, None] * sb[None, :, kb]
+    S = S.cpu().double()
+    return torch.where(S.isfinite(), S, torch.zeros_like(S))
+
+
 def check(out, ref, inputs) -> list:
     """bf16 budget on the raw values, and again after scaling each row by a power of two near its
     largest |ref| (exact in float64), so tiny-scale rows are judged relative to their own size.
-    Large outputs (bench) are judged on up to 512 evenly spaced rows."""
+    Large outputs (bench) are judged on up to 512 evenly spaced rows.
+
+    On CUDA each 128-wide k-block is one FP8 tensor-core MMA chain, whose accumulator keeps ~14 bits
+    (numerics.fp8_mma_rel_error; the kernel promotes to fp32 per k-block): an output may carry up to
+    ``fp8_mma_rel_error * S`` of accumulation error, ``S`` the sum of the |terms| (``_abs_terms``),
+    which for a small output in a large-magnitude row exceeds the bf16 budget of the output itself
+    (H200 run 3: 3 of 23,100 outputs, ``tiny_weight_scales`` case). That much is taken off each
+    difference before the bf16 budget is applied; on the interpreter (fp32 accumulation, exact fp8
+    products) nothing is."""
     M = out.shape[0]
+    rows = None
     if M > 512:
-        idx = torch.linspace(0, M - 1, 512, device=out.device).round().long().unique()
-        out, ref = out[idx], ref[idx]
+        rows = torch.linspace(0, M - 1, 512, device=out.device).round().long().unique()
+        out, ref = out[rows], ref[rows]
     o, r = out.detach().cpu().double(), ref.detach().cpu().double()
+    if out.is_cuda:
+        acc_err = fp8_mma_rel_error(out.device) * _abs_terms(inputs, rows)
+        d = o - r
+        shrunk = r + torch.sign(d) * (d.abs() - acc_err).clamp_min(0)
+        o = torch.where(o.isfinite() & r.isfinite(), shrunk, o)
     rmax = torch.where(r.isfinite(), r.abs(), torch.zeros_like(r)).amax(dim=1, keepdim=True)
     e = torch.frexp(torch.where(rmax > 0, rmax, torch.ones_like(rmax)))[1]
     sc = torch.ldexp(torch.ones_like(rmax), -e.to(torch.int32))

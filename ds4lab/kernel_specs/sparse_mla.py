@@ -165,7 +165,10 @@ register(KernelSpec(
     config_for=_config_for,
     baselines={"dequant_gather_bmm": _baseline_decode},
     bound="memory",
-    aot_shape={"T": 4, "H": 64, "W": 128, "Kc": 512, "comp_bs": 64},
+    # C4A (64-entry compressed blocks, top-512) and C128A (2-entry blocks, every compressed entry:
+    # ~4096 at 512K context; a different B_BS specialisation of the split kernel)
+    aot_shape=[{"T": 4, "H": 64, "W": 128, "Kc": 512, "comp_bs": 64},
+               {"T": 4, "H": 16, "W": 128, "Kc": 4098, "comp_bs": 2}],
     sm89_mma={"_sparse_mla_split_kernel": "HMMA"},
 ))
 
