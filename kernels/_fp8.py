@@ -54,3 +54,17 @@ def ue8m0_to_fp32(b):
 def fp32_pow2_to_ue8m0(s):
     """fp32 power of two -> its UE8M0 exponent byte (as int32)."""
     return (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+
+
+@triton.jit
+def quant_rows_e4m3(x, eps, POW2: tl.constexpr):
+    """One e4m3 scale per row of ``x`` (fp32 ``[R, G]``): ``s = max(amax, eps) / 448`` (``POW2``:
+    rounded up to a power of two), ``q = to_e4m3(x / s)`` with correctly rounded division. A row
+    holding NaN gets a NaN scale (its UE8M0 byte is then 255). Returns ``(q [R, G], s [R])``."""
+    has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0  # tl.max may drop NaN on some backends
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+    s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    if POW2:
+        s = ceil_pow2(s)
+    s = tl.where(has_nan, float("nan"), s)
+    return to_e4m3(tl.math.div_rn(x, s[:, None])), s

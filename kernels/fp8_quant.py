@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fp8 import ceil_pow2, fp32_pow2_to_ue8m0, to_e4m3
+from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3
 
 SCALE_FMTS = ("fp32", "pow2", "ue8m0", "ue8m0_packed")
 _FMT_CODE = {"fp32": 0, "pow2": 1, "ue8m0": 2, "ue8m0_packed": 2}
@@ -30,20 +30,12 @@ def _per_token_group_quant_fp8_kernel(
     cols = tl.arange(0, GROUP)
     x_off = m.to(tl.int64)[:, None] * stride_xm + (g * GROUP)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_off, mask=gmask[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    # NaN anywhere in a group makes its scale NaN (tl.max may drop NaN on some backends)
-    has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
-    amax = tl.maximum(amax, eps)
-    s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    if SCALE_FMT != 0:
-        s = ceil_pow2(s)
-    s = tl.where(has_nan, float("nan"), s)
-    q = to_e4m3(tl.math.div_rn(x, s[:, None]))
+    q, s = quant_rows_e4m3(x, eps, SCALE_FMT != 0)
     q_off = m.to(tl.int64)[:, None] * stride_qm + (g * GROUP)[:, None] + cols[None, :]
     tl.store(q_ptr + q_off, q, mask=gmask[:, None])
     s_off = m.to(tl.int64) * stride_sm + g
     if SCALE_FMT == 2:
-        tl.store(s_ptr + s_off, tl.where(has_nan, 255, fp32_pow2_to_ue8m0(s)).to(tl.uint8), mask=gmask)
+        tl.store(s_ptr + s_off, fp32_pow2_to_ue8m0(s).to(tl.uint8), mask=gmask)
     else:
         tl.store(s_ptr + s_off, s, mask=gmask)
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fp8 import ceil_pow2, to_e4m3
+from ._fp8 import quant_rows_e4m3
 
 HEAD_DIM = 128
 
@@ -38,11 +38,7 @@ def _indexer_k_cache_insert_kernel(
     ok = tmask & (slot >= 0)
     x = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_kt + d[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
-    has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-    s = ceil_pow2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
-    s = tl.where(has_nan, float("nan"), s)
-    q = to_e4m3(tl.math.div_rn(x, s[:, None]))
+    q, s = quant_rows_e4m3(x, 1e-4, True)  # vLLM indexer_k_quant_and_cache, ue8m0 scales
     blk = tl.where(ok, slot // BS, 0)
     ent = tl.where(ok, slot % BS, 0)
     tl.store(kv8_ptr + (blk * stride_blk8 + ent * D)[:, None] + d[None, :], q, mask=ok[:, None])

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fp8 import ceil_pow2, fp32_pow2_to_ue8m0, to_e4m3
+from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3
 
 SCALE_FMTS = ("fp32", "pow2", "ue8m0")
 _FMT_CODE = {"fp32": 0, "pow2": 1, "ue8m0": 2}
@@ -76,18 +76,11 @@ def _inv_rope_quant_kernel(
             x = tl.where(is_rope[None, :], rot, x)
         x = tl.where(bad[:, None], float("nan"), x)
         if QUANTIZE:
-            amax = tl.max(tl.abs(x), axis=1)
-            has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
-            amax = tl.maximum(amax, eps)
-            s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-            if SCALE_FMT != 0:
-                s = ceil_pow2(s)
-            s = tl.where(has_nan, float("nan"), s)
-            q = to_e4m3(tl.math.div_rn(x, s[:, None]))
+            q, s = quant_rows_e4m3(x, eps, SCALE_FMT != 0)
             tl.store(out_row + d[None, :], q, mask=rmask[:, None])
             s_off = s_ptr + t * stride_s_t + h * CHUNKS + c
             if SCALE_FMT == 2:
-                tl.store(s_off, tl.where(has_nan, 255, fp32_pow2_to_ue8m0(s)).to(tl.uint8), mask=rmask)
+                tl.store(s_off, fp32_pow2_to_ue8m0(s).to(tl.uint8), mask=rmask)
             else:
                 tl.store(s_off, s, mask=rmask)
         else:
