@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..procgroup import kill_group
 from .profiles import Launch, build_launch
 from .startup import ProgressEvent, StartupInfo, StartupParser, print_progress
 
@@ -289,7 +290,7 @@ class Server:
             return
         p, self.proc = self.proc, None
         if p is not None:
-            _kill_group(p, grace)
+            kill_group(p, grace)
         if getattr(self, "_log", None):
             self._log.close()
             self._log = None
@@ -473,47 +474,3 @@ def _not_tracker(p) -> bool:
         return False
 
 
-def _kill_group(p: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the child's process group, wait ``grace`` s, then SIGKILL it; reap the child."""
-    import psutil
-
-    try:
-        pgid = os.getpgid(p.pid)
-    except ProcessLookupError:
-        pgid = p.pid
-    try:  # descendants that left the group (setsid) are found through the tree
-        tree = psutil.Process(p.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        end = time.monotonic() + wait
-        while time.monotonic() < end:
-            if p.poll() is not None and not _group_alive(pgid):
-                break
-            time.sleep(0.2)
-        else:
-            continue
-        break
-    try:
-        p.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        pass
-    for c in tree:
-        try:
-            c.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover
-        return True

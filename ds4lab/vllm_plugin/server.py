@@ -23,6 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
+from ..procgroup import kill_group
+
 __all__ = ["VllmServer", "ServerError", "free_port", "tiny_server_args", "cpu_env"]
 
 
@@ -156,27 +158,7 @@ class VllmServer:
         p = self.proc
         if p is None:
             return
-        try:
-            pgid = os.getpgid(p.pid)
-        except ProcessLookupError:
-            pgid = p.pid
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            end = time.monotonic() + wait
-            while time.monotonic() < end:
-                if p.poll() is not None and not _group_alive(pgid):
-                    break
-                time.sleep(0.2)
-            else:
-                continue
-            break
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
+        kill_group(p, grace)
         if getattr(self, "_log", None):
             self._log.close()
         self.proc = None
@@ -232,11 +214,3 @@ def _die_with_parent() -> None:
         pass
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover
-        return True
