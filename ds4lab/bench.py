@@ -167,8 +167,8 @@ def run_bench(names=None, tps=(1,), build="native", quick=False, log=print, shap
     props = torch.cuda.get_device_properties(dev)
     arch = "sm_90" if props.major >= 9 and build == "native" else "sm_89"
     l2 = getattr(props, "L2_cache_size", 50 << 20)
-    sm, mem = _clocks()
     roofs = measure_roofs()
+    sm, mem = _clocks()  # sampled right after the roof products: the clocks under load, not idle
     log(f"roofs: {roofs}")
     sha = os.environ.get("DS4LAB_GIT_SHA") or git_sha()
     base = {"timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "gpu": props.name,
