@@ -288,12 +288,15 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-def pick_config(num_tokens: int, device: torch.device) -> dict:
+def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> dict:
     """``decode`` up to 64 tokens, ``prefill`` above. On the CPU interpreter (every program instance runs
     in Python) the apply kernel packs 16 (64 above 64 tokens) tokens per program; the GPU rows run as-is when passed as
     ``config=`` (the registry sweep and tests/test_mhc.py do)."""
     table = CONFIGS[arch_of(device)]
     cfg = table["decode"] if num_tokens <= 64 else table["prefill"]
+    if fused and num_tokens > 64 and device.type == "cuda" and arch_of(device) == "sm_90":
+        # H200 run 4: fused_m64k16 63.4 us at T=512 and 247.6 us at T=2048 vs prefill 83.4 / 312.7 us
+        cfg = table["fused_m64k16"]
     if device.type != "cuda":
         cfg = {**cfg, "APPLY_BLOCK_T": 16 if num_tokens <= 64 else 64}
     return cfg
@@ -586,7 +589,7 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
     _check_precision(precision)
     if int(sinkhorn_iters) < 1:
         raise ValueError(f"sinkhorn_iters={sinkhorn_iters}: must be >= 1")
-    cfg = config or pick_config(T, residual.device)
+    cfg = config or pick_config(T, residual.device, fused=True)
     res_cur = torch.empty_like(residual)
     mixes, sqrsum = _post(x, residual, post_mix, comb_mix, res_cur, cfg, fn=fn, precision=precision)
     post, comb, out = _apply(mixes, sqrsum, hc_scale, hc_base, res_cur, (res_cur.stride(0), res_cur.stride(1)),

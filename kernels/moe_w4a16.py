@@ -640,4 +640,9 @@ def pick_config(pairs: int, device: torch.device) -> dict:
     path = "decode" if pairs <= DECODE_MAX_PAIRS else "prefill"
     if device.type != "cuda":
         return _INTERP[path]
-    return CONFIGS[arch_of(device)][path]
+    arch = arch_of(device)
+    if path == "decode" and arch == "sm_90":
+        # H200 run 4 (results/bench.csv): the 2-D unpack variant with 8-row tiles is fastest at every
+        # decode shape: TP4 T=1/4/16 42.9/147.9/492.4 us vs 49.9/157.4/580.0 us; TP1 T=1 137 vs 192 us
+        return CONFIGS[arch]["decode_2d_n8"]
+    return CONFIGS[arch][path]

@@ -321,7 +321,7 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
                      comp_block_size))
     elif comp_indices is not None:
         raise ValueError("comp_indices: given without comp_cache")
-    cfg = config or pick_config(H, dev)
+    cfg = config or pick_config(H, dev, num_tokens=T)
     return _launch(q, srcs, attn_sink, scale, cfg, out)
 
 
@@ -395,9 +395,14 @@ def arch_of(device: torch.device) -> str:
     return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
 
 
-def pick_config(num_heads: int, device: torch.device) -> dict:
+def pick_config(num_heads: int, device: torch.device, num_tokens: int | None = None) -> dict:
+    """Default config. ``num_tokens`` (decode only) selects by batch on sm_90, from H200 run 4
+    (results/bench.csv): at 64 heads h64n32p1 beats h32n32 at T>=32 (68.7 vs 121.4 us at T=32,
+    204.8 vs 421.9 us at T=128) and h16n32 wins at T=1 (24.0 vs 30.7 us)."""
     arch = arch_of(device)
     table = CONFIGS[arch]
+    if arch == "sm_90" and num_tokens is not None and num_heads >= 64:
+        return table["h64n32p1" if num_tokens >= 32 else "h16n32"]
     if num_heads <= 16:
         return table["h16n16" if arch == "sm_89" else "h16n32"]
     # sm_89: h16n16 is the only decode config that compiles without spills on triton 3.6 and 3.7
