@@ -46,6 +46,48 @@ def summary_rows(summary_dir: str) -> list[dict]:
     return rows
 
 
+def summary_tables(summary: list[dict]) -> dict[str, list[dict]]:
+    """The tour's headline tables from what the notebooks recorded: kernels (numerics verdict and
+    worst error, best fraction of the H200 roof for the sm_90 and sm_89 builds), planner
+    recommendation, server tokens/s and MTP acceptance, the Ada estimate, the environment."""
+    by = {s["notebook"]: s for s in summary}
+    kernels, planner, server, ada, env = [], [], [], [], []
+    for name, d in sorted(by.items()):
+        if "numerics_total" in d:
+            kernels.append({"notebook": name, "kernels": ", ".join(d.get("kernels", [])),
+                            "numerics": f"{d.get('numerics_pass')}/{d.get('numerics_total')} pass",
+                            "worst max rel err": d.get("worst_max_rel"),
+                            "best roof frac (sm_90 build)": d.get("best_roof_fraction"),
+                            "best roof frac (sm_89 build)": d.get("best_sm89_roof_fraction")})
+        elif name.startswith("07"):
+            planner.append({k: d.get(k) for k in ("gpu", "tp", "max_model_len", "util_watched", "util_unattended",
+                                                  "util_watched_batched512", "util_unattended_batched512",
+                                                  "kv_tokens")})
+        elif name.startswith("08"):
+            server.append({k: d.get(k) for k in ("profile", "tok_s_plain", "tok_s_mtp", "speedup", "acceptance_rate",
+                                                 "mean_acceptance_length", "outputs_identical")})
+        elif name.startswith("09"):
+            ada.append({k: v for k, v in d.items() if k not in ("notebook", "method")})
+        elif name.startswith("00"):
+            env.append({k: v for k, v in d.items() if k != "notebook"})
+    return {"kernels": kernels, "planner": planner, "server": server, "ada estimate": ada, "environment": env}
+
+
+def _html_table(rows: list[dict]) -> str:
+    e = html.escape
+    if not rows:
+        return "<p>(not recorded)</p>"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    out = ["<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>"]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(f"<td>{e(f'{v:.4g}' if isinstance(v, float) else str('' if v is None else v))[:200]}</td>")
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    return "\n".join(out) + "</table>"
+
+
 def _index_html(results: list[dict], summary: list[dict], elapsed: float) -> str:
     from .banner import env_banner
     e = html.escape
@@ -59,15 +101,12 @@ def _index_html(results: list[dict], summary: list[dict], elapsed: float) -> str
         link = f"<a href='{e(name)}.html'>{e(name)}</a>" if r["html"] else e(name)
         out.append(f"<tr><td>{link}</td><td class='{r['status']}'>{r['status']}</td><td>{r['seconds']:.0f}</td>"
                    f"<td>{e(r.get('error', ''))[:300]}</td></tr>")
-    out.append("</table><h2>Summary</h2><table><tr><th>notebook</th><th>key</th><th>value</th></tr>")
-    for s in summary:
-        for k, v in s.items():
-            if k == "notebook":
-                continue
-            if isinstance(v, float):
-                v = f"{v:.4g}"
-            out.append(f"<tr><td>{e(s['notebook'])}</td><td>{e(str(k))}</td><td>{e(str(v))[:300]}</td></tr>")
-    out.append("</table></body></html>")
+    out.append("</table>")
+    for title, rows in summary_tables(summary).items():
+        out.append(f"<h2>{e(title)}</h2>" + _html_table(rows))
+    out.append("<p>Speed fractions are of the roofs measured in the same H200 run (results/bench.csv); "
+               "on a CPU the kernel notebooks run numerics on the Triton interpreter and show those "
+               "committed rows.</p></body></html>")
     return "\n".join(out)
 
 
@@ -110,9 +149,10 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
         json.dump({"notebooks": results, "summary": summary}, f, indent=1, default=str)
     bad = [r for r in results if r["status"] != "OK"]
     log(f"\n{len(results) - len(bad)}/{len(results)} notebooks OK in {time.time() - t_all:.0f} s -> {index}")
-    for s in summary:
-        log("  " + s["notebook"] + ": " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                     for k, v in s.items() if k != "notebook")[:400])
+    from .kernel_report import format_table
+    for title, rows in summary_tables(summary).items():
+        if rows:
+            log(f"\n{title}:\n" + format_table(rows, digits=3))
     return 1 if bad or not results else 0
 
 
