@@ -195,6 +195,13 @@ def main(args) -> int:
         # JITFunctions are needed: re-run ourselves without the interpreter
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.call([sys.executable, "-m", "ds4lab", "aot", *sys.argv[2:]], env=env)
+    from .registry import all_specs
+    known = {s.name for s in all_specs()} | {s.family for s in all_specs()}
+    unknown = sorted(set(args.kernels) - known)
+    if unknown:
+        raise ValueError(f"unknown kernels/families {unknown}; registered: {sorted(known)}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json}: its folder does not exist")
     rows = report(args.kernels or None, tuple(args.arch or ("sm_89", "sm_90")))
     print(format_table(rows))
     if args.json:

@@ -42,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:  # only the command being run is imported (one broken module cannot break the rest)
             importlib.import_module(mod).add_arguments(p)
     args = parser.parse_args(argv)
-    return int(importlib.import_module(args._module).main(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except (ValueError, KeyError, OSError) as e:  # bad input: one line naming it, not a traceback
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"ds4lab {args.command}: error: {msg}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

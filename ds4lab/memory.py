@@ -833,13 +833,17 @@ def _fmt_table(rows: list[dict]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    kw = dict(gpu=args.gpu_bytes if args.gpu_bytes else args.gpu, fmt=args.fmt, tp=args.tp,
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    if args.gpu_bytes is not None and args.gpu_bytes < 2**30:
+        raise ValueError(f"--gpu-bytes {args.gpu_bytes}: less than 1 GiB is not a GPU")
+    kw = dict(gpu=args.gpu_bytes if args.gpu_bytes is not None else args.gpu, fmt=args.fmt, tp=args.tp,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               num_speculative_tokens=args.num_speculative_tokens, cuda_graphs=not args.enforce_eager,
               async_scheduling=not args.no_async_scheduling, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     rec = recommend(cfg, **kw)
-    u = args.gpu_memory_utilization or rec.watched or 0.95
+    u = args.gpu_memory_utilization if args.gpu_memory_utilization is not None else (rec.watched or 0.95)
     p = plan(cfg, gpu_memory_utilization=u, **kw)
     if args.json:
         print(json.dumps({"plan": p.summary(), "terms": p.rows(), "refusal": p.kv.message,

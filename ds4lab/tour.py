@@ -113,6 +113,10 @@ def _index_html(results: list[dict], summary: list[dict], elapsed: float) -> str
 def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str] | None = None,
              timeout: int = 1200, log=print) -> int:
     import papermill as pm
+    paths = _notebooks(only)
+    if not paths:
+        raise ValueError(f"no notebook matches {only}; notebooks: "
+                         f"{[os.path.basename(p) for p in _notebooks(None)]}")
     os.makedirs(out_dir, exist_ok=True)
     summary_dir = os.path.join(out_dir, "summary")
     os.makedirs(summary_dir, exist_ok=True)
@@ -121,7 +125,6 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
     os.environ["DS4LAB_TOUR_DIR"] = summary_dir
     t_all = time.time()
     results = []
-    paths = _notebooks(only)
     for i, path in enumerate(paths, 1):
         name = os.path.basename(path)
         out_nb = os.path.join(out_dir, name)

@@ -81,7 +81,9 @@ def _main(args: argparse.Namespace) -> int:
             print(f"wrote {p}")
         return 0
     if args.print:
-        print(build_launch(args.profile, over, port=args.port).describe())
+        # planning machines usually lack the weights: show the command; the model path is resolved at launch
+        print(build_launch(args.profile, over, port=args.port or 8000, resolve_model=False).describe())
+        print("# model: resolved from the HF cache at launch (offline; a dangling refs/main is not trusted)")
         return 0
     if args.bench:
         c = compare(args.profile, over, prompts=make_prompts(args.requests), max_tokens=args.max_tokens)

@@ -119,7 +119,9 @@ for c in {' '.join(map(str, conc))}; do
     body="{{\\"model\\":\\"$MODEL\\",\\"prompt\\":[$ids],\\"max_tokens\\":{mt},\\"temperature\\":0,\\"ignore_eos\\":true}}"
     pids=()
     for _ in $(seq "$c"); do
-      curl -fsS -o /dev/null -H 'Content-Type: application/json' -d "$body" "$URL/v1/completions" & pids+=($!)
+      # the body goes through stdin: a 98k-token prompt is far over Linux's 128 KiB per-argument limit
+      printf '%s' "$body" | curl -fsS -o /dev/null -H 'Content-Type: application/json' --data-binary @- \
+        "$URL/v1/completions" & pids+=($!)
     done
     for p in "${{pids[@]}}"; do wait "$p"; done
     echo "warmup: concurrency $c prompt $n ok"
