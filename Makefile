@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP := bash env/setup.sh
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast tour lab aot bench-gpu lock clean info doctor plan serve serve-bench tiny
+.PHONY: setup test test-fast test-fuzz tour lab aot bench-gpu lock clean info doctor plan serve serve-bench tiny
 
 setup:
 	@$(SETUP)
@@ -20,6 +20,10 @@ test: setup
 ## Everything but the slow lanes (vLLM server, notebooks)
 test-fast: setup
 	$(PY) -m pytest -m "not vllm and not notebook" $(PYTEST_ARGS)
+
+## The interpreter lane with fresh random draws (CI uses fixed per-test seeds; a failure prints its seed)
+test-fuzz: setup
+	DS4LAB_TEST_SEED=random $(PY) -m pytest -m interp $(PYTEST_ARGS)
 
 lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks

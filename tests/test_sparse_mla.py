@@ -81,7 +81,11 @@ def test_split_merge_matches_single_pass():
     many = sparse_mla_decode(**inputs, config={**base, "SPLITS": 6})
     _ok(one, inputs)
     _ok(many, inputs)
-    assert (one.float() - many.float()).abs().max() < 2e-2
+    # both round fp32 results to bf16 after different accumulation orders: budget 2 bf16 ulps
+    # relative plus 2^-6 absolute for cancellation near zero (200 draws: worst 0.40 of this budget)
+    a, b = one.float(), many.float()
+    excess = (a - b).abs() - (2**-6 + 2**-6 * torch.maximum(a.abs(), b.abs()))
+    assert excess.max() <= 0, f"split/merge differs beyond budget by {excess.max().item():.3g}"
 
 
 def test_swa_only_layer_and_mtp_rows():
