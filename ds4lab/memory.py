@@ -564,6 +564,26 @@ class Plan:
     def total_bytes(self) -> int:
         return self.gpu.total_bytes
 
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms if t.group == "weights")
+
+    @property
+    def load_oom(self) -> bool:
+        """The weights plus the CUDA context do not fit the card: vLLM dies with a CUDA
+        out-of-memory error inside ``load_model``, before it profiles or sizes any KV cache."""
+        non_torch = sum(t.bytes for t in self.terms if t.group == "non_torch")
+        return self.weight_bytes + non_torch > self.gpu.total_bytes
+
+    @property
+    def verdict(self) -> str:
+        """Why vLLM would not start with this setting, in the order it would fail ('' if it starts)."""
+        if self.load_oom:
+            return (f"CUDA out of memory while loading the model: {self.weight_bytes / GiB:.1f} GiB of "
+                    f"weights per GPU (TP={self.tp}, {self.fmt} format) exceed the {self.gpu.name}'s "
+                    f"{self.gpu.total_bytes / GiB:.1f} GiB; vLLM fails in load_model, before KV sizing")
+        return self.kv.message if self.kv.refused else ""
+
     def by_group(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for t in self.terms:
@@ -585,7 +605,9 @@ class Plan:
             "kv_pool_gib": round(k.kv_bytes / GiB, 3), "kv_tokens": k.tokens,
             "max_concurrency": round(k.max_concurrency, 2), "blocks_per_request": k.blocks_per_request,
             "fixed_blocks_per_request": k.fixed_blocks_per_request, "bytes_per_block": k.bytes_per_block,
-            "refused": k.refused, "headroom_gib": round(self.headroom_bytes / GiB, 3),
+            "refused": k.refused, "load_oom": self.load_oom,
+            "weights_gib": round(self.weight_bytes / GiB, 3),
+            "headroom_gib": round(self.headroom_bytes / GiB, 3),
             "jit_oom_risk": self.jit_oom_risk,
         }
 
@@ -755,7 +777,7 @@ def recommend(cfg: ModelConfig = DEFAULT_CONFIG, step: float = 0.005, lo: float 
     p_hi = plans[-1]
     if util_min is None:
         k = p_hi.kv
-        reasons.append(f"even at util {hi} vLLM refuses to start: {k.message or 'no KV memory'}")
+        reasons.append(f"even at util {hi} vLLM does not start: {p_hi.verdict or 'no KV memory'}")
         fixes.append(_fixes(p_hi))
     else:
         p0 = ok[0]
@@ -789,6 +811,9 @@ def recommend(cfg: ModelConfig = DEFAULT_CONFIG, step: float = 0.005, lo: float 
 
 def _fixes(p: Plan) -> str:
     k = p.kv
+    if p.load_oom:
+        return (f"the weights alone need {p.weight_bytes / GiB:.1f} GiB per GPU: raise TP "
+                f"(the experts and attention split across ranks) or use a smaller checkpoint format")
     parts = []
     if k.estimated_max_model_len:
         parts.append(f"lower --max-model-len to <= {k.estimated_max_model_len}")
@@ -846,7 +871,7 @@ def main(args: argparse.Namespace) -> int:
     u = args.gpu_memory_utilization if args.gpu_memory_utilization is not None else (rec.watched or 0.95)
     p = plan(cfg, gpu_memory_utilization=u, **kw)
     if args.json:
-        print(json.dumps({"plan": p.summary(), "terms": p.rows(), "refusal": p.kv.message,
+        print(json.dumps({"plan": p.summary(), "terms": p.rows(), "refusal": p.verdict,
                           "recommendation": {"util_min": rec.util_min, "watched": rec.watched,
                                              "unattended": rec.unattended, "reasons": rec.reasons,
                                              "fixes": rec.fixes}}, indent=1))
@@ -858,7 +883,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nKV: {k.num_blocks} blocks x {k.bytes_per_block:,} B; {k.blocks_per_request} blocks/request "
           f"({k.fixed_blocks_per_request} fixed); vLLM would print 'KV cache size: {k.tokens:,} tokens, "
           f"Maximum concurrency for {p.max_model_len:,} tokens per request: {k.max_concurrency:.2f}x'")
-    if k.refused:
+    if p.load_oom:
+        print(f"vLLM FAILS WHILE LOADING: {p.verdict}")
+    elif k.refused:
         print(f"vLLM REFUSES TO START: {k.message}")
     if p.jit_oom_risk:
         print(f"JIT-OOM risk: only {p.headroom_bytes / GiB:.2f} GiB outside the torch pool")

@@ -16,13 +16,13 @@ _COLORS = {"weights": "#4c72b0", "activations": "#dd8452", "workspaces": "#93786
 
 
 def budget_rows(plans: list[M.Plan]) -> list[dict]:
-    """One row per utilization: GiB per group (rounded to 3), KV tokens, refused, JIT-OOM risk."""
+    """One row per utilization: GiB per group (rounded to 3), KV tokens, refused, load OOM, JIT-OOM risk."""
     rows = []
     for p in plans:
         g = p.by_group()
         row = {"util": p.gpu_memory_utilization}
         row.update({k: round(g.get(k, 0) / M.GiB, 3) for k in GROUP_ORDER})
-        row.update({"kv_tokens": p.kv.tokens, "refused": p.kv.refused, "jit_oom_risk": p.jit_oom_risk})
+        row.update({"kv_tokens": p.kv.tokens, "refused": p.kv.refused, "load_oom": p.load_oom, "jit_oom_risk": p.jit_oom_risk})
         rows.append(row)
     return rows
 
@@ -59,7 +59,8 @@ def plan_rows(p: M.Plan) -> list[dict]:
     """The terms of one plan (GiB rounded to 3) plus the KV verdict as a last row."""
     rows = [{"term": t.name, "group": t.group, "GiB": round(t.gib, 3)} for t in p.terms]
     rows.append({"term": f"KV: {p.kv.tokens:,} tokens, {p.kv.max_concurrency:.2f}x",
-                 "group": "verdict", "GiB": "REFUSED" if p.kv.refused else "starts"})
+                 "group": "verdict",
+                 "GiB": "LOAD OOM" if p.load_oom else "REFUSED" if p.kv.refused else "starts"})
     return rows
 
 
@@ -102,8 +103,8 @@ def controls(cfg=None, **defaults):
                 display(budget_figure(plans))
                 p = M.plan(cfg, gpu_memory_utilization=u, **kw)
                 print(M._fmt_table(plan_rows(p)))
-                if p.kv.refused:
-                    print("vLLM would refuse:", p.kv.message)
+                if p.verdict:
+                    print("vLLM would not start:", p.verdict)
             except ValueError as e:
                 print("invalid setting:", e)
 

@@ -160,7 +160,23 @@ def test_recommend_explains_impossible():
     assert r.watched is None and r.unattended is None
     assert r.fixes and "max-num-batched-tokens" in r.fixes[0]
     r2 = M.recommend(DEFAULT_CONFIG, gpu="rtx4090", fmt="official", tp=1)
-    assert r2.util_min is None and "refuses to start" in r2.reasons[0]
+    assert r2.util_min is None and "CUDA out of memory while loading the model" in r2.reasons[0]
+    assert "weights alone need" in r2.fixes[0] and "raise TP" in r2.fixes[0]
+
+
+def test_load_oom_is_named_before_kv_refusal():
+    """Weights larger than the card fail in load_model (CUDA OOM), not at KV sizing; weights that fit
+    the card but not util*total leave vLLM's own 'No available memory for the cache blocks'."""
+    big = M.plan(DEFAULT_CONFIG, gpu="rtx4090-48g", fmt="community", tp=2, gpu_memory_utilization=0.95)
+    assert big.load_oom and big.weight_bytes > big.total_bytes
+    assert big.verdict.startswith("CUDA out of memory while loading the model") and "TP=2" in big.verdict
+    fits = M.plan(DEFAULT_CONFIG, gpu="l40s", fmt="community", tp=4, gpu_memory_utilization=0.95)
+    tight_card = fits.weight_bytes + int(1.0 * M.GiB)   # weights + context fit, util*total does not
+    p = M.plan(DEFAULT_CONFIG, gpu=tight_card, fmt="community", tp=4, gpu_memory_utilization=0.9)
+    assert not p.load_oom and p.kv.refused
+    assert p.verdict == p.kv.message and p.verdict.startswith("No available memory for the cache blocks")
+    assert fits.verdict == "" or fits.verdict == fits.kv.message
+    assert big.summary()["load_oom"] is True and p.summary()["load_oom"] is False
 
 
 # ---- hot path stays pure, CLI ------------------------------------------------------------------
