@@ -459,7 +459,7 @@ def check_python_env(ctx: DoctorContext) -> CheckResult:
 def _version_check(ctx: DoctorContext, label: str, key: str, dists: tuple[str, ...]) -> CheckResult:
     name = f"version:{label}"
     if "error" in ctx.get_facts():
-        return CheckResult(name, "fail", "interpreter did not run (see `python` row)", "")
+        return CheckResult(name, "fail", f"not checked: interpreter {ctx.python} did not run (see `python` row)", "")
     want = ctx.profile.get(key)
     if key == "vllm" and ctx.profile.get("vllm_distribution"):
         dists = (ctx.profile["vllm_distribution"],) + dists
@@ -1033,14 +1033,28 @@ def describe_checks() -> list[dict]:
     return out
 
 
+# Checks that read the probe of the checked interpreter (its packages, its torch's CUDA devices):
+# when that interpreter did not run they cannot pass - "not installed" would be a guess.
+NEEDS_INTERPRETER = frozenset({
+    "gpu", "driver-cuda", "version:torch", "version:triton", "version:vllm", "version:flashinfer",
+    "transformers-pin", "install-order", "deep_gemm", "forbidden-packages", "p2p", "triton-compile",
+    "vram-headroom",
+})
+
+
 def run_checks(ctx: DoctorContext, only: list[str] | None = None) -> Report:
     """Run the checks (all, or ``only`` these names) over ``ctx``. A check that raises becomes a
-    ``fail`` row naming the exception, so one broken probe never hides the others."""
+    ``fail`` row naming the exception, so one broken probe never hides the others; checks in
+    :data:`NEEDS_INTERPRETER` fail (never pass) when the checked interpreter did not run."""
     results = []
     names = only or list(CHECKS)
     for n in names:
         if n not in CHECKS:
             raise ValueError(f"check {n!r}: known checks are {list(CHECKS)}")
+        if n in NEEDS_INTERPRETER and "error" in ctx.get_facts():
+            results.append(CheckResult(n, "fail", f"not checked: interpreter {ctx.python} did not run "
+                                       "(see `python` row)", ""))
+            continue
         try:
             results.append(CHECKS[n](ctx))
         except Exception as e:  # noqa: BLE001 - reported, not hidden

@@ -412,6 +412,10 @@ def test_unrunnable_interpreter_is_a_fail(venv):
     by = {r.name: r for r in rep.results}
     assert by["python"].status == "fail" and not rep.ok
     assert len(rep.results) == len(doctor.CHECKS)
+    # nothing that reads the checked interpreter may pass on a guess ("not installed")
+    for name in doctor.NEEDS_INTERPRETER:
+        assert by[name].status == "fail" and "did not run" in by[name].evidence, (name, by[name])
+    assert by["stale-env"].status == "pass"   # environment-only checks still report
 
 
 # ---------------------------------------------------------------------------------------------
