@@ -222,6 +222,20 @@ def test_artifacts_for_each_profile(name, tmp_path):
         assert not bad, bad
 
 
+def test_serve_sh_defaults_to_the_generating_interpreter(tmp_path):
+    """A systemd unit has a bare PATH: serve.sh must not fall back to whatever python3 is there."""
+    L = build_launch("community-sm89-fork", base_env=ENV, port=8000, resolve_model=False)
+    serve = artifacts.write_artifacts(L, tmp_path, port=8000)["serve.sh"]
+    assert f'PYTHON="${{PYTHON:-{sys.executable}}}"' in serve.read_text()
+    other = artifacts.render_serve_sh(L, python="/opt/v/bin/python")
+    assert 'PYTHON="${PYTHON:-/opt/v/bin/python}"' in other
+    with pytest.raises(ValueError, match="python="):
+        artifacts.render_serve_sh(L, python='/opt/"x"/python')
+    env = dict(ENV, PYTHON=str(tmp_path / "no-such-python"), MODEL=str(tmp_path))
+    r = subprocess.run(["bash", str(serve)], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "no interpreter" in r.stderr and "set PYTHON=" in r.stderr
+
+
 def test_serve_sh_execs_the_same_argv(tmp_path):
     """serve.sh, run with a stub python, execs exactly the profile's server argv."""
     L = build_launch("community-sm89-fork", base_env=ENV, port=8000, resolve_model=False)

@@ -4,7 +4,9 @@
 
 - ``serve.sh``: scrubs the stack's stale variables (``VLLM_TRITON_MLA_SPARSE_*``), exports the
   profile/stack environment and ``exec`` s the exact argv :func:`~ds4lab.serve.profiles.build_launch`
-  built (``HOST``/``PORT``/``PYTHON`` overridable from the environment);
+  built (``HOST``/``PORT``/``PYTHON`` overridable from the environment; ``PYTHON`` defaults to the
+  interpreter that wrote the files - the venv with vLLM and the ds4lab plugin - not whatever
+  ``python3`` a systemd unit finds on its bare PATH);
 - ``warmup.sh``: waits for ``/health``, then compiles the shape space (the profile's
   ``warmup_prompt_lens`` x ``warmup_concurrency``, token-id prompts so the lengths are exact);
 - ``canary.sh``: one greedy request; exit 0 only on HTTP 200 with a non-empty completion;
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import shlex
 import stat
+import sys
 from pathlib import Path
 
 from .measure import CANARY_PROMPT, WARMUP_TOKEN_ID
@@ -62,7 +65,12 @@ def _q(v: str) -> str:
     return shlex.quote(v)
 
 
-def render_serve_sh(launch: Launch, port: int = 8000) -> str:
+def render_serve_sh(launch: Launch, port: int = 8000, python: str | None = None) -> str:
+    """``serve.sh`` for ``launch``; ``python`` (default: ``sys.executable``) is the interpreter the
+    script runs unless ``$PYTHON`` overrides it."""
+    python = python or sys.executable
+    if any(c in python for c in '"$`\\\n'):
+        raise ValueError(f"python={python!r}: a path with quotes, '$', backquotes or newlines cannot be baked into serve.sh")
     args = launch.server_args
     # --host/--port come from the variables
     out, skip = [], 0
@@ -74,7 +82,9 @@ def render_serve_sh(launch: Launch, port: int = 8000) -> str:
             skip = 1
             continue
         out.append(a)
-    lines = [_header(launch, port), 'PYTHON="${PYTHON:-python3}"']
+    lines = [_header(launch, port), f'PYTHON="${{PYTHON:-{python}}}"',
+             '[ -x "$PYTHON" ] || command -v "$PYTHON" >/dev/null || '
+             '{ echo "serve.sh: no interpreter $PYTHON (set PYTHON=/path/to/venv/bin/python)" >&2; exit 1; }']
     model = launch.model
     lines.append(f'MODEL="${{MODEL:-{model}}}"' if model.startswith("${") else f"MODEL=\"${{MODEL:-{model}}}\"")
     if not model.startswith(("${", "/", ".")):  # an HF repo id: resolve offline, never trusting refs/main
@@ -176,12 +186,13 @@ WantedBy=multi-user.target
 
 
 def write_artifacts(launch: Launch, directory: str | os.PathLike, port: int = 8000,
-                    user: str | None = None) -> dict[str, Path]:
-    """Write serve.sh, warmup.sh, canary.sh and the systemd unit; returns name -> path."""
+                    user: str | None = None, python: str | None = None) -> dict[str, Path]:
+    """Write serve.sh, warmup.sh, canary.sh and the systemd unit; returns name -> path.
+    ``python``: the server interpreter baked into serve.sh (default: this one, ``sys.executable``)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     files = {
-        "serve.sh": render_serve_sh(launch, port),
+        "serve.sh": render_serve_sh(launch, port, python),
         "warmup.sh": render_warmup_sh(launch, port),
         "canary.sh": render_canary_sh(launch, port),
         f"ds4lab-serve-{launch.profile}.service": render_unit(launch, d, port, user),
