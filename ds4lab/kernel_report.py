@@ -87,6 +87,29 @@ def _latest(rows: list[dict]) -> list[dict]:
     return list(best.values())
 
 
+def failed_rows(rows: list[dict]) -> list[dict]:
+    """Rows whose pre-timing reference check failed (``status`` FAIL: never timed), newest first,
+    each with the first failing check and whether a later run of the same (kernel, build, tp,
+    shape, config) passed (``fixed_later``). Pass rows loaded with ``load_results(status=None)``."""
+    ok_at: dict[tuple, str] = {}
+    for r in rows:
+        if r.get("status") == "OK":
+            key = (r["kernel"], r["build"], r["tp"], r["shape"], r.get("config_label", ""))
+            ok_at[key] = max(ok_at.get(key, ""), r["timestamp"])
+    out = []
+    for r in rows:
+        if r.get("status") != "FAIL":
+            continue
+        key = (r["kernel"], r["build"], r["tp"], r["shape"], r.get("config_label", ""))
+        first = next((c.strip() for c in (r.get("numerics") or "").split(";") if c.strip().startswith("FAIL")),
+                     (r.get("numerics") or "").strip())
+        out.append({"kernel": r["kernel"], "build": r["build"], "tp": r["tp"], "shape": r["shape"],
+                    "config": r.get("config_label", ""), "git_sha": r.get("git_sha", ""),
+                    "timestamp": r["timestamp"], "check": first[:120],
+                    "fixed_later": ok_at.get(key, "") > r["timestamp"]})
+    return sorted(out, key=lambda x: x["timestamp"], reverse=True)
+
+
 def bench_summary(rows: list[dict]) -> list[dict]:
     """Per (kernel, build, impl, tp, shape): the fastest config's p50 with its achieved rate and the
     fraction of the same-run roof, plus the config it used."""

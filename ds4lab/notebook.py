@@ -80,11 +80,20 @@ def compile_report(family, archs=("sm_89", "sm_90")) -> list[dict]:
 
 def bench(family):
     """Committed H200 rows for the family: (figure, side-by-side rows); prints provenance + table."""
-    from .kernel_report import builds_side_by_side, format_table, load_results, provenance
+    from .kernel_report import builds_side_by_side, failed_rows, format_table, load_results, provenance
     from .views import bench_figure
     names = kernels_of(family)
-    rows = [r for n in names for r in load_results(n)]
+    every = [r for n in names for r in load_results(n, status=None)]
+    rows = [r for r in every if r.get("status") == "OK"]
     print(provenance(rows))
+    fails = failed_rows(every)
+    if fails:
+        still = [f for f in fails if not f["fixed_later"]]
+        print(f"{len(fails)} committed rows FAILED the reference check before timing (never timed); "
+              f"{len(fails) - len(still)} of them passed in a later run, {len(still)} did not:")
+        print(format_table(fails, ["kernel", "build", "tp", "config", "git_sha", "fixed_later", "check"],
+                           max_rows=12))
+        print()
     side = builds_side_by_side(rows)
     cols = ["kernel", "tp", "shape", "sm90_us", "sm90_roof", "sm89_us", "sm89_roof", "baseline", "baseline_us",
             "speedup_vs_baseline"]
