@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
+
 BLOCK_K = 128
 
 
@@ -313,13 +315,6 @@ CONFIGS = {
 
 # num_tokens upper bound -> config label (first match)
 _PICK = ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill"))
-
-
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "sm_90" if major >= 9 else "sm_89"
 
 
 def config_label(M: int) -> str:

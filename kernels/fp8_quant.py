@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
 from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3
 
 SCALE_FMTS = ("fp32", "pow2", "ue8m0", "ue8m0_packed")
@@ -114,13 +115,6 @@ CONFIGS = {
     "sm_90": {"small": {"BLOCK_G": 1, "num_warps": 1}, "mid": {"BLOCK_G": 4, "num_warps": 4},
               "large": {"BLOCK_G": 16, "num_warps": 4}, "xlarge": {"BLOCK_G": 32, "num_warps": 8}},
 }
-
-
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    major, minor = torch.cuda.get_device_capability(device)
-    return "sm_90" if major >= 9 else "sm_89"
 
 
 def pick_config(n_groups: int, device: torch.device) -> dict:

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
 from ._fp8 import quant_rows_e4m3
 
 HEAD_DIM = 128
@@ -223,7 +224,7 @@ def indexer_k_cache_insert(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping
     if T == 0:
         return kv_cache
     slot_mapping = slot_mapping.contiguous()
-    cfg = config or CONFIGS["insert"][_arch(k.device)]["default"]
+    cfg = config or CONFIGS["insert"][arch_of(k.device)]["default"]
     grid = (triton.cdiv(T, cfg["BLOCK_T"]),)
     _indexer_k_cache_insert_kernel[grid](
         k, slot_mapping, kv8, kv32, T, k.stride(0), stride, stride // 4,
@@ -418,19 +419,13 @@ CONFIGS = {
 }
 
 
-def _arch(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
-
-
 def pick_mqa_config(M: int, N: int, device: torch.device) -> dict:
-    t = CONFIGS["mqa"][_arch(device)]
+    t = CONFIGS["mqa"][arch_of(device)]
     return t["n256_q32"] if M * N >= (1 << 24) else t["n128_q16"]
 
 
 def pick_paged_config(B: int, max_context_len: int, device: torch.device) -> dict:
     """Enough programs to fill the GPU (>= ~4 per SM) with as many blocks per program as allowed."""
-    t = CONFIGS["paged"][_arch(device)]
+    t = CONFIGS["paged"][arch_of(device)]
     n_tiles = -(-max_context_len // 64)
     return t["t16"] if B * n_tiles >= 16 * 4 * 132 else t["t4"]

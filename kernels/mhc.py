@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
+
 HC = 4  # DeepSeek-V4 hc_mult
 PRECISIONS = ("tf32", "ieee")
 
@@ -269,13 +271,6 @@ def _check_residual(name, residual):
 
 
 # ---- config plumbing -----------------------------------------------------------------------------
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "sm_90" if major >= 9 else "sm_89"
-
-
 _SMS: dict = {}
 
 

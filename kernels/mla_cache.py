@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
 from ._fp8 import ceil_pow2, fp32_pow2_to_ue8m0, to_e4m3
 
 HEAD_DIM = 512
@@ -168,12 +169,6 @@ CONFIGS = {
     "sm_89": {"tok1": {"TOKENS": 1, "num_warps": 2}, "tok4": {"TOKENS": 4, "num_warps": 4}},
     "sm_90": {"tok1": {"TOKENS": 1, "num_warps": 2}, "tok4": {"TOKENS": 4, "num_warps": 4}},
 }
-
-
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
 
 
 def pick_config(num_tokens: int, device: torch.device) -> dict:

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
+
 
 @triton.jit
 def _sqrt_softplus(x):
@@ -164,12 +166,6 @@ CONFIGS = {
     "sm_90": {"row": {"BLOCK_T": 1, "num_warps": 1}, "rows4": {"BLOCK_T": 4, "num_warps": 4},
               "rows16": {"BLOCK_T": 16, "num_warps": 8}},
 }
-
-
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
 
 
 def pick_config(T: int, device: torch.device) -> dict:

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
+
 GROUP = 128
 PACK = 8
 
@@ -628,12 +630,6 @@ _INTERP = {
 }
 
 DECODE_MAX_PAIRS = 128
-
-
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
 
 
 def pick_config(pairs: int, device: torch.device) -> dict:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
 from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3
 
 SCALE_FMTS = ("fp32", "pow2", "ue8m0")
@@ -553,13 +554,6 @@ _INTERP_EINSUM = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K_BF16": 128, "SPLIT_K":
 ROPE_LABELS = ("rope_small", "rope_large")
 EINSUM_LABELS = ("decode", "prefill")
 DECODE_MAX_T = 64
-
-
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "sm_90" if major >= 9 else "sm_89"
 
 
 def _num_sms(device: torch.device) -> int:

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
 from ._fp8 import ue8m0_to_fp32
 from .mla_cache import _check_cache, _flat_views
 
@@ -387,12 +388,6 @@ CONFIGS = {
         "h64n64": {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1},
     },
 }
-
-
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
 
 
 def pick_config(num_heads: int, device: torch.device, num_tokens: int | None = None) -> dict:

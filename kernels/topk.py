@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._arch import arch_of
+
 
 @triton.jit
 def _skey(v):
@@ -351,14 +353,8 @@ CONFIGS = {
 }
 
 
-def _arch(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "sm_89"
-    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_89"
-
-
 def pick_config(N: int, device: torch.device) -> dict:
-    arch = _arch(device)
+    arch = arch_of(device)
     t = CONFIGS[arch]
     if arch == "sm_89" and device.type == "cuda" and N >= 16384:
         # sm_89 build on the H200 (run 4): the split variant 111 us vs b4096 217 us at 64 x 65,536

@@ -1,0 +1,29 @@
+"""Shared host helper: which per-architecture config table (``CONFIGS["sm_89"]`` / ``["sm_90"]``) a
+launcher reads for a tensor's device.
+
+One copy for every kernel family (it used to be repeated in ten files, all with this same logic).
+"""
+import torch
+
+
+def arch_of(device: torch.device) -> str:
+    """Config-table key for ``device``: ``"sm_90"`` or ``"sm_89"``.
+
+    Args:
+        device: the ``torch.device`` the launcher's inputs live on.
+
+    Returns:
+        ``"sm_90"`` for a CUDA device of compute capability major >= 9 (Hopper and later),
+        ``"sm_89"`` for any other CUDA device (Ada; older cards get the Ada table) and for every
+        non-CUDA device: CPU tensors, which is what the Triton interpreter (``TRITON_INTERPRET=1``)
+        runs on, read the sm_89 table (launchers that want interpreter-sized programs check
+        ``device.type`` themselves).
+
+    ``TRITON_OVERRIDE_ARCH`` is not consulted: the table follows the physical GPU, so the sm_89
+    build on an H200 (``ds4lab.bench --arch sm89``) picks sm_90 rows unless a config is passed
+    (the bench and the compile report always pass one).
+    """
+    if device.type != "cuda":
+        return "sm_89"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm_90" if major >= 9 else "sm_89"
