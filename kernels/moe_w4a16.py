@@ -576,44 +576,36 @@ def _prefill(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
 #   w2 GEMV BLOCK_N2 rows x BLOCK_K2. No shared memory (register GEMV).
 # prefill: BLOCK_M x BLOCK_N bf16 tl.dot tiles, BLOCK_K = 64/128 (one scale group per K step);
 #   shared memory per stage (BM*BK*2 + BK/8*BN*4*2) is small: the B operand is 1/4 the bf16 bytes.
+# decode rows: the same values in both tables
+_DECODE = {
+    "decode": {"path": "decode", "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 4,
+               "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
+    "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
+                    "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
+    "decode_n8": {"path": "decode", "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 8, "num_warps": 2,
+                  "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 2},
+    # candidates (H200 run 4; not picked by default on sm_89, decode_2d_n8 is sm_90's default):
+    # decode variant "h" (unpack 2d: words kept in their 2-D load layout, nibbles via the 2^23 bit
+    # trick instead of I2F, gate+up+SwiGLU in one program over the whole K, w2 reads h instead of
+    # re-summing split partials per program)
+    "decode_2d": {"path": "decode", "unpack": "2d", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4,
+                  "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
+    "decode_2d_n8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4,
+                     "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
+    "decode_2d_w8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8,
+                     "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 8, "num_stages": 4},
+}
+# one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {
     "sm_89": {
-        "decode": {"path": "decode", "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 4,
-                   "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
-        "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
-                        "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
-        "decode_n8": {"path": "decode", "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 8, "num_warps": 2,
-                      "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 2},
-        # candidates (H200 run 4; not picked by default): decode variant "h" (unpack 2d: words kept in
-        # their 2-D load layout, nibbles via the 2^23 bit trick instead of I2F, gate+up+SwiGLU in one
-        # program over the whole K, w2 reads h instead of re-summing split partials per program)
-        "decode_2d": {"path": "decode", "unpack": "2d", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4,
-                      "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
-        "decode_2d_n8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4,
-                         "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
-        "decode_2d_w8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8,
-                         "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 8, "num_stages": 4},
+        **{k: dict(v) for k, v in _DECODE.items()},
         "prefill": {"path": "prefill", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_N2": 64,
                     "num_warps": 4, "num_stages": 3},
         "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_N2": 64,
                         "num_warps": 4, "num_stages": 2},
     },
     "sm_90": {
-        "decode": {"path": "decode", "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 4,
-                   "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
-        "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
-                        "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
-        "decode_n8": {"path": "decode", "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 8, "num_warps": 2,
-                      "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 2},
-        # candidates (H200 run 4; not picked by default): decode variant "h" (unpack 2d: words kept in
-        # their 2-D load layout, nibbles via the 2^23 bit trick instead of I2F, gate+up+SwiGLU in one
-        # program over the whole K, w2 reads h instead of re-summing split partials per program)
-        "decode_2d": {"path": "decode", "unpack": "2d", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4,
-                      "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
-        "decode_2d_n8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4,
-                         "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
-        "decode_2d_w8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8,
-                         "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 8, "num_stages": 4},
+        **{k: dict(v) for k, v in _DECODE.items()},
         "prefill": {"path": "prefill", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_N2": 128,
                     "num_warps": 8, "num_stages": 3},
         "prefill_m16": {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 64,
