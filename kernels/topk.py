@@ -45,56 +45,67 @@ def _select_bin(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
-                 K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    row_ptr = x_ptr + r * stride_xr
-    out_row = out_ptr + r * stride_or
+def _row_len(len_ptr, r, N, HAS_LEN: tl.constexpr):
+    """Entries of row ``r`` to consider: ``lengths[r]`` clamped to ``[0, N]``, or ``N``."""
     L = N
     if HAS_LEN:
         L = tl.minimum(tl.maximum(tl.load(len_ptr + r), 0), N)
-    lane = tl.arange(0, BLOCK)
-    # pass 0 counts the selectable entries together with the top-digit histogram
-    h = tl.zeros((256,), tl.int32)
-    for c in range(0, L, BLOCK):
-        key, valid = _load_keys(row_ptr, c + lane, L)
-        h += tl.histogram((key >> 24) + 128, 256, mask=valid)
-    k_eff = tl.minimum(tl.sum(h, 0), K)
-    # find the threshold key T: everything > T is taken, plus the first need_eq entries == T
-    T = k_eff * 0 + 2147483647
-    need_eq = k_eff * 0
-    done = k_eff == 0
-    need = k_eff
-    prefix = k_eff * 0
-    for lvl in tl.static_range(4):
-        SHIFT = 24 - 8 * lvl
-        if not done:
-            if lvl > 0:
-                h = tl.zeros((256,), tl.int32)
-                for c in range(0, L, BLOCK):
-                    key, valid = _load_keys(row_ptr, c + lane, L)
-                    sel = valid & ((key >> (SHIFT + 8)) == prefix)
-                    h += tl.histogram((key >> SHIFT) & 0xFF, 256, mask=sel)
-            b, cnt, above = _select_bin(h, need, 256)
-            if lvl == 0:
-                prefix = b - 128                      # signed top byte
-            else:
-                prefix = (prefix << 8) | b
-            need = need - above
-            if need == cnt:                           # the whole bin is taken: keys >= its lowest key
-                T = prefix << SHIFT
-                need_eq = need * 0 + 2147483647
-                done = need == need
-            elif lvl == 3:                            # exact key: take `need` of the entries equal to it
-                T = prefix
-                need_eq = need
-                done = need == need
-    # output pass: ascending index order, ties on T resolved by lower index
-    n_sel = k_eff * 0
-    n_eq = k_eff * 0
-    for c in range(0, L, BLOCK):
+    return L
+
+
+@triton.jit
+def _digit_hist(h, row_ptr, lane, lo, hi, prefix, LVL: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram pass ``LVL`` over entries ``[lo, hi)`` of a row, added to ``h`` (256 int32 bins).
+
+    ``LVL == 0``: the top key byte (signed, biased by 128) of every selectable entry; ``LVL > 0``:
+    key byte ``3 - LVL`` of the selectable entries whose higher bytes equal ``prefix``. ``lane``:
+    ``tl.arange(0, BLOCK)`` from the caller, made outside any branch (made here, inside the split
+    kernel's ``done`` branch, it cost one more PTX branch)."""
+    SHIFT: tl.constexpr = 24 - 8 * LVL
+    for c in range(lo, hi, BLOCK):
+        key, valid = _load_keys(row_ptr, c + lane, hi)
+        if LVL == 0:
+            h += tl.histogram((key >> 24) + 128, 256, mask=valid)
+        else:
+            sel = valid & ((key >> (SHIFT + 8)) == prefix)
+            h += tl.histogram((key >> SHIFT) & 0xFF, 256, mask=sel)
+    return h
+
+
+@triton.jit
+def _descend(h, need, prefix, T, need_eq, done, LVL: tl.constexpr):
+    """One radix level from its histogram ``h``: the k-th entry's bin extends ``prefix`` by one byte.
+
+    When that bin is taken whole (``need == cnt``), every key >= its lowest key is selected
+    (``T = prefix << SHIFT``, ``need_eq`` unbounded); at the last level ``T`` is the exact k-th key
+    and ``need_eq`` entries equal to it are taken. Either way ``done`` becomes true, in the caller's
+    dtype (int1 in the one-program kernel, the int32 state flag in the split select kernel)."""
+    SHIFT: tl.constexpr = 24 - 8 * LVL
+    b, cnt, above = _select_bin(h, need, 256)
+    if LVL == 0:
+        prefix = b - 128                      # signed top byte
+    else:
+        prefix = (prefix << 8) | b
+    need = need - above
+    if need == cnt:                           # the whole bin is taken: keys >= its lowest key
+        T = prefix << SHIFT
+        need_eq = need * 0 + 2147483647
+        done = (need == need).to(done.dtype)
+    elif LVL == 3:                            # exact key: take `need` of the entries equal to it
+        T = prefix
+        need_eq = need
+        done = (need == need).to(done.dtype)
+    return prefix, need, T, need_eq, done
+
+
+@triton.jit
+def _write_selected(row_ptr, out_row, lane, lo, hi, T, need_eq, n_sel, n_eq, BLOCK: tl.constexpr):
+    """Output pass over entries ``[lo, hi)``: the indices of the keys ``> T`` and of the first
+    ``need_eq`` keys ``== T`` of the row (``n_eq`` equal keys come before ``lo``), stored in ascending
+    index order from output slot ``n_sel``; ``lane`` is ``tl.arange(0, BLOCK)``."""
+    for c in range(lo, hi, BLOCK):
         offs = c + lane
-        key, valid = _load_keys(row_ptr, offs, L)
+        key, valid = _load_keys(row_ptr, offs, hi)
         gt = valid & (key > T)
         eq = valid & (key == T)
         eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
@@ -103,8 +114,40 @@ def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
         tl.store(out_row + pos, offs, mask=take)
         n_sel += tl.sum(take.to(tl.int32), 0)
         n_eq += tl.sum(eq.to(tl.int32), 0)
-    p = tl.arange(0, KP2)
-    tl.store(out_row + p, tl.full((KP2,), -1, tl.int32), mask=(p >= k_eff) & (p < K))
+
+
+@triton.jit
+def _pad_tail(out_row, k_eff, K: tl.constexpr, KP2: tl.constexpr):
+    """``-1`` in output slots ``[k_eff, K)``."""
+    q = tl.arange(0, KP2)
+    tl.store(out_row + q, tl.full((KP2,), -1, tl.int32), mask=(q >= k_eff) & (q < K))
+
+
+@triton.jit
+def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
+                 K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + r * stride_xr
+    out_row = out_ptr + r * stride_or
+    L = _row_len(len_ptr, r, N, HAS_LEN)
+    lane = tl.arange(0, BLOCK)
+    # pass 0 counts the selectable entries together with the top-digit histogram
+    h = _digit_hist(tl.zeros((256,), tl.int32), row_ptr, lane, 0, L, 0, 0, BLOCK)
+    k_eff = tl.minimum(tl.sum(h, 0), K)
+    # find the threshold key T: everything > T is taken, plus the first need_eq entries == T
+    T = k_eff * 0 + 2147483647
+    need_eq = k_eff * 0
+    done = k_eff == 0
+    need = k_eff
+    prefix = k_eff * 0
+    for lvl in tl.static_range(4):
+        if not done:
+            if lvl > 0:
+                h = _digit_hist(tl.zeros((256,), tl.int32), row_ptr, lane, 0, L, prefix, lvl, BLOCK)
+            prefix, need, T, need_eq, done = _descend(h, need, prefix, T, need_eq, done, lvl)
+    # output pass: ascending index order, ties on T resolved by lower index
+    _write_selected(row_ptr, out_row, lane, 0, L, T, need_eq, k_eff * 0, k_eff * 0, BLOCK)
+    _pad_tail(out_row, k_eff, K, KP2)
 
 
 # ---- split variant: P programs per row (config key "SPLIT": True) -------------------------------
@@ -117,33 +160,24 @@ def _split_hist_kernel(x_ptr, len_ptr, hist_ptr, state_ptr, N, stride_xr, chunk,
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
-    L = N
-    if HAS_LEN:
-        L = tl.minimum(tl.maximum(tl.load(len_ptr + r), 0), N)
+    L = _row_len(len_ptr, r, N, HAS_LEN)
     lo = p * chunk
     hi = tl.minimum(lo + chunk, L)
     lane = tl.arange(0, BLOCK)
-    SHIFT: tl.constexpr = 24 - 8 * LVL
     h = tl.zeros((256,), tl.int32)
     if LVL == 0:
-        for c in range(lo, hi, BLOCK):
-            key, valid = _load_keys(row_ptr, c + lane, hi)
-            h += tl.histogram((key >> 24) + 128, 256, mask=valid)
+        h = _digit_hist(h, row_ptr, lane, lo, hi, 0, LVL, BLOCK)
     else:
         done = tl.load(state_ptr + r * 8 + 3)
         prefix = tl.load(state_ptr + r * 8 + 2)
         if done == 0:
-            for c in range(lo, hi, BLOCK):
-                key, valid = _load_keys(row_ptr, c + lane, hi)
-                sel = valid & ((key >> (SHIFT + 8)) == prefix)
-                h += tl.histogram((key >> SHIFT) & 0xFF, 256, mask=sel)
+            h = _digit_hist(h, row_ptr, lane, lo, hi, prefix, LVL, BLOCK)
     tl.store(hist_ptr + (r * P + p) * 256 + tl.arange(0, 256), h)
 
 
 @triton.jit
 def _split_select_kernel(hist_ptr, state_ptr, P, K: tl.constexpr, LVL: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    SHIFT: tl.constexpr = 24 - 8 * LVL
     bins = tl.arange(0, 256)
     h = tl.zeros((256,), tl.int32)
     for p in range(0, P):
@@ -164,20 +198,7 @@ def _split_select_kernel(hist_ptr, state_ptr, P, K: tl.constexpr, LVL: tl.conste
         T = tl.load(sp + 4)
         need_eq = tl.load(sp + 5)
     if done == 0:
-        b, cnt, above = _select_bin(h, need, 256)
-        if LVL == 0:
-            prefix = b - 128
-        else:
-            prefix = (prefix << 8) | b
-        need = need - above
-        if need == cnt:
-            T = prefix << SHIFT
-            need_eq = need * 0 + 2147483647
-            done = need * 0 + 1
-        elif LVL == 3:
-            T = prefix
-            need_eq = need
-            done = need * 0 + 1
+        prefix, need, T, need_eq, done = _descend(h, need, prefix, T, need_eq, done, LVL)
     tl.store(sp + 1, need)
     tl.store(sp + 2, prefix)
     tl.store(sp + 3, done)
@@ -191,9 +212,7 @@ def _split_count_kernel(x_ptr, len_ptr, cnt_ptr, state_ptr, N, stride_xr, chunk,
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
-    L = N
-    if HAS_LEN:
-        L = tl.minimum(tl.maximum(tl.load(len_ptr + r), 0), N)
+    L = _row_len(len_ptr, r, N, HAS_LEN)
     lo = p * chunk
     hi = tl.minimum(lo + chunk, L)
     lane = tl.arange(0, BLOCK)
@@ -216,9 +235,7 @@ def _split_write_kernel(x_ptr, len_ptr, out_ptr, cnt_ptr, state_ptr, N, stride_x
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
     out_row = out_ptr + r * stride_or
-    L = N
-    if HAS_LEN:
-        L = tl.minimum(tl.maximum(tl.load(len_ptr + r), 0), N)
+    L = _row_len(len_ptr, r, N, HAS_LEN)
     lo = p * chunk
     hi = tl.minimum(lo + chunk, L)
     lane = tl.arange(0, BLOCK)
@@ -229,22 +246,10 @@ def _split_write_kernel(x_ptr, len_ptr, out_ptr, cnt_ptr, state_ptr, N, stride_x
     before = pp < p
     gt_before = tl.sum(tl.load(cnt_ptr + (r * P + pp) * 2, mask=before, other=0), 0)
     eq_before = tl.sum(tl.load(cnt_ptr + (r * P + pp) * 2 + 1, mask=before, other=0), 0)
-    n_sel = gt_before + tl.minimum(eq_before, need_eq)
-    n_eq = eq_before
-    for c in range(lo, hi, BLOCK):
-        offs = c + lane
-        key, valid = _load_keys(row_ptr, offs, hi)
-        gt = valid & (key > T)
-        eq = valid & (key == T)
-        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-        take = gt | (eq & (eq_rank < need_eq))
-        pos = n_sel + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(out_row + pos, offs, mask=take)
-        n_sel += tl.sum(take.to(tl.int32), 0)
-        n_eq += tl.sum(eq.to(tl.int32), 0)
+    _write_selected(row_ptr, out_row, lane, lo, hi, T, need_eq, gt_before + tl.minimum(eq_before, need_eq),
+                    eq_before, BLOCK)
     if p == 0:
-        q = tl.arange(0, KP2)
-        tl.store(out_row + q, tl.full((KP2,), -1, tl.int32), mask=(q >= k_eff) & (q < K))
+        _pad_tail(out_row, k_eff, K, KP2)
 
 
 def _num_sms(device: torch.device) -> int:
