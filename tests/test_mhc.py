@@ -68,7 +68,15 @@ def test_sinkhorn_doubly_stochastic(case):
     budget = 1e-4 if tol is S._TOL_FP32 else 4 * tol.atol + tol.rtol * rcomb.abs().sum(-1)
     assert ((comb.sum(-1) - rcomb.sum(-1)).abs() <= budget).all(), f"seed={seed}"
     if case == "random":
-        assert (comb.sum(-1) - 1).abs().max() < 0.05, f"seed={seed}: rows far from stochastic"
+        # sanity: 20 iterations leave the typical row near stochastic. Not every row: a row with
+        # near-zero entries converges slowly, and the fp64 reference itself leaves such rows up to
+        # 0.066 off (1000 draws; 22 of them had a row past the former bound of 0.05 on every row).
+        # Over those 1000 draws the median row sits at most 0.007 off and the worst row 0.066 off;
+        # with 1 or 2 iterations instead of 20 the median is >= 0.03 and the worst row >= 0.17
+        # (200 draws); the iteration count itself is checked against the reference above.
+        dev = (comb.sum(-1) - 1).abs().flatten()
+        assert dev.median() < 0.02 and dev.max() < 0.15, \
+            f"seed={seed}: rows far from stochastic (median {dev.median():.3g}, worst {dev.max():.3g})"
 
 
 def test_sinkhorn_order_and_count():
