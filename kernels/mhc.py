@@ -638,12 +638,14 @@ _PREFILL_90 = {"GEMM_BLOCK_M": 64, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_S
                "POST_BLOCK_M": 64, "POST_BLOCK_K": 32, "POST_WARPS": 8, "POST_STAGES": 1,
                "PLAIN_BLOCK_M": 4, "PLAIN_BLOCK_K": 512, "PLAIN_WARPS": 4,
                "APPLY_BLOCK_T": 1, "APPLY_WARPS": 8, "WAVES": 2, "MIN_K_BLOCKS": 2}
+_DECODE_89 = {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 2,
+              "POST_BLOCK_M": 16, "POST_BLOCK_K": 32, "POST_WARPS": 4, "POST_STAGES": 1,
+              "PLAIN_BLOCK_M": 1, "PLAIN_BLOCK_K": 256, "PLAIN_WARPS": 2,
+              "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1}
+_DECODE_90 = {**_DECODE_89, "GEMM_STAGES": 3}  # the only decode difference
 CONFIGS = {
     "sm_89": {
-        "decode": {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 2,
-                   "POST_BLOCK_M": 16, "POST_BLOCK_K": 32, "POST_WARPS": 4, "POST_STAGES": 1,
-                   "PLAIN_BLOCK_M": 1, "PLAIN_BLOCK_K": 256, "PLAIN_WARPS": 2,
-                   "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1},
+        "decode": _DECODE_89,
         "prefill": _PREFILL_89,
         # candidates (H200 run 4; never picked by pick_config): the prefill row with one change each.
         # fused pass 1 at 1 CTA/SM (228 regs x 256 threads on sm_90): smaller tiles, more programs in flight
@@ -654,10 +656,7 @@ CONFIGS = {
         "gemm_m32": {**_PREFILL_89, "GEMM_BLOCK_M": 32, "GEMM_STAGES": 4, "WAVES": 4},
     },
     "sm_90": {
-        "decode": {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_STAGES": 3,
-                   "POST_BLOCK_M": 16, "POST_BLOCK_K": 32, "POST_WARPS": 4, "POST_STAGES": 1,
-                   "PLAIN_BLOCK_M": 1, "PLAIN_BLOCK_K": 256, "PLAIN_WARPS": 2,
-                   "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1},
+        "decode": _DECODE_90,
         "prefill": _PREFILL_90,
         # candidates (H200 run 4; never picked by pick_config): the prefill row with one change each.
         # fused pass 1 at 1 CTA/SM (228 regs x 256 threads on sm_90): smaller tiles, more programs in flight

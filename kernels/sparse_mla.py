@@ -172,42 +172,53 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the benchmark GPU (H200); only shapes the split choice on the interpreter
 
 
+def _check_dtype(name: str, t, dtype: torch.dtype) -> None:
+    """TypeError naming ``name`` unless ``t`` is a tensor of ``dtype``."""
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        word = str(dtype).removeprefix("torch.")  # "an int32", "a bfloat16", "a float32"
+        raise TypeError(f"{name}: expected {'an' if word[0] in 'aeio' else 'a'} {word} tensor, "
+                        f"got {getattr(t, 'dtype', type(t).__name__)}")
+
+
+def _check_last_contig(name: str, t: torch.Tensor) -> None:
+    """ValueError naming ``name`` unless a non-empty ``t`` has a unit stride in its last dim."""
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous, got strides {tuple(t.stride())}")
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """ValueError naming ``name`` unless ``t`` is on ``device`` (q's)."""
+    if t.device != device:
+        raise ValueError(f"{name}: device {t.device} != q device {device}")
+
+
 def _check_q(q, attn_sink, scale):
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16:
-        raise TypeError(f"q: expected a bfloat16 tensor, got {getattr(q, 'dtype', type(q).__name__)}")
+    _check_dtype("q", q, torch.bfloat16)
     if q.dim() != 3 or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q: expected shape (num_tokens, num_heads, {HEAD_DIM}), got {tuple(q.shape)}")
-    if q.numel() and q.stride(2) != 1:
-        raise ValueError(f"q: last dim must be contiguous, got strides {tuple(q.stride())}")
-    if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32:
-        raise TypeError(f"attn_sink: expected a float32 tensor, got {getattr(attn_sink, 'dtype', type(attn_sink).__name__)}")
+    _check_last_contig("q", q)
+    _check_dtype("attn_sink", attn_sink, torch.float32)
     if tuple(attn_sink.shape) != (q.shape[1],):
         raise ValueError(f"attn_sink: expected shape ({q.shape[1]},) (num_heads), got {tuple(attn_sink.shape)}")
-    if attn_sink.device != q.device:
-        raise ValueError(f"attn_sink: device {attn_sink.device} != q device {q.device}")
+    _check_device("attn_sink", attn_sink, q.device)
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale!r}: expected a positive finite float")
 
 
 def _check_idx(name, idx, lname, lens, T, device, optional_len=False):
-    if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int32:
-        raise TypeError(f"{name}: expected an int32 tensor, got {getattr(idx, 'dtype', type(idx).__name__)}")
+    _check_dtype(name, idx, torch.int32)
     if idx.dim() != 2 or idx.shape[0] != T:
         raise ValueError(f"{name}: expected shape ({T}, num_candidates), got {tuple(idx.shape)}")
-    if idx.numel() and idx.stride(1) != 1:
-        raise ValueError(f"{name}: last dim must be contiguous, got strides {tuple(idx.stride())}")
-    if idx.device != device:
-        raise ValueError(f"{name}: device {idx.device} != q device {device}")
+    _check_last_contig(name, idx)
+    _check_device(name, idx, device)
     if lens is None:
         if not optional_len:
             raise ValueError(f"{lname}: required")
         return
-    if not isinstance(lens, torch.Tensor) or lens.dtype != torch.int32:
-        raise TypeError(f"{lname}: expected an int32 tensor, got {getattr(lens, 'dtype', type(lens).__name__)}")
+    _check_dtype(lname, lens, torch.int32)
     if tuple(lens.shape) != (T,) or (T and lens.stride(0) != 1):
         raise ValueError(f"{lname}: expected a contiguous ({T},) tensor, got shape {tuple(lens.shape)}")
-    if lens.device != device:
-        raise ValueError(f"{lname}: device {lens.device} != q device {device}")
+    _check_device(lname, lens, device)
 
 
 def _splits(n_base: int, n_tiles: int, device, cfg: dict) -> int:
@@ -305,15 +316,13 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
     T, H, _ = q.shape
     dev = q.device
     sw_stride = _check_cache("swa_cache", swa_cache, swa_block_size)
-    if swa_cache.device != dev:
-        raise ValueError(f"swa_cache: device {swa_cache.device} != q device {dev}")
+    _check_device("swa_cache", swa_cache, dev)
     _check_idx("swa_indices", swa_indices, "swa_lens", swa_lens, T, dev)
     su8, _, sbf = _flat_views(swa_cache, sw_stride)
     srcs = [(su8, sbf, swa_indices, swa_lens, sw_stride, swa_cache.shape[0] * swa_block_size, swa_block_size)]
     if comp_cache is not None:
         c_stride = _check_cache("comp_cache", comp_cache, comp_block_size)
-        if comp_cache.device != dev:
-            raise ValueError(f"comp_cache: device {comp_cache.device} != q device {dev}")
+        _check_device("comp_cache", comp_cache, dev)
         if comp_indices is None:
             raise ValueError("comp_indices: required with comp_cache")
         _check_idx("comp_indices", comp_indices, "comp_lens", comp_lens, T, dev, optional_len=True)
@@ -350,14 +359,11 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     """
     _check_q(q, attn_sink, scale)
     T, H, D = q.shape
-    if not isinstance(kv, torch.Tensor) or kv.dtype != torch.bfloat16:
-        raise TypeError(f"kv: expected a bfloat16 tensor, got {getattr(kv, 'dtype', type(kv).__name__)}")
+    _check_dtype("kv", kv, torch.bfloat16)
     if kv.dim() != 2 or kv.shape[1] != D:
         raise ValueError(f"kv: expected shape (num_kv, {D}), got {tuple(kv.shape)}")
-    if kv.numel() and kv.stride(1) != 1:
-        raise ValueError(f"kv: last dim must be contiguous, got strides {tuple(kv.stride())}")
-    if kv.device != q.device:
-        raise ValueError(f"kv: device {kv.device} != q device {q.device}")
+    _check_last_contig("kv", kv)
+    _check_device("kv", kv, q.device)
     _check_idx("indices", indices, "lengths", lengths, T, q.device, optional_len=True)
     kv_arg = kv if kv.numel() else torch.zeros((1, D), dtype=kv.dtype, device=kv.device)
     srcs = [(None, kv_arg, indices, lengths, kv_arg.stride(0), kv.shape[0], 1)]

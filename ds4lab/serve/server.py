@@ -351,6 +351,15 @@ class Server:
                 os.close(s)
         fds_restored = False
         saved_sig = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def restore_signals():
+            # vLLM's handlers (signal.signal + loop.add_signal_handler): give the kernel its own back
+            for s, h in saved_sig.items():
+                try:
+                    loop.remove_signal_handler(s)
+                except (RuntimeError, ValueError, NotImplementedError):
+                    pass
+                signal.signal(s, h)
         self._children_before = {p.pid for p in _children()}
         try:
             from vllm.entrypoints.launchers.api_server.entry import run_server
@@ -377,24 +386,13 @@ class Server:
             restore_fds()
             fds_restored = True
             self._swap_vllm_handlers()  # vLLM configured its logging during start-up
-            # vLLM's handlers (signal.signal + loop.add_signal_handler): give the kernel its own back
-            for s, h in saved_sig.items():
-                try:
-                    loop.remove_signal_handler(s)
-                except (RuntimeError, ValueError, NotImplementedError):
-                    pass
-                signal.signal(s, h)
+            restore_signals()
             self._engine_children = self._own_children()
             return self
         except BaseException:
             if not fds_restored:
                 restore_fds()
-            for s, h in saved_sig.items():
-                try:
-                    loop.remove_signal_handler(s)
-                except (RuntimeError, ValueError, NotImplementedError):
-                    pass
-                signal.signal(s, h)
+            restore_signals()
             await self._astop_inprocess()
             raise
 
