@@ -343,7 +343,102 @@ def test_cli_print_and_artifacts(tmp_path, capsys):
     # --print works on a planning machine without the weights; launching needs them (clear message)
     capsys.readouterr()
     assert main(["serve", "--profile", "ada-upstream", "--print"]) == 0
-    assert "resolved from the HF cache at launch" in capsys.readouterr().out
+    assert "resolved offline from the HF cache at launch" in capsys.readouterr().out
     from ds4lab.serve import SnapshotError, build_launch
     with pytest.raises(SnapshotError, match="not in the HF cache"):
         build_launch("ada-upstream")
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--bench", "--requests", "0"], "--requests 0: must be >= 1"),
+    (["--bench", "--max-tokens", "-1"], "--max-tokens -1: must be >= 1"),
+    (["--print", "--port", "0"], "--port 0: must be 1-65535"),
+    (["--print", "--port", "99999"], "--port 99999: must be 1-65535"),
+    (["--print", "--set", "num_speculative_tokens=-1"], "--set num_speculative_tokens=-1: must be >= 0"),
+    (["--print", "--set", "num_speculative_tokens=abc"], "--set num_speculative_tokens=abc: expected an integer"),
+    (["--print", "--set", "max-model-len=1.5"], "--set max_model_len=1.5: expected an integer"),
+    (["--print", "--set", "gpu_memory_utilization=0"], "--set gpu_memory_utilization=0: must be > 0 and <= 1"),
+    (["--print", "--set", "port=70000"], "--set port=70000: must be >= 1 and <= 65535"),
+    (["--print", "--set", "env=abc"], "--set env=abc: expected JSON"),
+    (["--print", "--set", "nope=1"], "--set nope=1: unknown key"),
+    (["--print", "--set", "novalue"], "--set 'novalue': expected KEY=VALUE"),
+])
+def test_cli_rejects_bad_numbers_before_starting(argv, msg, capsys):
+    """Bad input is one line naming the flag and exit status 2, before any server starts (a
+    --bench that got this far would take minutes and then fail on HTTP 400)."""
+    from ds4lab.cli import main
+
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ds4lab serve: error: ") and msg in err and "\n" not in err, err
+
+
+def test_set_values_parse_by_type():
+    P = profiles.parse_setting
+    assert P("num_speculative_tokens", "0") == 0 and P("gpu_memory_utilization", "0.97") == 0.97
+    assert P("tiny_agree_heads", "false") is False and P("model", "123") == "123"
+    assert P("warmup_prompt_lens", "[16, 64]") == [16, 64] and P("flags", "--x") == ["--x"]
+    assert P("env", '{"A": "1"}') == {"A": "1"}
+    with pytest.raises(ValueError, match="warmup_prompt_lens=\\[0\\]: must be >= 1"):
+        P("warmup_prompt_lens", "[0]")
+    # the API checks overrides the same way, naming the key
+    with pytest.raises(ValueError, match="override max_num_seqs=0: must be >= 1"):
+        build_launch("tiny-cpu", {"max_num_seqs": 0}, base_env=ENV, port=1)
+    with pytest.raises(ValueError, match="port=0: must be an integer 1-65535"):
+        build_launch("tiny-cpu", base_env=ENV, port=0)
+    # every shipped profile passes its own checks
+    for name, prof in profiles.load_profiles().items():
+        for k, v in prof.items():
+            profiles.check_setting(k, v)
+
+
+def test_print_is_pasteable_bash(tmp_path):
+    """`ds4lab serve --print`'s command runs in bash as printed: the tiny checkpoint's folder stays
+    a live expansion (double quotes), the JSON speculative config survives, stale variables are
+    dropped for the command only, and the model line says where the model really comes from."""
+    stub = tmp_path / "py"
+    stub.write_text("#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > \"$OUT_ARGS\"\nenv > \"$OUT_ENV\"\n")
+    stub.chmod(0o755)
+    env = dict(ENV, OUT_ARGS=str(tmp_path / "a"), OUT_ENV=str(tmp_path / "e"), XDG_CACHE_HOME=str(tmp_path / "xdg"),
+               VLLM_PLUGINS="other")
+    L = build_launch("tiny-cpu", base_env=dict(ENV, VLLM_TRITON_MLA_SPARSE_X="1"), python=str(stub), port=8123,
+                     resolve_model=False)
+    text = L.describe()
+    assert '--model "${XDG_CACHE_HOME:-$HOME/.cache}/ds4lab/tiny-dsv4-agree"' in text
+    model_line = next(ln for ln in text.splitlines() if ln.startswith("# model:"))
+    assert "embedded tiny checkpoint" in model_line and "HF cache" not in model_line
+    r = subprocess.run(["bash", "-c", text], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = (tmp_path / "a").read_text().splitlines()
+    want = list(L.argv[1:])
+    want[want.index("--model") + 1] = str(tmp_path / "xdg" / "ds4lab" / "tiny-dsv4-agree")
+    assert got == want
+    e = dict(ln.split("=", 1) for ln in (tmp_path / "e").read_text().splitlines() if "=" in ln)
+    assert e["VLLM_PLUGINS"] == "ds4lab" and e["HF_HUB_OFFLINE"] == "1"
+    fork = build_launch("community-sm89-fork", base_env=dict(ENV, VLLM_TRITON_MLA_SPARSE_TOPK="1"), port=8000,
+                        resolve_model=False)
+    text = fork.describe()
+    assert "env -u VLLM_TRITON_MLA_SPARSE_TOPK " in text
+    assert "resolved offline from the HF cache at launch" in text and "not in the HF cache" in text
+    assert subprocess.run(["bash", "-n", "-c", text]).returncode == 0
+
+
+def test_log_paths_are_unique_per_run(tmp_path):
+    """Two runs of the same profile never share a log file (a fixed name let a concurrent run
+    truncate the file and the start-up parser read the other server's lines)."""
+    a, b = (measure.new_log_path("tiny-cpu", "mtp1", tmp_path) for _ in range(2))
+    assert a != b and os.path.isfile(a) and os.path.getsize(a) == 0
+    assert os.path.basename(a).startswith("ds4lab-serve-tiny-cpu-mtp1-") and a.endswith(".log")
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"max_tokens": 0}, "max_tokens=0: must be an integer >= 1"),
+    ({"prompts": []}, "prompts: empty"),
+    ({"concurrency": 0}, "concurrency=0: must be an integer >= 1"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens=0: must be >= 1"),
+    ({"overrides": {"max_num_seqs": -1}}, "override max_num_seqs=-1"),
+])
+def test_compare_checks_arguments_before_starting(kw, msg, tmp_path):
+    with pytest.raises(ValueError, match=msg):
+        measure.compare("tiny-cpu", log_dir=tmp_path, **kw)
+    assert not list(tmp_path.iterdir())   # nothing started, nothing logged

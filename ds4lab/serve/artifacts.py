@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from .measure import CANARY_PROMPT, WARMUP_TOKEN_ID
-from .profiles import SERVER_MODULE, Launch
+from .profiles import SERVER_MODULE, Launch, shell_word
 
 __all__ = ["render_serve_sh", "render_warmup_sh", "render_canary_sh", "render_unit", "write_artifacts"]
 
@@ -59,10 +59,8 @@ fi"""
 
 
 def _q(v: str) -> str:
-    """Quote for bash, leaving a ``${...}`` / ``$MODEL`` expansion live."""
-    if v.startswith("$"):
-        return '"' + v.replace('"', '\\"') + '"'
-    return shlex.quote(v)
+    """Quote for bash, leaving a ``${...}`` / ``$MODEL`` expansion live (:func:`shell_word`)."""
+    return shell_word(v)
 
 
 def render_serve_sh(launch: Launch, port: int = 8000, python: str | None = None) -> str:

@@ -11,7 +11,10 @@
   parser): ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
   ``..._num_accepted_tokens_total``, ``..._num_accepted_tokens_per_pos_total{position=..}``.
 - :func:`acompare` runs the benchmark on a server with MTP and on one without speculation (same
-  prompts, seed and settings) and reports both, plus whether the greedy outputs are identical.
+  prompts, seed and settings) and reports both, plus whether the greedy outputs are identical. Each
+  call logs into its own new folder (:func:`tempfile.mkdtemp`), so concurrent runs of the same
+  profile never share, truncate or misread each other's server logs; :func:`new_log_path` gives the
+  CLI's long-running server a file of its own the same way.
 
 Async first (the notebook awaits them, which also works with an in-process server on the kernel's
 loop); the ``warmup``/``canary``/``benchmark``/``compare`` wrappers are for scripts and the CLI.
@@ -20,15 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 __all__ = ["SpecStats", "RequestResult", "BenchResult", "Comparison", "CanaryResult",
            "scrape_metrics", "spec_stats", "make_prompts", "awarmup", "acanary", "abenchmark",
-           "acompare", "warmup", "canary", "benchmark", "compare", "comparison_rows", "startup_rows", "acceptance_rows", "format_table",
+           "acompare", "warmup", "canary", "benchmark", "compare", "new_log_path", "comparison_rows", "startup_rows", "acceptance_rows", "format_table",
            "WARMUP_TOKEN_ID"]
 
 #: token id used for warmup prompts (a plain byte token in the tiny tokenizer, an ordinary token in
@@ -225,7 +230,8 @@ async def abenchmark(url: str, model: str, prompts: Sequence[str] | None = None,
     """Greedy streaming benchmark; ``concurrency`` requests in flight at a time."""
     import httpx
 
-    prompts = list(prompts or make_prompts(seed=seed))
+    prompts = list(make_prompts(seed=seed) if prompts is None else prompts)
+    _check_bench(prompts, max_tokens, concurrency)
     before = await asyncio.to_thread(scrape_metrics, url)
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=timeout) as client:
@@ -247,6 +253,25 @@ async def abenchmark(url: str, model: str, prompts: Sequence[str] | None = None,
                        spec_stats(before, after), list(res))
 
 
+def _check_bench(prompts: Sequence, max_tokens: int, concurrency: int) -> None:
+    """ValueError naming the argument, before any server is started or request sent."""
+    if not prompts:
+        raise ValueError("prompts: empty (at least one prompt; None = make_prompts())")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}: must be an integer >= 1")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency={concurrency!r}: must be an integer >= 1")
+
+
+def new_log_path(profile: str, label: str, log_dir: str | os.PathLike | None = None) -> str:
+    """A new, empty log file ``<log_dir>/ds4lab-serve-<profile>-<label>-XXXXXXXX.log`` created with
+    :func:`tempfile.mkstemp` (``log_dir`` default: the system temp folder), so no other run can
+    have the same name."""
+    fd, path = tempfile.mkstemp(prefix=f"ds4lab-serve-{profile}-{label}-", suffix=".log", dir=log_dir)
+    os.close(fd)
+    return path
+
+
 @dataclass
 class Comparison:
     """A benchmark with MTP next to one without speculation (same prompts, seed, settings)."""
@@ -258,6 +283,8 @@ class Comparison:
     canary: dict[str, CanaryResult]
     outputs_identical: bool | None
     speedup: float | None                  # tokens/s with MTP / without
+    logs: dict[str, str] = field(default_factory=dict)        # label -> server log file
+    launches: dict[str, Any] = field(default_factory=dict)    # label -> the Launch that ran (real port)
 
     def rows(self) -> list[dict]:
         return comparison_rows(self)
@@ -266,8 +293,14 @@ class Comparison:
 async def acompare(profile: str = "tiny-cpu", overrides: Mapping[str, Any] | None = None, *,
                    num_speculative_tokens: int | None = None, prompts: Sequence[str] | None = None,
                    max_tokens: int = 64, concurrency: int = 1, seed: int = 0, mode: str = "subprocess",
-                   do_warmup: bool = True, on_progress="default", log_dir: str = "/tmp") -> Comparison:
-    """Start the profile with MTP, warm up, canary, benchmark; then the same without speculation."""
+                   do_warmup: bool = True, on_progress="default",
+                   log_dir: str | os.PathLike | None = None) -> Comparison:
+    """Start the profile with MTP, warm up, canary, benchmark; then the same without speculation.
+
+    Arguments are checked before any server starts (ValueError naming the argument). The two server
+    logs go to a new folder ``<log_dir>/ds4lab-serve-<profile>-XXXXXXXX/<label>.log`` (``log_dir``
+    default: the system temp folder); :attr:`Comparison.logs` names them and
+    :attr:`Comparison.launches` holds the launches that ran (with the ports they really used)."""
     from .profiles import build_launch, profile as _profile
     from .server import Server
     from .startup import print_progress
@@ -276,12 +309,19 @@ async def acompare(profile: str = "tiny-cpu", overrides: Mapping[str, Any] | Non
     prof.update(overrides or {})
     nspec = int(num_speculative_tokens if num_speculative_tokens is not None
                 else prof.get("num_speculative_tokens", 1) or 1)
-    prompts = list(prompts or make_prompts(seed=seed))
-    runs, startup, warm, can = [], {}, {}, {}
+    if nspec < 1:
+        raise ValueError(f"num_speculative_tokens={nspec}: must be >= 1 for the MTP run (the other run has none)")
+    prompts = list(make_prompts(seed=seed) if prompts is None else prompts)
+    _check_bench(prompts, max_tokens, concurrency)
+    run_dir = None
+    runs, startup, warm, can, logs, launches = [], {}, {}, {}, {}, {}
     for n in (nspec, 0):
         label = f"mtp{n}" if n else "no-spec"
-        launch = build_launch(profile, {**(overrides or {}), "num_speculative_tokens": n})
-        srv = Server(launch, mode=mode, log_path=f"{log_dir}/ds4lab-serve-{profile}-{label}.log",
+        # built right before its start: the free port is picked as late as possible
+        launch = launches[label] = build_launch(profile, {**(overrides or {}), "num_speculative_tokens": n})
+        run_dir = run_dir or tempfile.mkdtemp(prefix=f"ds4lab-serve-{profile}-", dir=log_dir)
+        logs[label] = os.path.join(run_dir, f"{label}.log")
+        srv = Server(launch, mode=mode, log_path=logs[label],
                      on_progress=print_progress if on_progress == "default" else on_progress)
         async with srv:
             if do_warmup:
@@ -290,14 +330,14 @@ async def acompare(profile: str = "tiny-cpu", overrides: Mapping[str, Any] | Non
                                             prof.get("warmup_max_tokens", 8), prof.get("max_model_len"))
             can[label] = await acanary(srv.url, srv.model)
             if not can[label].ok:
-                raise RuntimeError(f"canary failed on {label}: {can[label]}")
+                raise RuntimeError(f"canary failed on {label}: {can[label]} (log {logs[label]})")
             runs.append(await abenchmark(srv.url, srv.model, prompts, max_tokens=max_tokens,
                                          concurrency=concurrency, seed=seed, label=label,
                                          num_speculative_tokens=n))
             startup[label] = srv.startup.as_dict()
     same = [r.text for r in runs[0].requests] == [r.text for r in runs[1].requests]
     sp = runs[0].tokens_per_s / runs[1].tokens_per_s if runs[1].tokens_per_s else None
-    return Comparison(profile, runs, startup, warm, can, same, sp)
+    return Comparison(profile, runs, startup, warm, can, same, sp, logs, launches)
 
 
 def comparison_rows(c: Comparison) -> list[dict]:

@@ -23,7 +23,8 @@ from ds4lab.stacks import stack as _stack
 
 __all__ = ["PROFILES_PATH", "load_profiles", "profile", "Launch", "build_launch", "scrub_env",
            "resolve_hf_snapshot", "SnapshotError", "SERVER_MODULE", "option_value", "drop_option",
-           "has_nvidia_gpu", "fit_to_machine"]
+           "has_nvidia_gpu", "fit_to_machine", "SETTINGS", "parse_setting", "check_setting", "shell_word",
+           "TINY_DIR_SHELL", "tiny_dir", "model_origin"]
 
 PROFILES_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                              "env", "profiles.toml")
@@ -43,10 +44,134 @@ _VALUE_FLAGS = {
     "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
     "seed": "--seed",
 }
-_KNOWN_KEYS = set(_VALUE_FLAGS) | {
-    "description", "stack", "model", "tiny_agree_heads", "num_speculative_tokens", "flags", "env",
-    "host", "port", "gpu_memory_utilization_watched", "warmup_prompt_lens", "warmup_concurrency",
-    "warmup_max_tokens", "extra_args", "in_process"}
+#: profile key -> (type, lower bound, upper bound, what it means); bounds are inclusive, None = open.
+#: ``list[int]``: a JSON list of ints, each within the bounds; ``list[str]``: a JSON list of strings
+#: (or one string); ``dict``: a JSON object of strings. Used to parse ``--set KEY=VALUE`` by the
+#: setting's type and to range-check every override (:func:`check_setting`).
+SETTINGS: dict[str, tuple[str, float | None, float | None, str]] = {
+    "description": ("str", None, None, "free text"),
+    "stack": ("str", None, None, "a table of env/stacks.toml"),
+    "model": ("str", None, None, '"tiny", a local path or an HF repo id'),
+    "served_model_name": ("str", None, None, "the name clients send"),
+    "tiny_agree_heads": ("bool", None, None, "main and MTP heads of the tiny checkpoint agree"),
+    "num_speculative_tokens": ("int", 0, None, "draft tokens per step; 0 turns MTP off"),
+    "tensor_parallel_size": ("int", 1, None, "GPUs per model replica"),
+    "max_model_len": ("int", 1, None, "tokens per request (prompt + output)"),
+    "max_num_seqs": ("int", 1, None, "requests in flight"),
+    "max_num_batched_tokens": ("int", 1, None, "tokens per engine step"),
+    "gpu_memory_utilization": ("float", 0.0, 1.0, "share of each GPU's memory vLLM may use"),
+    "gpu_memory_utilization_watched": ("float", 0.0, 1.0, "the share used while someone watches"),
+    "kv_cache_memory_bytes": ("int", 1, None, "explicit KV cache bytes per GPU"),
+    "seed": ("int", 0, None, "sampling seed"),
+    "host": ("str", None, None, "address to listen on"),
+    "port": ("int", 1, 65535, "TCP port"),
+    "flags": ("list[str]", None, None, "extra server argv"),
+    "extra_args": ("list[str]", None, None, "extra server argv"),
+    "env": ("dict", None, None, "extra environment"),
+    "warmup_prompt_lens": ("list[int]", 1, None, "prompt lengths the warmup compiles"),
+    "warmup_concurrency": ("list[int]", 1, None, "concurrencies the warmup compiles"),
+    "warmup_max_tokens": ("int", 1, None, "output tokens per warmup request"),
+    "in_process": ("bool", None, None, "start vLLM on the caller's event loop"),
+}
+_KNOWN_KEYS = set(SETTINGS)
+assert set(_VALUE_FLAGS) <= _KNOWN_KEYS
+_OPEN_LOW = {"gpu_memory_utilization", "gpu_memory_utilization_watched"}   # 0 excluded
+_TRUE_WORDS, _FALSE_WORDS = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _bounds(key: str, x: float) -> None:
+    kind, lo, hi, what = SETTINGS[key]
+    low_bad = lo is not None and (x <= lo if key in _OPEN_LOW else x < lo)
+    if low_bad or (hi is not None and x > hi):
+        lo_s = "" if lo is None else (f"> {lo:g}" if key in _OPEN_LOW else f">= {lo:g}")
+        hi_s = "" if hi is None else f"<= {hi:g}"
+        raise ValueError(f"must be {' and '.join(b for b in (lo_s, hi_s) if b)} ({what})")
+
+
+def check_setting(key: str, value: Any) -> Any:
+    """``value`` for profile key ``key``, checked against :data:`SETTINGS` (type and range) and
+    normalised (an int for an int key, a list for a list key). ValueError without the key: the
+    caller names it (``--set KEY=...`` or ``override KEY=...``)."""
+    if key not in SETTINGS:
+        raise ValueError(f"unknown key; known keys are {sorted(SETTINGS)}")
+    kind = SETTINGS[key][0]
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {type(value).__name__}")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+    if kind in ("int", "float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                kind == "int" and not float(value).is_integer()):
+            raise ValueError(f"expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}")
+        v = int(value) if kind == "int" else float(value)
+        _bounds(key, v)
+        return v
+    if kind == "list[int]":
+        vals = value if isinstance(value, (list, tuple)) else [value]
+        out = list(vals)
+        for v in out:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"expected a list of integers, got {value!r}")
+            _bounds(key, v)
+        if not out:
+            raise ValueError("expected a non-empty list of integers")
+        return list(out)
+    if kind == "list[str]":
+        vals = [value] if isinstance(value, str) else value
+        if not isinstance(vals, (list, tuple)) or not all(isinstance(v, str) for v in vals):
+            raise ValueError(f"expected a list of strings, got {value!r}")
+        return list(vals)
+    if kind == "dict":
+        if not isinstance(value, Mapping):
+            raise ValueError(f"expected a JSON object, got {value!r}")
+        return dict(value)
+    raise AssertionError(kind)  # pragma: no cover
+
+
+def parse_setting(key: str, text: str) -> Any:
+    """The text of ``--set KEY=TEXT`` parsed by the type of ``key`` (:data:`SETTINGS`) and checked
+    (:func:`check_setting`). ValueError naming ``KEY=TEXT`` and what was expected."""
+    key = key.replace("-", "_")
+    try:
+        if key not in SETTINGS:
+            raise ValueError(f"unknown key; known keys are {sorted(SETTINGS)}")
+        kind = SETTINGS[key][0]
+        t = text.strip()
+        if kind == "str":
+            value: Any = text
+        elif kind == "bool":
+            if t.lower() not in _TRUE_WORDS | _FALSE_WORDS:
+                raise ValueError(f"expected true or false, got {text!r}")
+            value = t.lower() in _TRUE_WORDS
+        elif kind == "int":
+            try:
+                value = int(t)
+            except ValueError:
+                raise ValueError(f"expected an integer, got {text!r}") from None
+        elif kind == "float":
+            try:
+                value = float(t)
+            except ValueError:
+                raise ValueError(f"expected a number, got {text!r}") from None
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"expected a finite number, got {text!r}")
+        else:
+            try:
+                value = json.loads(t)
+            except json.JSONDecodeError:
+                if kind == "list[str]":
+                    value = text           # one bare argument
+                elif kind == "list[int]" and t.lstrip("-").isdigit():
+                    value = [int(t)]
+                else:
+                    raise ValueError(f"expected JSON ({kind}), got {text!r}") from None
+        return check_setting(key, value)
+    except ValueError as e:
+        raise ValueError(f"{key}={text}: {e}") from None
 
 
 class SnapshotError(RuntimeError):
@@ -181,15 +306,71 @@ class Launch:
         return self.argv[i + 1:]
 
     def describe(self) -> str:
-        import shlex
-
-        lines = [f"profile {self.profile} (stack {self.stack}) -> {self.url}",
-                 "env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env_overlay.items()))]
-        if self.unset:
-            lines.append("unset: " + " ".join(self.unset))
-        lines.append("argv: " + shlex.join(self.argv))
-        lines += [f"note: {n}" for n in self.notes]
+        """The launch as a bash snippet that can be pasted as is: ``#`` comment lines (profile,
+        URL, where the model comes from, notes), then one ``env -u STALE K=V ... python -m ...``
+        command (the stale variables are dropped for this command only, not from the shell).
+        Variable expansions (the tiny checkpoint folder) are double-quoted, everything else is
+        ``shlex``-quoted."""
+        lines = [f"# profile {self.profile} (stack {self.stack}) -> {self.url}",
+                 f"# model: {model_origin(self)}"]
+        lines += [f"# note: {n}" for n in self.notes]
+        head = ["env"] + [f"-u {shell_word(k)}" for k in self.unset]
+        head += [f"{k}={shell_word(v)}" for k, v in sorted(self.env_overlay.items())]
+        cmd = [" ".join(head), " ".join(shell_word(a) for a in self.argv[:3])]
+        for a in self.argv[3:]:   # one flag (with its value) per line
+            if a.startswith("--"):
+                cmd.append(shell_word(a))
+            else:
+                cmd[-1] += " " + shell_word(a)
+        lines.append(" \\\n  ".join(cmd))
         return "\n".join(lines)
+
+
+#: the embedded tiny checkpoint's folder as a shell expression (what ds4lab.tiny.DEFAULT_DIR is)
+TINY_DIR_SHELL = "${XDG_CACHE_HOME:-$HOME/.cache}/ds4lab/tiny-dsv4"
+
+
+def tiny_dir(agree_heads: bool) -> str:
+    """The folder :func:`ds4lab.tiny.ensure_tiny_checkpoint` uses (not written here)."""
+    from ds4lab.tiny import DEFAULT_DIR
+
+    return DEFAULT_DIR + ("-agree" if agree_heads else "")
+
+
+def shell_word(v: str) -> str:
+    """``v`` quoted for bash: a ``$``-expansion (``${X:-...}``, ``$HOME/...``) in double quotes so
+    it stays live; anything else (or anything with quotes, backquotes, backslashes or ``$(``)
+    with :func:`shlex.quote`."""
+    import shlex
+
+    if v.startswith("$") and not any(c in v for c in '"`\\\n') and "$(" not in v:
+        return '"' + v + '"'
+    return shlex.quote(v)
+
+
+def model_origin(launch: "Launch") -> str:
+    """Where ``launch``'s model really comes from, in one line: the embedded tiny checkpoint's
+    folder (and whether it is written yet), a local folder, or an HF repo id (offline: the local
+    snapshot it resolves to now, or that it is missing; online: vLLM downloads it)."""
+    setting = str(launch.settings.get("model", launch.model))
+    if setting == "tiny":
+        agree = bool(launch.settings.get("tiny_agree_heads", False))
+        d = tiny_dir(agree)
+        have = os.path.isfile(os.path.join(d, "config.json"))
+        return (f"the embedded tiny checkpoint in {d} ("
+                + ("written" if have else "not written yet: the first launch writes it, or "
+                   f"`ds4lab tiny{' --agree-heads' if agree else ''} --out {d}`") + ")")
+    if launch.model != setting or os.path.isdir(setting):
+        return f"the local folder {launch.model}" + (f" (for {setting})" if launch.model != setting else "")
+    if launch.env.get("HF_HUB_OFFLINE", "0") in ("0", ""):
+        return f"HF repo {setting}: vLLM loads it from the HF cache or downloads it (HF_HUB_OFFLINE is not set)"
+    try:
+        snap, why = resolve_hf_snapshot(setting)
+        where = f"here: snapshot {snap}" + (f" ({why})" if why else "")
+    except SnapshotError as e:
+        where = f"not usable here: {e}"
+    return (f"HF repo {setting}, resolved offline from the HF cache at launch (a dangling refs/main is "
+            f"not trusted); {where}")
 
 
 def build_launch(name: str = "tiny-cpu", overrides: Mapping[str, Any] | None = None, *,
@@ -208,7 +389,12 @@ def build_launch(name: str = "tiny-cpu", overrides: Mapping[str, Any] | None = N
     for k, v in (overrides or {}).items():
         if k not in _KNOWN_KEYS:
             raise ValueError(f"override {k!r}: known keys are {sorted(_KNOWN_KEYS)}")
-        s[k] = v
+        try:
+            s[k] = check_setting(k, v)
+        except ValueError as e:
+            raise ValueError(f"override {k}={v!r}: {e}") from None
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+        raise ValueError(f"port={port!r}: must be an integer 1-65535 (None: the profile's, else a free one)")
     stack_name = s.get("stack", "cpu")
     st = _stack(stack_name)
     notes: list[str] = []
@@ -237,9 +423,7 @@ def build_launch(name: str = "tiny-cpu", overrides: Mapping[str, Any] | None = N
 
             model = os.fspath(ensure_tiny_checkpoint(agree_heads=bool(s.get("tiny_agree_heads", False))))
         else:
-            model = "${DS4LAB_TINY_DIR:-$HOME/.cache/ds4lab/tiny-dsv4%s}" % (
-                "-agree" if s.get("tiny_agree_heads") else "")
-        notes.append(f"model: embedded tiny checkpoint {model}")
+            model = TINY_DIR_SHELL + ("-agree" if s.get("tiny_agree_heads") else "")
     elif resolve_model and not os.path.isdir(model) and env.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
         snap, why = resolve_hf_snapshot(model, cache_dir=hf_cache)
         notes.append(why or f"model: {model} -> snapshot {snap.name}")
