@@ -31,18 +31,19 @@ import json
 import math
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from .geometry import (
-    DEFAULT_CONFIG, FP8_BLOCK, LayerKind, ModelConfig, check_tp, layer_counts, layer_kinds, load_config,
+    DEFAULT_CONFIG, FP8_BLOCK, SUPPORTED_TP, LayerKind, ModelConfig, check_tp, layer_counts, layer_kinds,
+    load_config,
 )
 
 __all__ = [
     "GiB", "MiB", "GPU", "GPUS", "FORMATS", "CacheSpec", "KVGroup", "KVLayout", "KVCapacity",
-    "Term", "Plan", "Recommendation", "JIT_HEADROOM",
-    "kv_cache_specs", "kv_layout", "kv_capacity", "weight_terms", "plan", "sweep", "recommend",
-    "default_max_num_batched_tokens", "resolve_gpu", "format_gib",
+    "Term", "Plan", "Recommendation", "Remedy", "JIT_HEADROOM",
+    "kv_cache_specs", "kv_layout", "kv_capacity", "weight_terms", "plan", "sweep", "recommend", "find_remedy",
+    "plan_for_profile", "default_max_num_batched_tokens", "resolve_gpu", "format_gib", "format_table",
     "add_arguments", "main",
 ]
 
@@ -96,15 +97,25 @@ GPUS: dict[str, GPU] = {g.key: g for g in (
 )}
 
 
+#: other spellings of the keys (notebook 09 / SPEC.md names, spaces and case are ignored)
+_GPU_ALIASES = {"rtx4090-24g": "rtx4090", "4090": "rtx4090", "rtx4090d-48g": "rtx4090-48g",
+                "4090d-48g": "rtx4090-48g", "4090-48g": "rtx4090-48g", "rtx6000-ada": "rtx6000ada",
+                "6000ada": "rtx6000ada", "h200-141g": "h200"}
+
+
 def resolve_gpu(gpu: str | GPU | int) -> GPU:
-    """A :class:`GPU` from a table key, a GPU, or a total in bytes. Raises ValueError naming the key."""
+    """A :class:`GPU` from a table key, a GPU, or a total in bytes. Raises ValueError naming the key.
+
+    Keys ignore case, spaces and underscores, and accept the names notebook 09 uses
+    (``"RTX 4090-48G"`` is ``rtx4090-48g``)."""
     if isinstance(gpu, GPU):
         return gpu
     if isinstance(gpu, int) and not isinstance(gpu, bool):
         if gpu <= 0:
             raise ValueError(f"gpu={gpu!r}: a total in bytes must be positive")
         return GPU("custom", f"custom {gpu / GiB:.2f} GiB", gpu, "?", "given bytes")
-    key = str(gpu).lower()
+    key = str(gpu).lower().replace(" ", "").replace("_", "-")
+    key = _GPU_ALIASES.get(key, key)
     if key not in GPUS:
         raise ValueError(f"gpu={gpu!r}: unknown card; known: {sorted(GPUS)} (or give a total in bytes)")
     return GPUS[key]
@@ -647,8 +658,11 @@ def plan(cfg: ModelConfig = DEFAULT_CONFIG, *, gpu: str | GPU | int = "l40s", fm
     for name, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r}: must be a positive integer")
-    if num_speculative_tokens < 0:
-        raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r}: must be >= 0")
+    for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ValueError(f"{name}={v!r}: must be a positive integer (or None for vLLM's default)")
+    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r}: must be an integer >= 0")
     B = (max_num_batched_tokens if max_num_batched_tokens is not None
          else default_max_num_batched_tokens(g.total_bytes, max_num_seqs, max_model_len))
     if B < max_num_seqs:
@@ -666,11 +680,20 @@ def plan(cfg: ModelConfig = DEFAULT_CONFIG, *, gpu: str | GPU | int = "l40s", fm
                                       extra_retained_tokens=max(0, lookahead - 1)))
 
     terms = list(weight_terms(cfg, fmt, tp, mtp=mtp))
-    T = B * (1 + num_speculative_tokens) if mtp else B
-    terms.append(Term(f"activation peak ({T} tokens)", _activation_bytes(cfg, tp, T), "activations",
-                      "estimate from geometry; vLLM measures it in profile_run (gpu_worker.determine_available_memory)"))
-    terms.append(Term("sampler logits (max_num_seqs x vocab fp32 x2)", 2 * max_num_seqs
-                      * (1 + num_speculative_tokens) * cfg.vocab_size * FP32, "activations", "estimate"))
+    # The profile run is one dummy forward over max_num_batched_tokens tokens with or without MTP:
+    # draft tokens count inside that budget, and the drafter's own dummy_run repeats the same
+    # token count afterwards (sequentially), so the peak does not scale with 1 + k.
+    terms.append(Term(f"activation peak ({B} tokens)", _activation_bytes(cfg, tp, B), "activations",
+                      "estimate from geometry at the profile run's token count: vLLM measures it in "
+                      "v1/worker/gpu_model_runner.py GPUModelRunner.profile_run -> "
+                      "_dummy_run(self.max_num_tokens = max_num_batched_tokens), also with MTP "
+                      "(spec_decode/llm_base_proposer.py dummy_run(num_tokens)); "
+                      "gpu_worker.determine_available_memory"))
+    reqs = min(B, max_num_seqs)
+    sampler_rows = 2 * reqs + (3 * reqs if mtp else 0)
+    terms.append(Term(f"sampler logits ({sampler_rows} rows x vocab fp32)", sampler_rows * cfg.vocab_size * FP32,
+                      "activations", "estimate: gpu_model_runner.py _dummy_sampler_run (logits + sampler copy "
+                      "per request; with MTP the rejection sampler's 2 rows + draft probs per request)"))
     nc = cdiv(max_model_len, 4)
     terms += [
         Term("RoPE cos/sin caches", 512 * MiB, "workspaces", "SPEC.md §3 (512 MiB fixed)"),
@@ -687,7 +710,9 @@ def plan(cfg: ModelConfig = DEFAULT_CONFIG, *, gpu: str | GPU | int = "l40s", fm
                           "workspaces", "SPEC.md §3"))
     graph_bytes = 0
     if cuda_graphs:
-        cap = min(512, 2 * max_num_seqs * (1 + num_speculative_tokens))
+        # config/vllm.py _set_cudagraph_sizes: min(512, 2 x max_num_seqs x (1 + k)), capped at
+        # max_num_batched_tokens
+        cap = min(512, 2 * max_num_seqs * (1 + num_speculative_tokens), B)
         n_sizes = len([s for s in (1, 2, 4, 8) if s <= cap]) + max(0, (cap - 8) // 8)
         graph_bytes = _activation_bytes(cfg, tp, cap) + n_sizes * (cfg.num_layers_with_mtp + 1) * 2 * MiB
         terms.append(Term(f"CUDA-graph pool ({n_sizes} sizes <= {cap})", graph_bytes,
@@ -727,13 +752,33 @@ def sweep(utils: Iterable[float] | None = None, **kw) -> list[Plan]:
 
 
 @dataclass(frozen=True)
+class Remedy:
+    """Settings that make an impossible mode feasible, found by planning them (not a rule of thumb).
+
+    ``overrides``: the :func:`plan` keywords changed; ``flags``: the same change as ``vllm serve`` /
+    ``ds4lab plan`` flags; ``plan``: the plan at the highest utilization that keeps the mode's JIT
+    headroom, where vLLM starts.
+    """
+    mode: str
+    overrides: dict
+    flags: str
+    plan: Plan
+
+    @property
+    def util(self) -> float:
+        return self.plan.gpu_memory_utilization
+
+
+@dataclass(frozen=True)
 class Recommendation:
     """Feasible utilization window and the setting for watched / unattended operation.
 
     ``util_min``: smallest utilization at which vLLM starts (KV fits one max_model_len request);
     ``util_max_watched`` / ``util_max_unattended``: largest that leaves the JIT headroom.
     ``watched`` / ``unattended``: recommended utilization or None when impossible; ``reasons``
-    explains each bound; ``fixes`` suggests what to change when a mode is impossible.
+    explains each bound; ``fixes`` says what to change when a mode is impossible (concrete flags
+    first); ``remedies`` holds, per impossible mode, the first change :func:`find_remedy` found
+    that makes it feasible.
     """
     util_min: float | None
     util_max_watched: float | None
@@ -743,42 +788,127 @@ class Recommendation:
     reasons: tuple[str, ...]
     fixes: tuple[str, ...]
     plans: dict
+    remedies: dict = field(default_factory=dict)
 
     def table(self) -> list[dict]:
+        """One row per mode; an impossible mode reads ``impossible`` and is followed by a
+        ``<mode> (fixed)`` row planned with the remedy's flags."""
         out = []
         for mode in ("watched", "unattended"):
-            u = getattr(self, mode)
             p = self.plans.get(mode)
-            out.append({"mode": mode, "gpu_memory_utilization": u,
-                        "kv_tokens": p.kv.tokens if p else None,
-                        "max_concurrency": round(p.kv.max_concurrency, 2) if p else None,
-                        "headroom_gib": round(p.headroom_bytes / GiB, 2) if p else None})
+            out.append(_rec_row(mode, p, "(as given)"))
+            r = self.remedies.get(mode)
+            if p is None:
+                out.append(_rec_row(f"{mode} (fixed)", r.plan, r.flags) if r else
+                           _rec_row(f"{mode} (fixed)", None, "none found"))
         return out
 
 
+def _rec_row(mode: str, p: Plan | None, flags: str) -> dict:
+    if p is None:
+        return {"mode": mode, "gpu_memory_utilization": "impossible", "kv_tokens": "-",
+                "max_concurrency": "-", "headroom_gib": "-", "flags": flags}
+    return {"mode": mode, "gpu_memory_utilization": p.gpu_memory_utilization, "kv_tokens": p.kv.tokens,
+            "max_concurrency": round(p.kv.max_concurrency, 2), "headroom_gib": round(p.headroom_bytes / GiB, 2),
+            "flags": flags}
+
+
+def _utils(lo: float, hi: float, step: float) -> list[float]:
+    n = int(round((hi - lo) / step))
+    return [round(lo + step * i, 4) for i in range(n + 1)]
+
+
+def _mode_plan(cfg: ModelConfig, need: int, utils: list[float], kw: dict) -> Plan | None:
+    """The plan at the highest utilization in ``utils`` that keeps ``need`` bytes of headroom,
+    if vLLM starts there (None otherwise: KV grows with util, so no lower util starts either)."""
+    for u in reversed(utils):
+        p = plan(cfg, gpu_memory_utilization=u, **kw)
+        if p.headroom_bytes >= need:
+            return None if (p.kv.refused or p.load_oom) else p
+    return None
+
+
+def _flag_text(overrides: dict) -> str:
+    parts = []
+    for k, v in overrides.items():
+        if k == "async_scheduling":
+            parts.append("--async-scheduling" if v else "--no-async-scheduling")
+        elif k == "tp":
+            parts.append(f"--tensor-parallel-size {v}")
+        else:
+            parts.append(f"--{k.replace('_', '-')} {v}")
+    return " ".join(parts)
+
+
+def find_remedy(cfg: ModelConfig = DEFAULT_CONFIG, mode: str = "watched", step: float = 0.005,
+                lo: float = 0.50, hi: float = 0.99, **kw) -> Remedy | None:
+    """The first change to a setting that makes ``mode`` feasible, or None.
+
+    Tried in this order, least intrusive first, each planned at the highest utilization that keeps
+    the mode's :data:`JIT_HEADROOM`: ``--no-async-scheduling``; ``--max-num-batched-tokens`` 1024,
+    512, 256 (each alone, then without async scheduling; these shrink the sliding-window /
+    compressor reservation, ``max_in_flight_tokens``); ``--max-model-len`` down to the longest that
+    fits (vLLM's own estimate, rounded down to 1024); ``--tensor-parallel-size`` up. Accepts
+    :func:`plan`'s keywords. Raises ValueError for an unknown ``mode``.
+    """
+    if mode not in JIT_HEADROOM:
+        raise ValueError(f"mode={mode!r}: one of {sorted(JIT_HEADROOM)}")
+    kw.pop("gpu_memory_utilization", None)
+    kw.pop("jit_headroom", None)
+    need, utils = JIT_HEADROOM[mode], _utils(lo, hi, step)
+    base = plan(cfg, gpu_memory_utilization=hi, **kw)
+    b0, seqs, async0 = base.max_num_batched_tokens, base.max_num_seqs, kw.get("async_scheduling", True)
+    cands: list[dict] = []
+    for b in [b0] + [b for b in (1024, 512, 256) if seqs <= b < b0]:
+        for a in ([True, False] if async0 else [False]):
+            ov: dict = {}
+            if b != b0:
+                ov["max_num_batched_tokens"] = b
+            if async0 and not a:
+                ov["async_scheduling"] = False
+            if ov:
+                cands.append(ov)
+    # the longest max_model_len that fits where this mode's headroom allows (as given otherwise)
+    top = next((u for u in reversed(utils) if plan(cfg, gpu_memory_utilization=u, **kw).headroom_bytes >= need),
+               None)
+    if top is not None:
+        est = plan(cfg, gpu_memory_utilization=top, **kw).kv.estimated_max_model_len
+        est = est // 1024 * 1024 if est >= 1024 else est
+        if 0 < est < base.max_model_len:
+            cands.append({"max_model_len": est})
+    cands += [{"tp": t} for t in SUPPORTED_TP if t > base.tp]
+    for ov in cands:
+        try:
+            p = _mode_plan(cfg, need, utils, dict(kw, **ov))
+        except ValueError:   # e.g. a TP the geometry does not divide
+            continue
+        if p is not None:
+            return Remedy(mode, ov, _flag_text(ov), p)
+    return None
+
+
 def recommend(cfg: ModelConfig = DEFAULT_CONFIG, step: float = 0.005, lo: float = 0.50,
-              hi: float = 0.99, **kw) -> Recommendation:
+              hi: float = 0.99, remedies: bool = True, **kw) -> Recommendation:
     """The feasible ``--gpu-memory-utilization`` window for a setting and a value per mode.
 
     A utilization is feasible when vLLM would start (one ``max_model_len`` request fits the KV
     pool) and ``(1 - util) * total`` keeps the JIT headroom of the mode (:data:`JIT_HEADROOM`).
     Watched operation takes the highest feasible value (most KV; a JIT OOM costs a restart you
-    see); unattended the highest with the larger headroom. Accepts :func:`plan`'s keywords.
+    see); unattended the highest with the larger headroom. For a mode with no feasible value,
+    ``remedies`` (default on) runs :func:`find_remedy` and puts its flags first in ``fixes``.
+    Accepts :func:`plan`'s keywords.
     """
     kw.pop("gpu_memory_utilization", None)
     kw.pop("jit_headroom", None)
-    n = int(round((hi - lo) / step))
-    utils = [round(lo + step * i, 4) for i in range(n + 1)]
+    utils = _utils(lo, hi, step)
     plans = [plan(cfg, gpu_memory_utilization=u, **kw) for u in utils]
-    ok = [p for p in plans if not p.kv.refused]
+    ok = [p for p in plans if not p.kv.refused and not p.load_oom]
     g = plans[0].gpu
     util_min = ok[0].gpu_memory_utilization if ok else None
     reasons, fixes = [], []
     p_hi = plans[-1]
     if util_min is None:
-        k = p_hi.kv
         reasons.append(f"even at util {hi} vLLM does not start: {p_hi.verdict or 'no KV memory'}")
-        fixes.append(_fixes(p_hi))
     else:
         p0 = ok[0]
         reasons.append(
@@ -788,6 +918,7 @@ def recommend(cfg: ModelConfig = DEFAULT_CONFIG, step: float = 0.005, lo: float 
             f"sliding-window/compressor reservation for {p0.max_in_flight_tokens} in-flight tokens)")
     res: dict = {}
     maxes = {}
+    found: dict = {}
     for mode in ("watched", "unattended"):
         need = JIT_HEADROOM[mode]
         cands = [p for p in ok if p.headroom_bytes >= need]
@@ -797,16 +928,27 @@ def recommend(cfg: ModelConfig = DEFAULT_CONFIG, step: float = 0.005, lo: float 
             reasons.append(f"{mode}: util <= {umax_all}: keeps >= {need / GiB:.2f} GiB outside the torch pool "
                            f"for Triton JIT modules / driver on {g.name} ({JIT_SOURCE})")
         if cands:
-            best = cands[-1]
-            res[mode] = best
-        elif util_min is not None:
+            res[mode] = cands[-1]
+            continue
+        if util_min is not None:
             reasons.append(f"{mode}: impossible - the KV minimum (util {util_min}) leaves less than "
                            f"{need / GiB:.2f} GiB of JIT headroom")
-            fixes.append(_fixes(ok[0]))
+        else:
+            reasons.append(f"{mode}: impossible - vLLM does not start at any util up to {hi}")
+        r = find_remedy(cfg, mode, step=step, lo=lo, hi=hi, **kw) if remedies else None
+        if r is not None:
+            found[mode] = r
+            k = r.plan.kv
+            fixes.append(f"{mode}: add {r.flags} -> util {r.util}: {k.tokens:,} KV tokens, "
+                         f"{k.max_concurrency:.2f}x concurrency, {r.plan.headroom_bytes / GiB:.2f} GiB headroom")
+        elif remedies:
+            fixes.append(f"{mode}: no single change tried (async scheduling off, max-num-batched-tokens "
+                         f"1024/512/256, shorter max-model-len, higher TP) makes it feasible")
+        fixes.append(_fixes(ok[0] if ok else p_hi))
     return Recommendation(util_min, maxes["watched"], maxes["unattended"],
                           res["watched"].gpu_memory_utilization if "watched" in res else None,
                           res["unattended"].gpu_memory_utilization if "unattended" in res else None,
-                          tuple(reasons), tuple(dict.fromkeys(f for f in fixes if f)), res)
+                          tuple(reasons), tuple(dict.fromkeys(f for f in fixes if f)), res, found)
 
 
 def _fixes(p: Plan) -> str:
@@ -826,59 +968,174 @@ def _fixes(p: Plan) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Serve profiles (env/profiles.toml) -> a plan
+# ---------------------------------------------------------------------------------------------
+def _profile_format(model: str) -> str:
+    m = model.lower()
+    if m == "tiny":
+        return "bf16"
+    if "w4a16" in m:
+        return "community"
+    return "official"
+
+
+def plan_for_profile(settings: dict, gpu: str | GPU | int, *, cfg: ModelConfig = DEFAULT_CONFIG,
+                     watched: bool = False, stack: dict | None = None) -> Plan:
+    """:func:`plan` for a serve profile (a table of ``env/profiles.toml``) on one card.
+
+    ``settings`` uses the profile keys: ``tensor_parallel_size`` (default 1), ``max_model_len``,
+    ``max_num_seqs`` (default 1), ``max_num_batched_tokens`` (default: vLLM's for the card),
+    ``gpu_memory_utilization`` (``gpu_memory_utilization_watched`` when ``watched``; default 0.92),
+    ``kv_cache_memory_bytes``, ``num_speculative_tokens`` (0: no MTP), ``model`` (the checkpoint
+    format: ``tiny`` -> bf16, a ``W4A16`` repo -> community, else official), ``flags`` /
+    ``extra_args``. ``stack`` is the profile's table of ``env/stacks.toml`` (looked up by
+    ``settings["stack"]`` when None); its ``flags`` come before the profile's, as in
+    ``ds4lab.serve.profiles.build_launch``, and the last spelling of a flag wins, as in vLLM's
+    argparse. Flags read: ``--max-num-batched-tokens``, ``--max-model-len``, ``--max-num-seqs``,
+    ``--gpu-memory-utilization``, ``--kv-cache-dtype``, ``--enforce-eager``, ``--[no-]async-scheduling``.
+    A stack pinned below vLLM 0.32 (the community fork) does not subtract its CUDA-graph estimate
+    from the KV budget (``graphs_in_budget=False``). Raises ValueError naming the key for a bad value.
+    """
+    s = dict(settings)
+    if stack is None and s.get("stack"):
+        from .stacks import stack as _stack   # pure TOML read; memory stays torch-free
+        stack = _stack(str(s["stack"]))
+    stack = stack or {}
+    argv = [str(a) for a in list(stack.get("flags", [])) + list(s.get("flags", [])) + list(s.get("extra_args", []))]
+
+    def flag(name: str) -> str | None:
+        out = None
+        for i, a in enumerate(argv):
+            if a == name and i + 1 < len(argv):
+                out = argv[i + 1]
+            elif a.startswith(name + "="):
+                out = a.split("=", 1)[1]
+        return out
+
+    def num(key: str, text: str | None, conv=int):
+        if text is None:
+            return s.get(key)
+        try:
+            return conv(text)
+        except ValueError:
+            raise ValueError(f"flag --{key.replace('_', '-')} {text!r}: not a number") from None
+
+    ukey = "gpu_memory_utilization_watched" if watched and "gpu_memory_utilization_watched" in s \
+        else "gpu_memory_utilization"
+    kw = dict(
+        tp=int(s.get("tensor_parallel_size", 1)),
+        max_model_len=num("max_model_len", flag("--max-model-len")),
+        max_num_seqs=num("max_num_seqs", flag("--max-num-seqs")) or 1,
+        max_num_batched_tokens=num("max_num_batched_tokens", flag("--max-num-batched-tokens")),
+        gpu_memory_utilization=float(num(ukey, flag("--gpu-memory-utilization"), float) or 0.92),
+        kv_cache_memory_bytes=num("kv_cache_memory_bytes", flag("--kv-cache-memory-bytes")),
+        num_speculative_tokens=int(s.get("num_speculative_tokens", 0) or 0),
+        kv_cache_dtype=flag("--kv-cache-dtype") or "fp8_ds_mla",
+        cuda_graphs="--enforce-eager" not in argv,
+    )
+    if kw["max_model_len"] is None:
+        raise ValueError("profile key max_model_len: missing (the planner needs the longest request)")
+    asyncs = [a for a in argv if a in ("--async-scheduling", "--no-async-scheduling")]
+    kw["async_scheduling"] = not asyncs or asyncs[-1] == "--async-scheduling"
+    pin = str(stack.get("vllm", ""))
+    digits = pin.lstrip(">=<~! ").split(".")
+    try:
+        kw["graphs_in_budget"] = (int(digits[0]), int(digits[1])) >= (0, 32)
+    except (ValueError, IndexError):
+        kw["graphs_in_budget"] = True
+    return plan(cfg, gpu=gpu, fmt=_profile_format(str(s.get("model", "official"))), **kw)
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI: ds4lab plan
 # ---------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="config.json or checkpoint folder (default: official geometry)")
-    p.add_argument("--format", dest="fmt", default="community", choices=sorted(FORMATS))
-    p.add_argument("--gpu", default="l40s", help=f"one of {sorted(GPUS)}")
+    p.add_argument("--format", dest="fmt", default="community", choices=sorted(FORMATS),
+                   help="checkpoint format (weight bytes per class): " + "; ".join(
+                       f"{k}: {v['desc']}" for k, v in sorted(FORMATS.items())) + " (default: community)")
+    p.add_argument("--gpu", default="l40s", help=f"card, one of {sorted(GPUS)} (default: l40s)")
     p.add_argument("--gpu-bytes", type=int, default=None, help="total GPU memory in bytes (overrides --gpu)")
-    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=4,
+                   help=f"tensor-parallel degree, one of {SUPPORTED_TP} (default: 4)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="plan this value (default: recommend one)")
-    p.add_argument("--max-model-len", type=int, default=98304)
-    p.add_argument("--max-num-seqs", type=int, default=1)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP tokens (0: no speculation)")
+                   help="plan this value (default: the recommended watched value)")
+    p.add_argument("--max-model-len", type=int, default=98304,
+                   help="longest request in tokens; one must fit the KV pool or vLLM refuses (default: 98304)")
+    p.add_argument("--max-num-seqs", type=int, default=1, help="concurrent requests (default: 1)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per scheduler step; the profile run's token count and, x2 with async "
+                        "scheduling, the sliding-window reservation (default: vLLM's for the card, "
+                        "2048 below 70 GiB)")
+    p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP tokens (0: no speculation; default: 1)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
-    p.add_argument("--no-async-scheduling", action="store_true")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="one batch in flight instead of two (halves the sliding-window reservation)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="pin the KV pool per GPU in bytes (vLLM then ignores the utilization for KV)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def _fmt_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict]) -> str:
+    """Rows of dicts (same keys) as a plain left-aligned text table; '' for no rows."""
     if not rows:
         return ""
     cols = list(rows[0])
     w = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
-    lines = ["  ".join(c.ljust(w[c]) for c in cols), "  ".join("-" * w[c] for c in cols)]
-    lines += ["  ".join(str(r[c]).ljust(w[c]) for c in cols) for r in rows]
+    lines = ["  ".join(c.ljust(w[c]) for c in cols).rstrip(), "  ".join("-" * w[c] for c in cols)]
+    lines += ["  ".join(str(r[c]).ljust(w[c]) for c in cols).rstrip() for r in rows]
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
+_fmt_table = format_table   # the name views and older notebooks used
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Input errors name the flag (the CLI turns ValueError into one line and exit status 2)."""
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
     if args.gpu_bytes is not None and args.gpu_bytes < 2**30:
         raise ValueError(f"--gpu-bytes {args.gpu_bytes}: less than 1 GiB is not a GPU")
+    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        v = getattr(args, flag)
+        if v is not None and v <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {v}: must be a positive integer")
+    if args.num_speculative_tokens < 0:
+        raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens}: must be >= 0 (0: no MTP)")
+    if args.tp not in SUPPORTED_TP:
+        raise ValueError(f"--tp {args.tp}: supported tensor-parallel degrees are {SUPPORTED_TP}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``ds4lab plan``: one plan, then the recommendation. Exit 0: it is a report, also when a mode
+    is impossible (the table says so and names the flags that fix it); 2 for bad input (cli.py)."""
+    _check_args(args)
+    cfg = load_config(args.config)
     kw = dict(gpu=args.gpu_bytes if args.gpu_bytes is not None else args.gpu, fmt=args.fmt, tp=args.tp,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               num_speculative_tokens=args.num_speculative_tokens, cuda_graphs=not args.enforce_eager,
               async_scheduling=not args.no_async_scheduling, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     rec = recommend(cfg, **kw)
-    u = args.gpu_memory_utilization if args.gpu_memory_utilization is not None else (rec.watched or 0.95)
+    u = args.gpu_memory_utilization
+    if u is None:
+        u = rec.watched or rec.util_max_watched or 0.95
     p = plan(cfg, gpu_memory_utilization=u, **kw)
     if args.json:
         print(json.dumps({"plan": p.summary(), "terms": p.rows(), "refusal": p.verdict,
                           "recommendation": {"util_min": rec.util_min, "watched": rec.watched,
                                              "unattended": rec.unattended, "reasons": rec.reasons,
-                                             "fixes": rec.fixes}}, indent=1))
+                                             "fixes": rec.fixes, "table": rec.table(),
+                                             "remedies": {m: {"flags": r.flags, "overrides": r.overrides,
+                                                              "gpu_memory_utilization": r.util,
+                                                              "kv_tokens": r.plan.kv.tokens}
+                                                          for m, r in rec.remedies.items()}}}, indent=1))
         return 0
     print(f"# {p.gpu.name} x TP={p.tp}, {p.fmt} checkpoint, util {u}, max-model-len {p.max_model_len}, "
           f"max-num-seqs {p.max_num_seqs}, max-num-batched-tokens {p.max_num_batched_tokens}")
-    print(_fmt_table(p.rows()))
+    if args.gpu_memory_utilization is None and rec.watched is None:
+        print(f"# no utilization works as given for watched operation; planned at {u} to show why")
+    print(format_table(p.rows()))
     k = p.kv
     print(f"\nKV: {k.num_blocks} blocks x {k.bytes_per_block:,} B; {k.blocks_per_request} blocks/request "
           f"({k.fixed_blocks_per_request} fixed); vLLM would print 'KV cache size: {k.tokens:,} tokens, "
@@ -890,7 +1147,7 @@ def main(args: argparse.Namespace) -> int:
     if p.jit_oom_risk:
         print(f"JIT-OOM risk: only {p.headroom_bytes / GiB:.2f} GiB outside the torch pool")
     print("\n# recommendation")
-    print(_fmt_table(rec.table()))
+    print(format_table(rec.table()))
     for r in rec.reasons:
         print(f"- {r}")
     for f in rec.fixes:

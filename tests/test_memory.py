@@ -155,13 +155,52 @@ def test_recommend_seeds_corner_with_small_batch():
     assert r.plans["watched"].headroom_bytes >= M.JIT_HEADROOM["watched"]
 
 
-def test_recommend_explains_impossible():
+def test_activation_peak_uses_the_profile_runs_token_count():
+    """vLLM profiles one dummy forward over max_num_batched_tokens tokens, MTP or not
+    (gpu_model_runner.py profile_run -> _dummy_run(self.max_num_tokens)); the planner once used
+    B x (1 + k), which made L40S util 0.97 refuse at the default setting."""
+    def act(k):
+        p = M.plan(DEFAULT_CONFIG, gpu="l40s", gpu_memory_utilization=0.97, num_speculative_tokens=k)
+        t = next(t for t in p.terms if t.name.startswith("activation peak"))
+        return t, p
+    (t0, _), (t1, p1), (t9, p9) = act(0), act(1), act(9)
+    assert t0.bytes == t1.bytes == t9.bytes and t1.name == "activation peak (2048 tokens)"
+    assert "profile_run" in t1.source and "_dummy_run" in t1.source
+    # default corner on L40S at 0.97: 2.02 GiB of KV against 1.94 GiB for one 98304-token request
+    assert not p1.kv.refused and round(p1.kv.kv_bytes / M.GiB, 2) == 2.02
+    assert round(p1.kv.needed_bytes / M.GiB, 2) == 1.94
+    assert p9.kv.kv_bytes > 0 and not p9.kv.message.startswith("No available memory")
+
+
+def test_recommend_explains_impossible_and_finds_the_flags():
     r = M.recommend(DEFAULT_CONFIG, gpu="l40s", fmt="community", tp=4, max_model_len=98304, max_num_seqs=1)
-    assert r.watched is None and r.unattended is None
-    assert r.fixes and "max-num-batched-tokens" in r.fixes[0]
+    assert r.watched == 0.97 and r.unattended is None
+    fix = r.remedies["unattended"]
+    assert fix.flags == "--no-async-scheduling" and fix.overrides == {"async_scheduling": False}
+    assert not fix.plan.kv.refused and fix.plan.headroom_bytes >= M.JIT_HEADROOM["unattended"]
+    assert r.fixes[0].startswith("unattended: add --no-async-scheduling -> util ")
+    rows = r.table()
+    assert [x["mode"] for x in rows] == ["watched", "unattended", "unattended (fixed)"]
+    assert rows[1]["gpu_memory_utilization"] == "impossible" and None not in rows[1].values()
+    assert rows[2]["flags"] == "--no-async-scheduling" and rows[2]["gpu_memory_utilization"] == fix.util
+    # nothing works as given at 9 spec tokens on one 4090 with the official format: weights alone OOM
     r2 = M.recommend(DEFAULT_CONFIG, gpu="rtx4090", fmt="official", tp=1)
     assert r2.util_min is None and "CUDA out of memory while loading the model" in r2.reasons[0]
-    assert "weights alone need" in r2.fixes[0] and "raise TP" in r2.fixes[0]
+    assert any("weights alone need" in f and "raise TP" in f for f in r2.fixes)
+    assert all(r2.remedies[m].overrides.keys() <= {"tp", "max_num_batched_tokens", "async_scheduling",
+                                                   "max_model_len"} for m in r2.remedies)
+
+
+def test_find_remedy_order_and_none():
+    """Least intrusive first: batch tokens before max-model-len before TP; None when nothing helps."""
+    r = M.find_remedy(DEFAULT_CONFIG, "watched", gpu="l40s", max_model_len=98304, num_speculative_tokens=1,
+                      max_num_batched_tokens=8192)
+    assert r is not None and set(r.overrides) <= {"max_num_batched_tokens", "async_scheduling"}
+    assert r.flags.startswith("--") and not r.plan.kv.refused
+    tiny_card = 12 * M.GiB   # official weights at TP=8 are ~18 GiB per GPU: load OOM, no TP above 8
+    assert M.find_remedy(DEFAULT_CONFIG, "watched", gpu=tiny_card, tp=8, fmt="official") is None
+    with pytest.raises(ValueError, match="mode="):
+        M.find_remedy(DEFAULT_CONFIG, "sometimes")
 
 
 def test_load_oom_is_named_before_kv_refusal():
@@ -198,6 +237,54 @@ def test_cli_plan_json(capsys):
     assert d["recommendation"]["watched"] == 0.97 and d["plan"]["refused"] is False
     assert main(["plan", "--gpu-memory-utilization", "0.9"]) == 0
     assert "REFUSES TO START" in capsys.readouterr().out
+
+
+def test_cli_plan_default_names_impossible_and_the_fix(capsys):
+    from ds4lab.cli import main
+
+    assert main(["plan"]) == 0   # a report: exit 0 also when a mode is impossible
+    out = capsys.readouterr().out
+    rec = out[out.index("# recommendation"):]
+    assert "None" not in rec and "impossible" in rec
+    assert "unattended (fixed)" in rec and "--no-async-scheduling" in rec
+    assert "- fix: unattended: add --no-async-scheduling -> util 0.955" in rec
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--kv-cache-memory-bytes", "-5"], "--kv-cache-memory-bytes -5"),
+    (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes 0"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens 0"),
+    (["--max-model-len", "-1"], "--max-model-len -1"),
+    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens -1"),
+    (["--tp", "3"], "--tp 3"),
+    (["--gpu", "a100"], "gpu='a100'"),
+])
+def test_cli_plan_input_errors_exit_2_naming_the_flag(capsys, argv, flag):
+    from ds4lab.cli import main
+
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ds4lab plan: error: ") and flag in err and len(err.splitlines()) == 1
+
+
+def test_plan_rejects_non_positive_byte_pins():
+    for v in (0, -5):
+        with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+            M.plan(DEFAULT_CONFIG, kv_cache_memory_bytes=v)
+
+
+def test_gpu_names_of_notebook_09_resolve():
+    assert M.resolve_gpu("RTX 4090-48G") is M.GPUS["rtx4090-48g"]
+    assert M.resolve_gpu("RTX 6000 Ada") is M.GPUS["rtx6000ada"]
+    assert M.resolve_gpu("l40s") is M.GPUS["l40s"]
+
+
+def test_plan_help_describes_every_option():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    M.add_arguments(ap)
+    assert all(a.help for a in ap._actions if a.dest != "help")
 
 
 # ---- views ---------------------------------------------------------------------------------------
