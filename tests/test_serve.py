@@ -429,6 +429,13 @@ def test_log_paths_are_unique_per_run(tmp_path):
     a, b = (measure.new_log_path("tiny-cpu", "mtp1", tmp_path) for _ in range(2))
     assert a != b and os.path.isfile(a) and os.path.getsize(a) == 0
     assert os.path.basename(a).startswith("ds4lab-serve-tiny-cpu-mtp1-") and a.endswith(".log")
+    L = _fake_launch(DIES)
+    s1, s2 = Server(L, on_progress=None), Server(L, on_progress=None)   # same profile, same port
+    try:
+        assert s1.log_path != s2.log_path and s1.log_path.is_file()
+    finally:
+        for p in (s1.log_path, s2.log_path):
+            p.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("kw, msg", [

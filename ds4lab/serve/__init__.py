@@ -129,7 +129,7 @@ def _main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     try:
-        with Server(launch, log_path=new_log_path(launch.profile, str(launch.port))) as srv:
+        with Server(launch) as srv:   # its log: a new file of its own (measure.new_log_path)
             print(f"serving {srv.model} at {srv.url} (Ctrl-C stops; log {srv.log_path})", flush=True)
             while srv.proc is not None and srv.proc.poll() is None:
                 time.sleep(1)

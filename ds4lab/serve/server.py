@@ -141,8 +141,11 @@ class Server:
             raise ValueError(f"mode {mode!r}: 'subprocess' or 'inprocess'")
         self.launch = launch or build_launch(profile, overrides)
         self.mode = mode
-        self.log_path = Path(log_path) if log_path else Path(
-            f"/tmp/ds4lab-serve-{self.launch.profile}-{self.launch.port}.log")
+        if log_path is None:  # a new file of our own: a fixed name was truncated by concurrent runs
+            from .measure import new_log_path
+
+            log_path = new_log_path(self.launch.profile, str(self.launch.port))
+        self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
         self.on_progress = on_progress
         self.use_watchdog = watchdog
@@ -203,7 +206,7 @@ class Server:
     # ---- common start-up pieces ------------------------------------------------------------
     def _begin(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path.write_bytes(b"")
+        self.log_path.write_bytes(b"")   # this server's own file (default: unique per Server)
         self._t0 = time.monotonic()
         self._wall0 = time.time()
         self.parser = StartupParser(self.on_progress, t0=self._t0)
