@@ -45,21 +45,23 @@ from .geometry import DEFAULT_CONFIG, LayerKind, ModelConfig, layer_counts, op_s
 
 __all__ = ["Card", "CARDS", "H200", "SEED_FIGURES", "Assumptions", "row_efficiency", "scale_row",
            "ada_scaled_table", "additive_time", "kernel_bytes", "kernel_flops", "decode_terms",
-           "bandwidth_ceiling", "weight_bytes_per_rank", "decode_model", "headline", "ESTIMATED_OPS"]
+           "bandwidth_ceiling", "weight_bytes_per_rank", "decode_model", "headline", "headline_point", "HEADLINE_KEYS",
+           "get_card", "card_table", "ESTIMATED_OPS"]
 
 
 @dataclass(frozen=True)
 class Card:
     """One GPU. ``bw_tbps`` memory bandwidth (TB/s), ``fp8_tflops`` dense FP8 with fp32 accumulate,
     ``mem_gb`` memory, ``link_gbs`` effective all-reduce bus bandwidth (GB/s), ``allreduce_us`` the
-    per-all-reduce latency, ``source`` where the figures come from."""
+    per-all-reduce latency (both ``None`` where not modelled: the H200 is the single benchmark
+    card, never a TP member here), ``source`` where the figures come from."""
     name: str
     bw_tbps: float
     fp8_tflops: float
     mem_gb: float
     sms: int
-    link_gbs: float
-    allreduce_us: float
+    link_gbs: float | None
+    allreduce_us: float | None
     source: str
 
 
@@ -74,7 +76,7 @@ CARDS: dict[str, Card] = {c.name: c for c in (
     Card("L40S", 0.864, 733.0, 48, 142, 20.0, 12.0, "SPEC.md §4 datasheet lead"),
 )}
 # The benchmark GPU, measured (SPEC.md §4); rows carry their own same-run roofs, used in preference.
-H200 = Card("H200", 4.25, 1256.0, 141, 132, 0.0, 0.0, "measured (copy roof, cuBLAS FP8 8192^3)")
+H200 = Card("H200", 4.25, 1256.0, 141, 132, None, None, "measured (copy roof, cuBLAS FP8 8192^3)")
 
 # The seeds' published figures (batch 1, one stream; SPEC.md §6 seed recipe). Claims, not measured here.
 SEED_FIGURES = [
@@ -85,6 +87,28 @@ SEED_FIGURES = [
     {"card": "RTX 6000 Ada", "tp": 4, "batch": 1, "mode": "mtp", "tok_s": 124.0, "tok_s_range": "115-133",
      "source": "seed claim, 4x RTX 6000 Ada TP4, MTP k=1"},
 ]
+
+
+def get_card(name: str) -> Card:
+    """The Ada card called ``name`` (a key of :data:`CARDS`); ValueError naming it and the known ones."""
+    if name not in CARDS:
+        raise ValueError(f"card {name!r}: not modelled; cards: {sorted(CARDS)}")
+    return CARDS[name]
+
+
+def card_table(cards=None, with_h200: bool = True) -> list[dict]:
+    """The card figures as table rows (``cards``: names, :class:`Card` objects or a dict of them;
+    default every Ada card), plus the H200 benchmark card. Link bandwidth and all-reduce latency
+    read ``n/a`` where not modelled (the H200: one card, never a TP member here), not 0."""
+    if cards is None:
+        cards = CARDS
+    cs = list(cards.values()) if isinstance(cards, dict) else [c if isinstance(c, Card) else get_card(c)
+                                                               for c in cards]
+    na = "n/a (not modelled)"
+    return [{"card": c.name, "TB/s": c.bw_tbps, "FP8 TFLOP/s": c.fp8_tflops, "GB": c.mem_gb, "SMs": c.sms,
+             "link GB/s": na if c.link_gbs is None else c.link_gbs,
+             "all-reduce us": na if c.allreduce_us is None else c.allreduce_us, "source": c.source}
+            for c in [*cs, *([H200] if with_h200 else [])]]
 
 
 @dataclass(frozen=True)
@@ -145,7 +169,7 @@ def additive_time(min_bytes: float, flops: float, t_h200_us: float, card: Card, 
 
 def _h200_of(row: dict) -> Card:
     return Card("H200", row.get("roof_copy_tbps") or H200.bw_tbps, row.get("roof_fp8_tflops") or H200.fp8_tflops,
-                141, 132, 0, 0, "same-run roofs")
+                141, 132, None, None, "same-run roofs")
 
 
 def scale_row(row: dict, card: Card, a: Assumptions = Assumptions()) -> dict:
@@ -460,6 +484,9 @@ def _term_time(call: dict, rows: list[dict], tp: int, card: Card, a: Assumptions
     if call["kernel"] is None:
         if "allreduce_bytes" in call:
             n = call["allreduce_bytes"]
+            if card.link_gbs is None or card.allreduce_us is None:
+                raise ValueError(f"card {card.name!r}: no link model (link_gbs / allreduce_us not modelled), "
+                                 f"so tp={tp} cannot be estimated; use tp=1 or an Ada card")
             t = card.allreduce_us + 2 * (tp - 1) / tp * n / (card.link_gbs * 1e9) * 1e6
             return {"source": "estimated", "match": "link model", "us": t, "us_add": t, "e": None}
         e = a.est_weight_efficiency if call.get("weight") else a.est_efficiency
@@ -629,18 +656,53 @@ def decode_model(rows: list[dict], cards=None, tps=(1, 2, 4, 8), batches=(1, 4, 
     return out
 
 
-def headline(model_rows: list[dict]) -> dict:
-    """The numbers the tour summary records (TP4 batch 1, per seed card)."""
-    out = {}
-    for card, key in (("RTX 4090-48G", "4090_48g"), ("RTX 6000 Ada", "6000ada"), ("L40S", "l40s")):
+# card name -> the prefix of its headline keys (the tour reads them back into a table)
+HEADLINE_KEYS = {"RTX 4090-48G": "4090_48g", "RTX 6000 Ada": "6000ada", "L40S": "l40s"}
+
+
+def headline_point(model_rows: list[dict], tp: int | None = None, batch: int | None = None
+                   ) -> tuple[int, int, str]:
+    """The (tp, batch) the headline reports and a note saying why: TP4 batch 1 (the seeds' figures)
+    when the model has it, else the largest TP / smallest batch it has, with the note naming the
+    substitution. An explicit ``tp`` / ``batch`` the model lacks is a ValueError naming it."""
+    if not model_rows:
+        raise ValueError("headline: the model has no rows (decode_model over no cards, tps or batches?)")
+    tps = sorted({r["tp"] for r in model_rows})
+    batches = sorted({r["batch"] for r in model_rows})
+    for name, want, have in (("tp", tp, tps), ("batch", batch, batches)):
+        if want is not None and want not in have:
+            raise ValueError(f"headline: {name}={want} is not in the model (it has {name} {have})")
+    note = ""
+    if tp is None:
+        tp = 4 if 4 in tps else tps[-1]
+        if tp != 4:
+            note += f"TP4 not in the model's tps {tps}: headline at TP{tp}, where no seed figure exists. "
+    if batch is None:
+        batch = 1 if 1 in batches else batches[0]
+        if batch != 1:
+            note += f"batch 1 not in the model's batches {batches}: headline at batch {batch}. "
+    return tp, batch, note.strip()
+
+
+def headline(model_rows: list[dict], tp: int | None = None, batch: int | None = None) -> dict:
+    """The numbers the tour summary records: per card in the model and mode, tokens/s (efficiency
+    carried and additive), the bandwidth ceiling and the seed's figure, at ``tp`` / ``batch``
+    (default TP4 batch 1, the seeds' setting; see :func:`headline_point`). Keys read
+    ``<card>_tp<tp>_b<batch>_<mode>_<figure>``; ``headline_note`` says when the point was
+    substituted. ValueError for an empty model or a requested tp/batch it lacks."""
+    tp, batch, note = headline_point(model_rows, tp, batch)
+    out = {"headline_note": note} if note else {}
+    for card in dict.fromkeys(r["card"] for r in model_rows):
+        key = HEADLINE_KEYS.get(card) or card.lower().replace(" ", "_").replace("-", "_")
         for mode in ("plain", "mtp"):
-            r = next((r for r in model_rows if r["card"] == card and r["tp"] == 4 and r["batch"] == 1
+            r = next((r for r in model_rows if r["card"] == card and r["tp"] == tp and r["batch"] == batch
                       and r["mode"] == mode), None)
             if r is None:
                 continue
-            out[f"{key}_tp4_b1_{mode}_tok_s"] = round(r["tok_s"], 1)
-            out[f"{key}_tp4_b1_{mode}_tok_s_additive"] = round(r["tok_s_additive"], 1)
-            out[f"{key}_tp4_b1_{mode}_ceiling_tok_s"] = round(r["ceiling_tok_s"], 1)
+            p = f"{key}_tp{tp}_b{batch}_{mode}"
+            out[f"{p}_tok_s"] = round(r["tok_s"], 1)
+            out[f"{p}_tok_s_additive"] = round(r["tok_s_additive"], 1)
+            out[f"{p}_ceiling_tok_s"] = round(r["ceiling_tok_s"], 1)
             if r["seed_tok_s"]:
-                out[f"{key}_tp4_b1_{mode}_seed_tok_s"] = r["seed_tok_s"]
+                out[f"{p}_seed_tok_s"] = r["seed_tok_s"]
     return out

@@ -119,3 +119,29 @@ def test_scaled_table_covers_every_sm89_row():
     table = ada.ada_scaled_table(rows)
     assert {r["kernel"] for r in table} == {r["kernel"] for r in rows if r["build"] == "sm89" and r["impl"] == "ds4lab"}
     assert all(r["RTX 4090-48G us"] > 0 for r in table)
+
+
+def test_headline_names_the_point_it_reports(model):
+    with pytest.raises(ValueError, match="tp=3 is not in the model"):
+        ada.headline(model, tp=3)
+    with pytest.raises(ValueError, match="no rows"):
+        ada.headline([])
+    no_tp4 = [r for r in model if r["tp"] in (1, 2)]
+    head = ada.headline(no_tp4)  # was {} without a word
+    assert "TP4 not in the model's tps [1, 2]: headline at TP2" in head["headline_note"]
+    assert head["4090_48g_tp2_b1_plain_tok_s"] > 0 and not any("seed" in k for k in head)
+    assert ada.headline_point(model) == (4, 1, "")
+    assert "headline_note" not in ada.headline(model)
+    assert set(ada.headline([r for r in model if r["card"] == "L40S"])) == {
+        f"l40s_tp4_b1_{m}_{f}" for m in ("plain", "mtp") for f in ("tok_s", "tok_s_additive", "ceiling_tok_s")}
+
+
+def test_card_table_says_na_for_the_h200_links():
+    rows = {r["card"]: r for r in ada.card_table(["L40S"])}
+    assert set(rows) == {"L40S", "H200"}
+    assert rows["H200"]["link GB/s"] == rows["H200"]["all-reduce us"] == "n/a (not modelled)"
+    assert rows["L40S"]["link GB/s"] == 20.0
+    with pytest.raises(ValueError, match="'RTX 4090'"):
+        ada.get_card("RTX 4090")
+    with pytest.raises(ValueError, match="no link model"):
+        ada.decode_terms([], ada.H200, 4, 1)
