@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable
 
 __all__ = [
-    "ModelConfig", "ConfigError", "LayerKind", "OpShape", "DEFAULT_CONFIG",
+    "ModelConfig", "ConfigError", "LayerKind", "OpShape", "DEFAULT_CONFIG", "SUPPORTED_MODEL_TYPES",
+    "REQUIRED_FIELDS",
     "load_config", "layer_kinds", "op_shapes", "SUPPORTED_TP", "FP8_BLOCK",
 ]
 
@@ -145,20 +146,71 @@ def _check(cfg: ModelConfig) -> ModelConfig:
     return cfg
 
 
+#: model_type values ds4lab models (vLLM 0.32 ``DeepseekV4Config.model_type``)
+SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+#: fields every DeepSeek-V4 config.json carries (vLLM's DeepseekV4Config has no defaults for them);
+#: a config without them is not one ds4lab should fill in with V4-Flash values
+REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                   "n_routed_experts", "moe_intermediate_size", "compress_ratios")
+_MAY_BE_ZERO = {"num_nextn_predict_layers", "num_hash_layers", "n_shared_experts"}
+_FIELD_TYPES = {f.name: f.type for f in fields(ModelConfig) if f.name != "extra"}
+
+
+def _check_value(k: str, v: Any) -> Any:
+    """Type and range of one config.json field; returns the value as ModelConfig stores it."""
+    t = _FIELD_TYPES[k]
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"config field {k}={v!r}: {why}")
+
+    if k == "compress_ratios":
+        if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise bad("must be a list of integers (one compress ratio per layer)")
+        return tuple(v)
+    if t == "int":
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise bad("must be an integer")
+        if v < 0 or (v == 0 and k not in _MAY_BE_ZERO):
+            raise bad("must be positive" if k not in _MAY_BE_ZERO else "must be >= 0")
+    elif t == "float":
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and v != float("inf")):
+            raise bad("must be a positive number")
+    elif t == "bool":
+        if not isinstance(v, bool):
+            raise bad("must be true or false")
+    elif t == "str":
+        if not isinstance(v, str):
+            raise bad("must be a string")
+    return v
+
+
 def from_dict(d: dict[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from a ``config.json`` dictionary.
 
-    Raises ConfigError for a ``model_type`` other than ``deepseek_v4`` or fields that do not
-    describe a DeepSeek-V4 layout.
+    Raises ConfigError naming the field when ``d`` is not a JSON object, ``model_type`` is missing
+    or not in :data:`SUPPORTED_MODEL_TYPES`, a field of :data:`REQUIRED_FIELDS` is missing, a
+    field has the wrong type (integers must be positive integers; ``num_nextn_predict_layers``,
+    ``num_hash_layers`` and ``n_shared_experts`` may be 0), or the fields do not describe a
+    DeepSeek-V4 layout. Fields outside :class:`ModelConfig` are kept in ``extra`` unchecked.
     """
-    mt = d.get("model_type", "deepseek_v4")
-    if mt != "deepseek_v4":
-        raise ConfigError(f"config field model_type={mt!r}: ds4lab understands 'deepseek_v4' only")
+    if not isinstance(d, dict):
+        raise ConfigError(f"config.json: must be a JSON object of config fields, got {type(d).__name__}")
+    if "model_type" not in d:
+        raise ConfigError(f"config field model_type: missing; ds4lab understands "
+                          f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))} (a DeepSeek-V4 config.json names it)")
+    mt = d["model_type"]
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"config field model_type={mt!r}: ds4lab understands "
+                          f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))} only")
+    missing = [k for k in REQUIRED_FIELDS if k not in d]
+    if missing:
+        raise ConfigError(f"config field {missing[0]}: missing (a DeepSeek-V4 config.json has all of "
+                          f"{', '.join(REQUIRED_FIELDS)}; missing: {', '.join(missing)})")
     kw: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for k, v in d.items():
         if k in _FIELD_NAMES:
-            kw[k] = tuple(int(x) for x in v) if k == "compress_ratios" else v
+            kw[k] = _check_value(k, v)
         else:
             extra[k] = v
     try:
@@ -182,6 +234,8 @@ def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
         raise ConfigError(f"config path {path!r}: no config.json there") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"config path {path!r}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"config path {path!r}: must be a JSON object of config fields, got {type(d).__name__}")
     return from_dict(d)
 
 

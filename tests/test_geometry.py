@@ -63,6 +63,7 @@ def test_round_trip_through_config_json(tmp_path):
 ])
 def test_bad_configs_name_the_field(field, value, match):
     d = g.DEFAULT_CONFIG.to_json_dict()
+    d["model_type"] = "deepseek_v4"
     d[field] = value
     with pytest.raises(g.ConfigError, match=match):
         g.from_dict(d)
@@ -76,3 +77,54 @@ def test_bad_tp_and_missing_file(tmp_path):
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(g.ConfigError, match="not valid JSON"):
         g.load_config(tmp_path)
+
+
+@pytest.mark.parametrize("d, match", [
+    ({}, "model_type: missing"),
+    ({"hidden_size": 4096}, "model_type: missing"),
+    ({"model_type": "deepseek_v4", "hidden_size": 4096}, "num_hidden_layers: missing"),
+    ({"model_type": "deepseek_v41"}, "model_type='deepseek_v41'"),
+])
+def test_partial_configs_are_not_filled_with_v4_flash(d, match):
+    with pytest.raises(g.ConfigError, match=match):
+        g.from_dict(d)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_size", "4096", "hidden_size='4096': must be an integer"),
+    ("hidden_size", -128, "hidden_size=-128: must be positive"),
+    ("hidden_size", 4096.0, "hidden_size=4096.0: must be an integer"),
+    ("num_attention_heads", 0, "num_attention_heads=0: must be positive"),
+    ("vocab_size", True, "vocab_size=True: must be an integer"),
+    ("num_hash_layers", -1, "num_hash_layers=-1: must be >= 0"),
+    ("compress_ratios", "4,128", "compress_ratios='4,128': must be a list of integers"),
+    ("rms_norm_eps", 0, "rms_norm_eps=0: must be a positive number"),
+    ("norm_topk_prob", "yes", "norm_topk_prob='yes': must be true or false"),
+])
+def test_field_types_and_ranges_name_the_key(field, value, match):
+    d = g.DEFAULT_CONFIG.to_json_dict()
+    d["model_type"] = "deepseek_v4"
+    d[field] = value
+    with pytest.raises(g.ConfigError, match=match):
+        g.from_dict(d)
+
+
+def test_non_object_config_and_zero_mtp_allowed(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(g.ConfigError, match="must be a JSON object"):
+        g.load_config(tmp_path)
+    d = g.DEFAULT_CONFIG.to_json_dict()
+    d.update(model_type="deepseek_v4", num_nextn_predict_layers=0, compress_ratios=d["compress_ratios"][:-1])
+    assert g.from_dict(d).num_layers_with_mtp == 43
+
+
+def test_cli_config_errors_exit_2_naming_the_key(tmp_path, capsys):
+    from ds4lab.cli import main
+
+    d = g.DEFAULT_CONFIG.to_json_dict()
+    d.update(model_type="deepseek_v4", hidden_size="4096")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    for cmd in ("info", "plan"):
+        assert main([cmd, "--config", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"ds4lab {cmd}: error: config field hidden_size='4096': must be an integer"
