@@ -46,7 +46,7 @@ class AotRow:
     registers: int = 0
     spill_stores: int = 0  # bytes (ptxas -v)
     spill_loads: int = 0
-    local: int = 0         # bytes of local memory per thread (cuobjdump)
+    local: int = 0         # bytes of local memory (stack frame) per thread (cuobjdump STACK)
     mma: dict = field(default_factory=dict)  # SASS matrix instruction counts
     ok: bool = True
     why: str = ""
@@ -102,8 +102,12 @@ def _inspect(compiled, arch: str) -> dict:
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res, re.S)
-        out["registers"], out["local"] = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        # "REG:n STACK:n SHARED:n LOCAL:n ...": per-thread local memory (spills and local arrays) is
+        # the STACK frame; LOCAL counts only non-stack local variables (0 for Triton kernels)
+        m = re.search(r"REG:(\d+)\s+STACK:(\d+)", res)
+        if not m:
+            raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK line: {res[-400:]!r}")
+        out["registers"], out["local"] = int(m.group(1)), int(m.group(2))
         sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
         out["mma"] = {op: len(re.findall(rf"\b{op}\b", sass)) for op in MMA_OPS}
         out["mma"] = {k: v for k, v in out["mma"].items() if v}
@@ -111,8 +115,15 @@ def _inspect(compiled, arch: str) -> dict:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        log = subprocess.run([_tool("ptxas"), "-v", f"--gpu-name={arch}", ptx, "-o", os.path.join(d, "x.cubin")],
-                             capture_output=True, text=True).stderr
+        # assemble for the PTX's own target (sm_90a for Hopper builds: plain sm_90 rejects the
+        # wgmma/setmaxnreg the PTX uses, and a failed ptxas run reports no spills at all)
+        tgt = re.search(r"^\.target\s+(sm_\d+a?)", compiled.asm["ptx"], re.M)
+        gpu_name = tgt.group(1) if tgt else arch
+        p = subprocess.run([_tool("ptxas"), "-v", f"--gpu-name={gpu_name}", ptx, "-o", os.path.join(d, "x.cubin")],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"ptxas --gpu-name={gpu_name} failed (rc {p.returncode}): {p.stderr[-400:]}")
+        log = p.stderr
         st = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         out["spill_stores"] = sum(int(a) for a, _ in st)
         out["spill_loads"] = sum(int(b) for _, b in st)
@@ -138,7 +149,11 @@ def compile_spec(spec, arch: str, label: str, shape: dict | None = None) -> list
     if not captured:
         return [AotRow(spec.name, "?", arch, label, shape, ok=False, why="launcher compiled no Triton kernel")]
     for fn, compiled in captured:
-        info = _inspect(compiled, arch)
+        try:
+            info = _inspect(compiled, arch)
+        except RuntimeError as e:   # ptxas/cuobjdump failed: a failing row, never a silent pass
+            rows.append(AotRow(spec.name, fn.__name__, arch, label, shape, ok=False, why=str(e)[:400]))
+            continue
         row = AotRow(spec.name, fn.__name__, arch, label, shape, **info)
         why = []
         if row.shared > SMEM_LIMIT[arch]:
@@ -157,12 +172,15 @@ def _aot_shapes(spec) -> list[dict]:
     return list(s) if isinstance(s, (list, tuple)) else [s]
 
 
-def report(names: list[str] | None = None, archs=("sm_89", "sm_90")) -> list[AotRow]:
+def report(names: list[str] | None = None, archs=("sm_89", "sm_90"), progress=None) -> list[AotRow]:
+    """Compile every (kernel, arch, AOT shape, config); ``progress(msg)`` is called once per kernel."""
     from .registry import all_specs
     rows = []
     for spec in all_specs():
         if names and spec.name not in names and spec.family not in names:
             continue
+        if progress:
+            progress(f"compiling {spec.name} for {', '.join(archs)}")
         for arch in archs:
             for shape in _aot_shapes(spec):
                 for label in spec.config_labels(arch, shape):
@@ -171,16 +189,21 @@ def report(names: list[str] | None = None, archs=("sm_89", "sm_90")) -> list[Aot
 
 
 def format_table(rows: list[AotRow]) -> str:
-    head = f"{'kernel':<28} {'triton fn':<36} {'arch':<6} {'config':<10} {'warps':>5} {'smem B':>8} {'regs':>4} {'spill':>6} {'local':>5}  mma / verdict"
+    """One line per compiled Triton function: verdict first, then the MMA / local-memory
+    instruction counts, then the AOT shape where a kernel has several."""
+    head = (f"{'kernel':<28} {'triton fn':<36} {'arch':<6} {'config':<10} {'warps':>5} {'smem B':>8} {'regs':>4} "
+            f"{'spill':>6} {'stack':>5}  verdict  mma (SASS counts)  [shape]")
     lines = [head, "-" * len(head)]
     multi = {(r.kernel, r.arch, r.config) for r in rows
              if any(o.shape != r.shape and (o.kernel, o.arch, o.config) == (r.kernel, r.arch, r.config) for o in rows)}
     for r in rows:
         mma = ",".join(f"{k}:{v}" for k, v in r.mma.items() if v) or "-"
+        where = ""
         if (r.kernel, r.arch, r.config) in multi:  # several AOT shapes: say which one
-            mma += "  @" + ",".join(f"{k}={v}" for k, v in r.shape.items())
+            where = "  @" + ",".join(f"{k}={v}" for k, v in r.shape.items())
         lines.append(f"{r.kernel:<28} {r.triton_fn[:36]:<36} {r.arch:<6} {r.config:<10} {r.num_warps:>5} {r.shared:>8} "
-                     f"{r.registers:>4} {r.spill_stores:>6} {r.local:>5}  {mma} {'OK' if r.ok else 'FAIL: ' + r.why}")
+                     f"{r.registers:>4} {r.spill_stores:>6} {r.local:>5}  {'OK' if r.ok else 'FAIL: ' + r.why}  "
+                     f"{mma}{where}")
     return "\n".join(lines)
 
 
@@ -202,7 +225,8 @@ def main(args) -> int:
         raise ValueError(f"unknown kernels/families {unknown}; registered: {sorted(known)}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json}: its folder does not exist")
-    rows = report(args.kernels or None, tuple(args.arch or ("sm_89", "sm_90")))
+    rows = report(args.kernels or None, tuple(args.arch or ("sm_89", "sm_90")),
+                  progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

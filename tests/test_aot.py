@@ -94,3 +94,48 @@ def test_overlimit_shared_memory_is_flagged(tmp_path):
     huge, small = out["huge"][0], out["small"][0]
     assert huge["shared"] > 101_376 and not huge["ok"] and "shared" in huge["why"]
     assert small["ok"] and small["mma"].get("HMMA", 0) > 0
+
+
+SPILL_PROBE = r"""
+import json, torch, triton, triton.language as tl
+from ds4lab.aot import compile_spec
+from ds4lab.registry import KernelSpec
+
+@triton.jit
+def live_tile(x_ptr, o_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    s = tl.sum(x * x, axis=0)        # every element stays live until the scaled store
+    tl.store(o_ptr + offs, x * s)
+
+def launch(x, config=None):
+    o = torch.empty_like(x)
+    live_tile[(1,)](x, o, N=config["N"], num_warps=config["num_warps"])
+    return o
+
+import sys; sys.modules["probe"] = sys.modules["__main__"]
+cfgs = {"spills": {"N": 16384, "num_warps": 1}, "fits": {"N": 1024, "num_warps": 4}}
+spec = KernelSpec(name="probe", family="probe", launcher="probe:launch", reference="probe:launch",
+    make_inputs=lambda shape, case, seed, dev: {"x": torch.randn(16384)},
+    cases=("random", "x"), test_shapes=[{}], bench_shapes=lambda c, t: [{}], flops=lambda s: 0,
+    min_bytes=lambda s: 1, check=lambda o, r, i: [], configs={"sm_89": cfgs, "sm_90": cfgs})
+out = {f"{arch}/{lab}": [r.to_dict() for r in compile_spec(spec, arch, lab, {})]
+       for arch in ("sm_89", "sm_90") for lab in cfgs}
+print(json.dumps(out))
+"""
+
+
+def test_spills_are_flagged_on_both_archs(tmp_path):
+    """The spill check can fail on each arch: ptxas assembles the PTX for its own target (sm_90a on
+    Hopper - assembling it as plain sm_90 fails and once hid every sm_90 spill), a register-hungry
+    config is a failing row with its stack frame reported, a small one passes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    (tmp_path / "spill_probe.py").write_text(SPILL_PROBE)
+    p = subprocess.run([sys.executable, str(tmp_path / "spill_probe.py")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    for arch in ("sm_89", "sm_90"):
+        (bad,), (good,) = out[f"{arch}/spills"], out[f"{arch}/fits"]
+        assert not bad["ok"] and "spills" in bad["why"] and bad["spill_stores"] > 0 and bad["local"] > 0, bad
+        assert good["ok"] and good["spill_stores"] == 0 and good["local"] == 0, good
