@@ -382,29 +382,23 @@ CONFIGS = {
         "h32n16": {"BLOCK_H": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1},
     },
     "sm_90": {
-        "h16n32": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+        # ds4lab aot, ptxas for sm_90a: 64-head tiles (h64n32, h64n32p1, h64n32w16, h64n64: 131 KB smem,
+        # 255 regs) spill 784-2824 B and h16n32 at one stage spills 8 B, so they left the table (their
+        # H200 run-4 rows stay in results/bench.csv; NOTES.md "sparse MLA on sm_90 without spills").
+        # h16n32s2: the h16n32 tile with two stages, no spill; h32n32p1: one program per SM (split target).
+        "h16n32s2": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
         "h32n32": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
-        "h64n32": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
-        # candidates for T >= 32 at H = 64, benchmarked next to the defaults (NOTES.md, sparse_mla
-        # candidates). p1: split target one program per SM (the 131 KB of shared memory allow only
-        # one) -> T=128 unsplit, T=32 4 splits instead of 7; w16: 16 warps (accumulator 64
-        # regs/thread, 2x the warps to hide the gather latency); n64: 64-candidate tiles (10 trips).
-        "h64n32p1": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PROGS_PER_SM": 1},
-        "h64n32w16": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 16, "num_stages": 1},
-        "h64n64": {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1},
+        "h32n32p1": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PROGS_PER_SM": 1},
     },
 }
 
 
 def pick_config(num_heads: int, device: torch.device, num_tokens: int | None = None) -> dict:
-    """Default config. ``num_tokens`` (decode only) selects by batch on sm_90, from H200 run 4
-    (results/bench.csv): at 64 heads h64n32p1 beats h32n32 at T>=32 (68.7 vs 121.4 us at T=32,
-    204.8 vs 421.9 us at T=128) and h16n32 wins at T=1 (24.0 vs 30.7 us)."""
+    """Default config: sm_89 h16n16 (the only decode tile without spills on triton 3.6 and 3.7);
+    sm_90 h16n32s2 for <= 16 heads, h32n32 above (H200 run 4: h32n32 121.4 us at T=32, 64 heads;
+    the faster 64-head tiles spill on sm_90 and are out of the table)."""
     arch = arch_of(device)
     table = CONFIGS[arch]
-    if arch == "sm_90" and num_tokens is not None and num_heads >= 64:
-        return table["h64n32p1" if num_tokens >= 32 else "h16n32"]
     if num_heads <= 16:
-        return table["h16n16" if arch == "sm_89" else "h16n32"]
-    # sm_89: h16n16 is the only decode config that compiles without spills on triton 3.6 and 3.7
+        return table["h16n16" if arch == "sm_89" else "h16n32s2"]
     return table["h16n16" if arch == "sm_89" else "h32n32"]

@@ -13,7 +13,7 @@ import torch
 
 from ..geometry import op_shapes
 from ..numerics import Tolerance, compare, compare_exact, tolerance_for
-from ..registry import KernelSpec, register
+from ..registry import KernelSpec, kernel_configs, reference_baseline, register
 
 HC = 4
 CASES = ("random", "large_rows", "zero_rows", "sharp_comb")
@@ -213,34 +213,21 @@ def _flops(kind):
     return f
 
 
-def _configs():
-    from ds4lab_kernels.mhc import CONFIGS
-    return CONFIGS
-
-
 # H200 run 4 candidates: timed only at the bench shapes that matter (each is a full config row, so
 # the interpreter tests and the AOT report still run every row of the table at their shapes)
-CANDIDATES = {"mhc_fused_post_pre": (("fused_m32", "fused_m64k16", "fused_m32_waves8"), (512, 2048)),
+CANDIDATES = {"mhc_fused_post_pre": (("fused_m64k16",), (512, 2048)),
               "hc_prenorm_gemm": (("gemm_waves8", "gemm_m32"), (4096,))}
 _ALL_CANDIDATES = {c for labels, _ in CANDIDATES.values() for c in labels}
 
 
 def _config_for_kernel(name):
     def config_for(arch, shape):
-        labels = list(_configs()[arch])
+        labels = list(kernel_configs("mhc")[arch])
         if shape.get("D") != 4096 or shape.get("aot"):
             return labels  # interpreter test shapes / AOT: every row
         mine, ts = CANDIDATES.get(name, ((), ()))
         return [c for c in labels if c not in _ALL_CANDIDATES or (c in mine and shape["T"] in ts)]
     return config_for
-
-
-def _eager(ref_name):
-    def make(inputs):
-        from ..reference import mhc as R
-        fn = getattr(R, ref_name)
-        return lambda: fn(**inputs, compute_dtype=torch.float32)
-    return make
 
 
 TEST_SHAPES = [{"T": 1, "D": 128}, {"T": 3, "D": 256}, {"T": 33, "D": 128}]
@@ -270,9 +257,9 @@ for _name, _kind, _check, _cases, (_b1, _b4), _bound in _KINDS:
         flops=_flops(_kind),
         min_bytes=_bytes(_kind),
         check=_check,
-        configs=_configs(),
+        configs=kernel_configs("mhc"),
         config_for=_config_for_kernel(_name),
-        baselines={"torch_eager": _eager(_name)},
+        baselines={"torch_eager": reference_baseline(f"ds4lab.reference.mhc:{_name}", compute_dtype=torch.float32)},
         bound=_bound,
         aot_shape=AOT_SHAPE,
         sm89_mma={"_hc_prenorm_gemm_kernel": "HMMA"} if _kind in ("gemm", "pre", "broadcast", "head")

@@ -6,7 +6,7 @@ import torch
 
 from ..geometry import op_shapes
 from ..numerics import compare
-from ..registry import KernelSpec, register
+from ..registry import KernelSpec, kernel_configs, reference_baseline, register
 from .mla_cache import block_bytes
 
 CASES = ("random", "boundary_lens", "neg_indices", "all_invalid", "one_valid", "peaked", "sink_extremes")
@@ -119,31 +119,16 @@ def prefill_bench_shapes(cfg, tp: int) -> list[dict]:
     return [{"Tq": 1024, "H": op["H"], "N": 16384, "Kc": op["topk"] + op["window"]}]
 
 
-def _configs():
-    from ds4lab_kernels.sparse_mla import CONFIGS
-    return CONFIGS
-
-
 # sm_90 candidates timed only where they can win (H = 64 heads, many tokens: the T >= 32 bench
 # shapes; the T=4 AOT shape compiles them); every other table row everywhere, as before
-CANDIDATES = ("h64n32p1", "h64n32w16", "h64n64")
+CANDIDATES = ("h32n32p1",)
 
 
 def _config_for(arch, shape):
-    labels = list(_configs()[arch])
+    labels = list(kernel_configs("sparse_mla")[arch])
     if shape.get("H", 0) >= 64 and shape.get("T", 0) >= 4:
         return labels
     return [lb for lb in labels if lb not in CANDIDATES]
-
-
-def _baseline_decode(inputs):
-    from ..reference.sparse_mla import dequant_gather_bmm_decode
-    return lambda: dequant_gather_bmm_decode(**inputs)
-
-
-def _baseline_prefill(inputs):
-    from ..reference.sparse_mla import gather_bmm_prefill
-    return lambda: gather_bmm_prefill(**inputs)
 
 
 register(KernelSpec(
@@ -161,9 +146,9 @@ register(KernelSpec(
     # every candidate's 584 cache bytes + its int32 index, q in, out
     min_bytes=lambda s: s["T"] * (_n(s) * (584 + 4) + 2 * s["H"] * 512 * 2),
     check=check,
-    configs=_configs(),
+    configs=kernel_configs("sparse_mla"),
     config_for=_config_for,
-    baselines={"dequant_gather_bmm": _baseline_decode},
+    baselines={"dequant_gather_bmm": reference_baseline("ds4lab.reference.sparse_mla:dequant_gather_bmm_decode")},
     bound="memory",
     # C4A (64-entry compressed blocks, top-512) and C128A (2-entry blocks, every compressed entry:
     # ~4096 at 512K context; a different B_BS specialisation of the split kernel)
@@ -184,9 +169,9 @@ register(KernelSpec(
     flops=lambda s: 4.0 * s["Tq"] * s["H"] * s["Kc"] * 512,
     min_bytes=lambda s: min(s["N"], s["Tq"] * s["Kc"]) * 1024 + s["Tq"] * (s["Kc"] * 4 + 2 * s["H"] * 1024),
     check=check,
-    configs=_configs(),
+    configs=kernel_configs("sparse_mla"),
     config_for=_config_for,
-    baselines={"gather_bmm": _baseline_prefill},
+    baselines={"gather_bmm": reference_baseline("ds4lab.reference.sparse_mla:gather_bmm_prefill")},
     bound="compute",
     aot_shape={"Tq": 64, "H": 64, "N": 4096, "Kc": 640},
 ))
