@@ -102,7 +102,7 @@ def controls(cfg=None, **defaults):
                 plans = M.sweep(cfg=cfg, **kw)
                 display(budget_figure(plans))
                 p = M.plan(cfg, gpu_memory_utilization=u, **kw)
-                print(M._fmt_table(plan_rows(p)))
+                print(M.format_table(plan_rows(p)))
                 if p.verdict:
                     print("vLLM would not start:", p.verdict)
             except ValueError as e:

@@ -1,6 +1,7 @@
 """notebooks/07_memory.ipynb executes headless (papermill) and prints the tables behind its charts."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -31,7 +32,14 @@ def test_memory_notebook_runs(tmp_path):
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
                    if o.output_type == "stream")
     assert "bytes per block 1,002,240 B" in text
-    assert "watched     0.97" in text and "kv_tokens" in text
+    assert re.search(r"^watched +0\.97 ", text, re.M) and "kv_tokens" in text
+    # default corner on L40S: unattended is impossible and the planner names the flag that fixes it
+    assert re.search(r"^unattended +impossible ", text, re.M)
+    assert re.search(r"^unattended \(fixed\) +0\.955 .*--no-async-scheduling", text, re.M)
+    assert "None" not in text[text.index("mode "):]
+    # the shipped profiles on each Ada card (plan_for_profile)
+    assert re.search(r"^ada-upstream +l40s +0\.92 .* REFUSED ", text, re.M)
+    assert re.search(r"^community-sm89-fork +rtx6000ada +0\.95 .* starts ", text, re.M)
     charts = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if "application/vnd.plotly.v1+json" in o.get("data", {})]
     assert len(charts) == 2
