@@ -31,7 +31,8 @@ from .stacks import stack, stacks
 __all__ = [
     "CheckResult", "DoctorContext", "Report", "CHECKS", "STATUSES",
     "gather_context", "run_checks", "run_doctor", "probe_python", "probe_triton_compile",
-    "default_profile", "describe_checks", "hf_cache_dir", "find_nvccs", "add_arguments", "main",
+    "default_profile", "describe_checks", "hf_cache_dir", "find_nvccs", "ServerCmdError", "split_server_cmd",
+    "resolve_profile_name", "add_arguments", "main",
 ]
 
 STATUSES = ("pass", "warn", "fail")
@@ -241,6 +242,26 @@ def hf_cache_dir(environ: dict[str, str]) -> str:
     return os.path.join(xdg, "huggingface", "hub")
 
 
+class ServerCmdError(ValueError):
+    """A value in the server command the doctor cannot read (e.g. ``--tensor-parallel-size abc``).
+    :func:`run_checks` turns it into a ``fail`` row naming the flag (the server would refuse it too),
+    not into "report this as a ds4lab bug"."""
+
+    def __init__(self, flag: str, value: str, expected: str):
+        super().__init__(f"server command: {flag} {value!r} is not {expected}")
+        self.flag, self.value, self.expected = flag, value, expected
+
+
+def split_server_cmd(cmd: str) -> list[str]:
+    """``--server-cmd`` text -> argv (:func:`shlex.split`); ValueError naming ``--server-cmd`` when
+    it cannot be split (an unterminated quote)."""
+    try:
+        return shlex.split(cmd)
+    except ValueError as e:
+        raise ValueError(f"--server-cmd {cmd!r}: cannot split it like a shell would ({e}); quote the whole "
+                         "command once, e.g. --server-cmd 'vllm serve MODEL --tensor-parallel-size 4'") from None
+
+
 @dataclass
 class DoctorContext:
     """Everything the checks look at. ``facts`` (probe of ``python``) and ``compile_facts``
@@ -255,8 +276,11 @@ class DoctorContext:
     compile_facts: dict | None = None
     probe_torch: bool = True
     probe_hash_moe: bool = True
+    #: True when ``hf_cache`` was given (``--hf-cache``), False when resolved from the environment
+    hf_cache_given: bool = field(init=False, default=False)
 
     def __post_init__(self):
+        self.hf_cache_given = self.hf_cache is not None
         if self.hf_cache is None:
             self.hf_cache = hf_cache_dir(self.environ)
 
@@ -301,8 +325,19 @@ class DoctorContext:
 
     @property
     def tensor_parallel_size(self) -> int:
+        """``--tensor-parallel-size`` / ``-tp`` of the server command, else the profile's, else 1.
+        :class:`ServerCmdError` when the command's value is not an integer >= 1."""
         v = self.argv_value("--tensor-parallel-size", "-tp")
-        return int(v) if v else int(self.profile.get("tensor_parallel_size", 1))
+        if not v:
+            return int(self.profile.get("tensor_parallel_size", 1))
+        flag = "--tensor-parallel-size" if self.argv_value("--tensor-parallel-size") == v else "-tp"
+        try:
+            tp = int(v)
+        except ValueError:
+            raise ServerCmdError(flag, v, "an integer") from None
+        if tp < 1:
+            raise ServerCmdError(flag, v, "an integer >= 1")
+        return tp
 
     @property
     def model(self) -> str | None:
@@ -334,6 +369,24 @@ def default_profile(facts: dict) -> str:
     return "ada-upstream"
 
 
+def _serve_profiles() -> dict[str, dict]:
+    from .serve.profiles import load_profiles
+
+    return load_profiles()
+
+
+def resolve_profile_name(name: str) -> str:
+    """A doctor profile (a stack of ``env/stacks.toml``) from ``name``: a stack name as is, or a
+    ``ds4lab serve`` profile of ``env/profiles.toml`` (e.g. ``tiny-cpu`` -> its stack ``cpu``).
+    ValueError naming both lists otherwise."""
+    if name in stacks():
+        return name
+    serve = _serve_profiles()
+    if name in serve and serve[name].get("stack") in stacks():
+        return serve[name]["stack"]
+    raise ValueError(f"--profile {name!r}: known stacks are {sorted(stacks())}, serve profiles {sorted(serve)}")
+
+
 def default_server_argv(profile: dict) -> list[str]:
     """The server command a profile implies (``vllm serve <checkpoint> <flags>``)."""
     argv = ["vllm", "serve"] + ([profile["checkpoint"]] if profile.get("checkpoint") else [])
@@ -351,12 +404,13 @@ def gather_context(profile: str | None = None, python: str | None = None, enviro
     interpreter), the profile (default: :func:`default_profile` of the probed facts)."""
     environ = dict(os.environ if environ is None else environ)
     python = python or sys.executable
+    profile = resolve_profile_name(profile) if profile is not None else None
     ctx = DoctorContext(profile_name=profile or "?", profile={}, environ=environ, python=python, hf_cache=hf_cache)
     if profile is None:
         ctx.profile_name = default_profile(ctx.get_facts())
     ctx.profile = stack(ctx.profile_name)
     if isinstance(server_argv, str):
-        server_argv = shlex.split(server_argv)
+        server_argv = split_server_cmd(server_argv)
     ctx.server_argv = list(server_argv) if server_argv else default_server_argv(ctx.profile)
     return ctx
 
@@ -711,13 +765,27 @@ def check_hf_offline(ctx: DoctorContext) -> CheckResult:
     mode = "HF_HUB_OFFLINE=1" if offline else "online"
     model = ctx.model
     others = []
+    local_model = bool(model and os.path.exists(os.path.expanduser(model)))
+    if ctx.hf_cache_given and not os.path.isdir(cache):
+        # a folder named on the command line that is not there: a typo, or a cache on an unmounted disk
+        default = hf_cache_dir(ctx.environ)
+        if local_model:
+            return CheckResult(name, "warn", f"--hf-cache {cache} does not exist (unused: the model is a local "
+                               f"path {model})", f"drop --hf-cache or point it at the hub cache (default {default})")
+        return CheckResult(name, "fail" if offline and model else "warn",
+                           f"{mode}; --hf-cache {cache} does not exist" + (
+                               f": {model} cannot load offline" if offline and model else
+                               f": {model} would be downloaded into it" if model else ""),
+                           f"point --hf-cache at the hub cache holding models--org--name folders (default {default})"
+                           + (f", or download there: HF_HUB_CACHE={cache} HF_HUB_OFFLINE=0 hf download {model}"
+                              if model else ""))
     if os.path.isdir(cache):
         try:
             info = scan_cache_dir(cache)
             others = [str(w) for w in info.warnings if "missing commit" in str(w)]
         except Exception as e:  # CacheNotFound etc.
             others = [f"scan_cache_dir failed: {e!r}"]
-    if model and os.path.exists(os.path.expanduser(model)):
+    if local_model:
         target = None
         ev = f"{mode}; model is a local path {model}"
     elif model:
@@ -1057,6 +1125,9 @@ def run_checks(ctx: DoctorContext, only: list[str] | None = None) -> Report:
             continue
         try:
             results.append(CHECKS[n](ctx))
+        except ServerCmdError as e:  # bad input, not a doctor bug: name the flag
+            results.append(CheckResult(n, "fail", f"not checked: {e}",
+                                       f"give {e.flag} {e.expected} in the server command (--server-cmd)"))
         except Exception as e:  # noqa: BLE001 - reported, not hidden
             results.append(CheckResult(n, "fail", f"check raised {type(e).__name__}: {e}", "report this as a ds4lab bug"))
     return Report(ctx.profile_name, ctx.python, results)
@@ -1082,12 +1153,14 @@ def run_doctor(profile: str | None = None, python: str | None = None, environ: d
 # --------------------------------------------------------------------------------------------
 
 def add_arguments(p) -> None:
-    p.add_argument("--profile", choices=sorted(stacks()), default=None,
-                   help="stack from env/stacks.toml (default: from this machine; cpu without CUDA)")
+    p.add_argument("--profile", choices=sorted(set(stacks()) | set(_serve_profiles())), default=None,
+                   help="stack from env/stacks.toml, or a `ds4lab serve` profile meaning its stack "
+                        "(tiny-cpu = cpu) (default: from this machine; cpu without CUDA)")
     p.add_argument("--python", default=None, help="interpreter of the server's venv to check (default: this one)")
-    p.add_argument("--hf-cache", default=None, help="hub cache folder (default: huggingface_hub's resolution)")
+    p.add_argument("--hf-cache", default=None,
+                   help="hub cache folder (default: huggingface_hub's resolution); a missing folder is reported")
     p.add_argument("--server-cmd", default=None,
-                   help="the intended server command line, quoted (default: the profile's flags)")
+                   help="the intended server command line, quoted once (default: the profile's flags)")
     p.add_argument("--only", action="append", choices=list(CHECKS), help="run only this check (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -280,6 +280,47 @@ def test_hf_offline_model_missing_from_cache(venv):
     assert one(ctx_for(venv, FORK, offline, argv=["vllm", "serve", str(local)]), "hf-offline").status == "pass"
 
 
+def test_hf_cache_named_but_missing(venv):
+    """--hf-cache pointing nowhere is reported naming the folder (it used to pass every row)."""
+    gone = str(venv.root / "no-such-cache")
+    offline = venv.environ(HF_HUB_OFFLINE="1")
+    r = one(ctx_for(venv, FORK, offline, hf_cache=gone), "hf-offline")
+    assert r.status == "fail" and f"--hf-cache {gone} does not exist" in r.evidence and CKPT in r.evidence
+    assert "--hf-cache" in r.fix
+    r = one(ctx_for(venv, FORK, venv.environ(), hf_cache=gone), "hf-offline")
+    assert r.status == "warn" and gone in r.evidence                     # online: it would download there
+    local = venv.root / "ckpt"
+    local.mkdir()
+    r = one(ctx_for(venv, FORK, offline, argv=["vllm", "serve", str(local)], hf_cache=gone), "hf-offline")
+    assert r.status == "warn" and "unused" in r.evidence
+    # the default cache missing is not an input error: an online first run downloads into it
+    assert one(ctx_for(venv, FORK, venv.environ()), "hf-offline").status == "pass"
+
+
+def test_server_cmd_bad_values_name_the_flag(venv):
+    """A non-integer --tensor-parallel-size is a fail row naming the flag in every check that reads
+    it, not "check raised ValueError ... report this as a ds4lab bug"; an unsplittable --server-cmd
+    is an input error naming --server-cmd."""
+    for argv, bad in ((["vllm", "serve", CKPT, "--tensor-parallel-size", "abc"], "--tensor-parallel-size 'abc'"),
+                      (["vllm", "serve", CKPT, "--tensor-parallel-size=0"], "--tensor-parallel-size '0'"),
+                      (["vllm", "serve", CKPT, "-tp", "x"], "-tp 'x'")):
+        rep = run_checks(ctx_for(venv, FORK, argv=argv), ["p2p"])
+        r = rep.results[0]
+        assert r.status == "fail" and bad in r.evidence and "ds4lab bug" not in r.fix, r
+    with pytest.raises(ValueError, match="--server-cmd .*No closing quotation"):
+        doctor.gather_context("cpu", server_argv='vllm serve "x')
+    out = subprocess.run([sys.executable, "-m", "ds4lab", "doctor", "--server-cmd", 'vllm serve "x'],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("ds4lab doctor: error: --server-cmd"), out.stderr
+
+
+def test_serve_profile_names_map_to_their_stack():
+    assert doctor.resolve_profile_name("tiny-cpu") == "cpu"
+    assert doctor.resolve_profile_name(FORK) == FORK
+    with pytest.raises(ValueError, match="serve profiles"):
+        doctor.resolve_profile_name("nope")
+
+
 # ---------------------------------------------------------------------------------------------
 # versions, GPU, driver, Triton
 # ---------------------------------------------------------------------------------------------
