@@ -349,6 +349,37 @@ def test_cli_print_and_artifacts(tmp_path, capsys):
         build_launch("ada-upstream")
 
 
+@pytest.mark.parametrize("name", ["ada-upstream", "community-sm89-fork"])
+def test_print_and_artifacts_show_the_planner_verdict(name, tmp_path, capsys):
+    """serve --print/--artifacts plan the profile on the cards of its stack's capability and warn
+    (never refuse) where vLLM would not start; the lines agree with memory.plan_for_profile and
+    keep the output pasteable (comments)."""
+    from ds4lab import memory
+    from ds4lab.cli import main
+
+    assert main(["serve", "--profile", name, "--print"]) == 0
+    cap = capsys.readouterr()
+    assert subprocess.run(["bash", "-n", "-c", cap.out]).returncode == 0
+    settings = build_launch(name, port=8000, resolve_model=False).settings
+    for card in (g for g in memory.GPUS.values() if g.sm == "sm_89"):
+        p = memory.plan_for_profile(settings, card)
+        line = next((ln for ln in cap.out.splitlines() if ln.startswith(f"#   {card.name} at util")), None)
+        if p.load_oom:   # too small for the weights: listed once, no warning
+            assert line is None and card.name in next(ln for ln in cap.out.splitlines() if "not for" in ln)
+            assert card.name not in cap.err
+        elif p.verdict:
+            assert "REFUSED" in line.split(";")[0] and f"would not start on {card.name}" in cap.err, line
+        else:
+            assert "starts, KV holds" in line and card.name not in cap.err, line
+    assert main(["serve", "--profile", name, "--artifacts", str(tmp_path), "--gpu", "rtx6000ada"]) == 0
+    out = capsys.readouterr().out
+    assert "wrote " in out and "#   RTX 6000 Ada 48 GB at util" in out and "L40S" not in out
+    assert main(["serve", "--profile", name, "--print", "--gpu", "nope"]) == 2
+    assert "--gpu 'nope': unknown card" in capsys.readouterr().err
+    assert main(["serve", "--profile", "tiny-cpu", "--print"]) == 0
+    assert "# plan" not in capsys.readouterr().out       # the tiny checkpoint on CPU: nothing to plan
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--bench", "--requests", "0"], "--requests 0: must be >= 1"),
     (["--bench", "--max-tokens", "-1"], "--max-tokens -1: must be >= 1"),

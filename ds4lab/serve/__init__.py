@@ -24,14 +24,14 @@ from .measure import (BenchResult, Comparison, SpecStats, acanary, abenchmark, a
                       canary, benchmark, compare, comparison_rows, acceptance_rows, format_table,
                       make_prompts, new_log_path, startup_rows)
 from .profiles import (Launch, SnapshotError, build_launch, fit_to_machine, load_profiles, parse_setting,
-                       profile, resolve_hf_snapshot)
+                       plan_cards, profile, resolve_hf_snapshot)
 from .server import Server, ServerError
 from .startup import StartupInfo, parse_log, print_progress
 
 __all__ = ["Launch", "build_launch", "profile", "load_profiles", "resolve_hf_snapshot", "SnapshotError",
            "fit_to_machine", "Server", "ServerError", "StartupInfo", "parse_log", "print_progress", "write_artifacts",
            "awarmup", "acanary", "abenchmark", "acompare", "canary", "benchmark", "compare",
-           "comparison_rows", "startup_rows", "new_log_path", "parse_setting", "acceptance_rows", "format_table", "make_prompts", "BenchResult", "Comparison", "SpecStats",
+           "comparison_rows", "startup_rows", "new_log_path", "parse_setting", "plan_cards", "acceptance_rows", "format_table", "make_prompts", "BenchResult", "Comparison", "SpecStats",
            "add_arguments", "main"]
 
 
@@ -60,6 +60,51 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--requests {args.requests}: must be >= 1")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    if args.gpu is not None:
+        from ds4lab.memory import GPUS, resolve_gpu
+
+        try:
+            resolve_gpu(args.gpu)
+        except ValueError:
+            raise ValueError(f"--gpu {args.gpu!r}: unknown card; known: {sorted(GPUS)}") from None
+
+
+def _first_sentence(text: str) -> str:
+    return text.split(". ", 1)[0].rstrip(".")
+
+
+def _print_plan(launch: Launch, rows: list[dict], gpu: str | None) -> None:
+    """The planner's verdict (:func:`~ds4lab.serve.profiles.plan_cards`) as ``# plan`` comment lines
+    (the --print output stays pasteable), and a warning on stderr for each card where vLLM would
+    not start. A warning, never a refusal: the planner models vLLM, the real card may differ. Cards
+    of the stack's capability too small for the weights are listed on one line without a warning
+    unless asked for with ``--gpu``."""
+    if not rows:
+        if gpu:
+            print(f"# plan: not planned ({launch.profile} runs the tiny checkpoint on a CPU stack)")
+        return
+    s = launch.settings
+    print(f"# plan (ds4lab.memory.plan_for_profile; TP={s.get('tensor_parallel_size', 1)}, "
+          f"max_model_len {s.get('max_model_len')}, max_num_seqs {s.get('max_num_seqs', 1)}):")
+    small = [r for r in rows if r["load_oom"] and not r["named"]]
+    for r in rows:
+        if r in small:
+            continue
+        line = (f"#   {r['gpu']} at util {r['util']}: " + (
+            f"starts, KV holds {r['max_concurrency']}x max_model_len" if r["starts"] else
+            f"REFUSED: {_first_sentence(r['verdict'])}"))
+        if "watched_util" in r:
+            line += f"; watched util {r['watched_util']}: " + (
+                "starts" if r["watched_starts"] else "REFUSED" if r["watched_verdict"] == r["verdict"]
+                else f"REFUSED: {_first_sentence(r['watched_verdict'])}")
+        print(line)
+        if not r["starts"]:
+            print(f"ds4lab serve: warning: profile {launch.profile} would not start on {r['gpu']} at "
+                  f"gpu_memory_utilization {r['util']} (planner; `ds4lab plan` shows why and what works): "
+                  f"{_first_sentence(r['verdict'])}", file=sys.stderr)
+    if small:
+        print("#   not for " + ", ".join(r["gpu"] for r in small) + ": the weights alone do not fit ("
+              + _first_sentence(small[0]["verdict"]).split(": ", 1)[-1] + ")")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the launch as a bash command (env + argv) and exit")
     parser.add_argument("--artifacts", metavar="DIR",
                         help="write serve.sh, warmup.sh, canary.sh and a systemd unit into DIR and exit")
+    parser.add_argument("--gpu", default=None, metavar="CARD",
+                        help="--print/--artifacts: plan the profile on this card (a `ds4lab plan --gpu` key; "
+                             "default: the profile's gpu key, else every planner card of its stack's capability); "
+                             "a card where vLLM would not start is a warning")
     parser.add_argument("--bench", action="store_true",
                         help="start with and without MTP, warm up, canary, benchmark; print the table")
     parser.add_argument("--max-tokens", type=int, default=64, help="benchmark: tokens per request (>= 1)")
@@ -98,11 +147,15 @@ def _main(args: argparse.Namespace) -> int:
         files = write_artifacts(launch, args.artifacts, port=args.port or 8000)
         for name, p in files.items():
             print(f"wrote {p}")
+        _print_plan(launch, plan_cards(launch.settings, args.gpu), args.gpu)
         return 0
     if args.print:
         # planning machines usually lack the weights: show the command; the model path is resolved at
         # launch (the "# model:" line says from where)
-        print(build_launch(args.profile, over, port=args.port or 8000, resolve_model=False).describe())
+        launch = build_launch(args.profile, over, port=args.port or 8000, resolve_model=False)
+        rows = plan_cards(launch.settings, args.gpu)
+        print(launch.describe())
+        _print_plan(launch, rows, args.gpu)
         return 0
     if args.bench:
         c = compare(args.profile, over, prompts=make_prompts(args.requests), max_tokens=args.max_tokens)

@@ -24,7 +24,7 @@ from ds4lab.stacks import stack as _stack
 __all__ = ["PROFILES_PATH", "load_profiles", "profile", "Launch", "build_launch", "scrub_env",
            "resolve_hf_snapshot", "SnapshotError", "SERVER_MODULE", "option_value", "drop_option",
            "has_nvidia_gpu", "fit_to_machine", "SETTINGS", "parse_setting", "check_setting", "shell_word",
-           "TINY_DIR_SHELL", "tiny_dir", "model_origin"]
+           "TINY_DIR_SHELL", "tiny_dir", "model_origin", "plan_cards"]
 
 PROFILES_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                              "env", "profiles.toml")
@@ -72,6 +72,7 @@ SETTINGS: dict[str, tuple[str, float | None, float | None, str]] = {
     "warmup_concurrency": ("list[int]", 1, None, "concurrencies the warmup compiles"),
     "warmup_max_tokens": ("int", 1, None, "output tokens per warmup request"),
     "in_process": ("bool", None, None, "start vLLM on the caller's event loop"),
+    "gpu": ("str", None, None, "the card the profile is for (a `ds4lab plan --gpu` key)"),
 }
 _KNOWN_KEYS = set(SETTINGS)
 assert set(_VALUE_FLAGS) <= _KNOWN_KEYS
@@ -464,6 +465,40 @@ def build_launch(name: str = "tiny-cpu", overrides: Mapping[str, Any] | None = N
                   unset=removed, scrub_prefixes=prefixes,
                   host=host, port=int(port), model=model, served_model_name=served,
                   num_speculative_tokens=nspec, settings=s, notes=notes)
+
+
+def plan_cards(settings: Mapping[str, Any], gpu: str | None = None) -> list[dict]:
+    """The memory planner's verdict (:func:`ds4lab.memory.plan_for_profile`) for a merged profile
+    (``Launch.settings``) on the card it is for: ``gpu``, else the profile's ``gpu`` key, else every
+    planner card of its stack's ``capability``. One dict per card: ``gpu`` (name), ``starts``
+    (bool), ``verdict`` (why vLLM would not start; '' when it starts), ``max_concurrency``
+    (requests of ``max_model_len`` the KV pool holds), ``util``, and ``watched_util`` /
+    ``watched_starts`` / ``watched_verdict`` when the profile has ``gpu_memory_utilization_watched``,
+    ``load_oom`` (the weights alone do not fit the card) and ``named`` (the card was asked for).
+    Empty for the tiny checkpoint and CPU stacks (no card to plan). ValueError naming ``gpu`` for an
+    unknown card. torch-free (the planner is pure Python)."""
+    from ds4lab import memory
+
+    st = _stack(str(settings.get("stack", "cpu")))
+    if str(settings.get("model", "")) == "tiny" or not (gpu or settings.get("gpu") or st.get("capability")):
+        return []
+    want = gpu or settings.get("gpu")
+    if want:
+        cards = [memory.resolve_gpu(want)]
+    else:
+        cards = [g for g in memory.GPUS.values() if g.sm == st.get("capability")]
+    out = []
+    for card in cards:
+        p = memory.plan_for_profile(dict(settings), card, stack=st)
+        row = {"gpu": card.name, "util": p.gpu_memory_utilization, "starts": not p.verdict,
+               "verdict": p.verdict, "load_oom": p.load_oom, "named": bool(want),
+               "max_concurrency": round(p.kv.max_concurrency, 2)}
+        if settings.get("gpu_memory_utilization_watched"):
+            w = memory.plan_for_profile(dict(settings), card, stack=st, watched=True)
+            row.update(watched_util=w.gpu_memory_utilization, watched_starts=not w.verdict,
+                       watched_verdict=w.verdict)
+        out.append(row)
+    return out
 
 
 def has_nvidia_gpu() -> bool:
