@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-__all__ = ["setup", "on_gpu", "kernels_of", "numerics", "compile_report", "bench", "record"]
+__all__ = ["setup", "on_gpu", "kernels_of", "numerics", "numerics_summary", "compile_report", "bench", "record"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +59,18 @@ def numerics(family, max_shapes: int | None = None, seed: int = 0) -> list[dict]
     return rows
 
 
+def numerics_summary(rows: list[dict]) -> dict:
+    """What a kernel notebook records of its numerics sweep for ``make tour``: checks passed / total
+    (the verdict: every element within ``atol + rtol*|ref|`` of the reference and DeepGEMM's
+    ``1 - similarity`` within the dtype's budget, ds4lab/numerics.py), elements over budget, the worst
+    ``1 - similarity``, and the worst max relative error (evidence, not the verdict: it divides by
+    ``|ref|`` clamped at ``atol``, so elements near zero inflate it while passing)."""
+    return {"numerics_pass": sum(r["verdict"] == "PASS" for r in rows), "numerics_total": len(rows),
+            "numerics_elements_over_budget": sum(int(r.get("n_fail") or 0) for r in rows),
+            "worst_diff": max((r["diff"] for r in rows), default=0.0),
+            "worst_max_rel": max((r["max_rel"] for r in rows), default=0.0)}
+
+
 def compile_report(family, archs=("sm_89", "sm_90")) -> list[dict]:
     """The sm_89/sm_90 compile report of the family's kernels (``ds4lab aot``, in a subprocess
     without the interpreter); prints smem / registers / spills / MMA instructions per config."""
@@ -71,7 +83,7 @@ def compile_report(family, archs=("sm_89", "sm_90")) -> list[dict]:
         for a in archs:
             cmd += ["--arch", a]
         p = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True)
-        print(p.stdout[-6000:])
+        print(p.stdout.rstrip("\n"))  # the whole report: header, every config row, the verdict lines
         if not os.path.exists(out):
             raise RuntimeError(f"ds4lab aot failed: {p.stderr[-2000:]}")
         with open(out) as f:
@@ -98,7 +110,8 @@ def bench(family):
     cols = ["kernel", "tp", "shape", "sm90_us", "sm90_roof", "sm89_us", "sm89_roof", "baseline", "baseline_us",
             "speedup_vs_baseline"]
     print(format_table(side, cols))
-    return bench_figure(side, title=f"{family}: p50 per call on the H200 (committed rows)"), side
+    label = family if isinstance(family, str) else ", ".join(family)
+    return bench_figure(side, title=f"{label}: p50 per call on the H200 (committed rows)"), side
 
 
 def record(notebook: str, **values) -> None:

@@ -4,6 +4,16 @@ with a summary table. Exits non-zero if any notebook fails; progress is printed 
 
 Each notebook hands its headline numbers to the summary through :func:`ds4lab.notebook.record`
 (``$DS4LAB_TOUR_DIR/<notebook>.json``).
+
+Charts: the notebooks display plotly figures as ``application/vnd.plotly.v1+json`` only (Jupyter
+renders it; the executed ``.ipynb`` stays small), which nbconvert's HTML cannot show. The HTML
+export gives each such output an HTML form (a ``div`` drawn by ``Plotly.newPlot``) and loads
+plotly.js once, from ``plotly.min.js`` written next to the pages.
+
+A kernel-side line ``[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel`` after a notebook is
+not a notebook error: jupyter_client's ``shutdown_kernel`` interrupts the kernel (SIGINT) before
+asking it to shut down, and ipykernel logs that line when the signal lands while it is still
+handling a message. The notebook's cells had all run; its status line is the verdict.
 """
 from __future__ import annotations
 
@@ -11,6 +21,7 @@ import glob
 import html
 import json
 import os
+import re
 import sys
 import time
 
@@ -27,13 +38,62 @@ def _notebooks(only: list[str] | None) -> list[str]:
     return paths
 
 
-def _to_html(ipynb: str, out_html: str) -> None:
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+PLOTLY_JS = "plotly.min.js"
+
+
+def plotly_outputs_to_html(nb) -> int:
+    """Give every plotly output of notebook node ``nb`` (``PLOTLY_MIME`` without ``text/html``) a
+    ``text/html`` form: a ``div`` that ``Plotly.newPlot`` draws from the figure's JSON. Changes
+    ``nb`` in place (the HTML export's copy; the executed ``.ipynb`` is left as written); returns how
+    many outputs it gave an HTML form. The page must load plotly.js (:func:`_to_html` does)."""
+    n = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data") or {}
+            if PLOTLY_MIME not in data or "text/html" in data:
+                continue
+            fig = data[PLOTLY_MIME]
+            div = f"ds4lab-plot-{n}"
+            payload = json.dumps({"data": fig.get("data", []), "layout": fig.get("layout", {})})
+            payload = payload.replace("</", "<\\/")  # a "</script>" inside a label must not end the script
+            data["text/html"] = (f"<div id='{div}' class='ds4lab-plotly' style='width:100%'></div>\n"
+                                 f"<script>(function(){{var f={payload};"
+                                 f"Plotly.newPlot('{div}', f.data, f.layout, {{responsive: true}});}})();</script>")
+            n += 1
+    return n
+
+
+def _write_plotly_js(out_dir: str) -> str:
+    """plotly.js of the installed plotly, once per tour folder; returns its path."""
+    path = os.path.join(out_dir, PLOTLY_JS)
+    if not os.path.exists(path):
+        from plotly.offline import get_plotlyjs
+        with open(path, "w") as f:
+            f.write(get_plotlyjs())
+    return path
+
+
+def _to_html(ipynb: str, out_html: str) -> int:
+    """``ipynb`` as an HTML page with its plotly charts drawn (plotly.js loaded from
+    ``plotly.min.js`` in the page's folder, written if missing); returns the number of charts."""
     import nbformat
     from nbconvert import HTMLExporter
     nb = nbformat.read(ipynb, as_version=4)
+    n = plotly_outputs_to_html(nb)
     body, _ = HTMLExporter().from_notebook_node(nb)
+    if n:
+        _write_plotly_js(os.path.dirname(os.path.abspath(out_html)))
+        # plotly.js loads as a global: AMD hidden while it loads (older bundles register with the
+        # page's require.js instead of setting window.Plotly), MathJax left to the page
+        tag = ("<script>window.PlotlyConfig = {MathJaxConfig: 'local'}; window._ds4labDefine = window.define; "
+               "window.define = undefined;</script>\n"
+               f"<script src='{PLOTLY_JS}' charset='utf-8'></script>\n"
+               "<script>window.define = window._ds4labDefine;</script>")
+        body = body.replace("</head>", tag + "\n</head>", 1) if "</head>" in body else tag + body
     with open(out_html, "w") as f:
         f.write(body)
+    return n
 
 
 def summary_rows(summary_dir: str) -> list[dict]:
@@ -46,17 +106,48 @@ def summary_rows(summary_dir: str) -> list[dict]:
     return rows
 
 
+_ADA_KEY = re.compile(r"^(?P<card>.+)_tp(?P<tp>\d+)_b(?P<batch>\d+)_(?P<mode>plain|mtp)_"
+                      r"(?P<fig>tok_s_additive|ceiling_tok_s|seed_tok_s|tok_s)$")
+_ADA_FIGS = {"tok_s": "tok/s (estimate)", "tok_s_additive": "tok/s (additive bracket)",
+             "ceiling_tok_s": "bandwidth ceiling tok/s", "seed_tok_s": "seed's claim tok/s"}
+
+
+def _ada_tables(d: dict) -> tuple[list[dict], list[dict]]:
+    """Notebook 09's record as two readable tables: one row per (card, TP, batch, mode) with its
+    tokens/s figures (the flat ``<card>_tp4_b1_<mode>_<figure>`` keys of ``ada_estimate.headline``),
+    and the remaining inputs / notes as figure-value rows."""
+    from .ada_estimate import HEADLINE_KEYS
+    names = {v: k for k, v in HEADLINE_KEYS.items()}
+    rows: dict[tuple, dict] = {}
+    rest = []
+    for k, v in d.items():
+        if k in ("notebook", "method"):
+            continue
+        m = _ADA_KEY.match(k)
+        if not m:
+            rest.append({"figure": k, "value": (", ".join(map(str, v)) or "none") if isinstance(v, list) else v})
+            continue
+        key = (m["card"], int(m["tp"]), int(m["batch"]), m["mode"])
+        row = rows.setdefault(key, {"card": names.get(m["card"], m["card"]), "tp": key[1], "batch": key[2],
+                                    "mode": key[3], **{f: None for f in _ADA_FIGS.values()}})
+        row[_ADA_FIGS[m["fig"]]] = v
+    return list(rows.values()), rest
+
+
 def summary_tables(summary: list[dict]) -> dict[str, list[dict]]:
-    """The tour's headline tables from what the notebooks recorded: kernels (numerics verdict and
-    worst error, best fraction of the H200 roof for the sm_90 and sm_89 builds), planner
-    recommendation, server tokens/s and MTP acceptance, the Ada estimate, the environment."""
+    """The tour's headline tables from what the notebooks recorded: kernels (numerics verdict,
+    elements over budget, worst similarity and relative error, best fraction of the H200 roof for
+    the sm_90 and sm_89 builds), planner recommendation, server tokens/s and MTP acceptance, the
+    Ada estimate (one row per card and mode, plus its inputs), the environment."""
     by = {s["notebook"]: s for s in summary}
-    kernels, planner, server, ada, env = [], [], [], [], []
+    kernels, planner, server, ada, ada_inputs, env = [], [], [], [], [], []
     for name, d in sorted(by.items()):
         if "numerics_total" in d:
             kernels.append({"notebook": name, "kernels": ", ".join(d.get("kernels", [])),
                             "numerics": f"{d.get('numerics_pass')}/{d.get('numerics_total')} pass",
-                            "worst max rel err": d.get("worst_max_rel"),
+                            "elements over budget": d.get("numerics_elements_over_budget"),
+                            "worst 1-similarity": d.get("worst_diff"),
+                            "worst max rel err (not the verdict)": d.get("worst_max_rel"),
                             "best roof frac (sm_90 build)": d.get("best_roof_fraction"),
                             "best roof frac (sm_89 build)": d.get("best_sm89_roof_fraction")})
         elif name.startswith("07"):
@@ -67,23 +158,48 @@ def summary_tables(summary: list[dict]) -> dict[str, list[dict]]:
             server.append({k: d.get(k) for k in ("profile", "tok_s_plain", "tok_s_mtp", "speedup", "acceptance_rate",
                                                  "mean_acceptance_length", "outputs_identical")})
         elif name.startswith("09"):
-            ada.append({k: v for k, v in d.items() if k not in ("notebook", "method")})
+            figs, rest = _ada_tables(d)
+            ada += figs
+            ada_inputs += rest
         elif name.startswith("00"):
             env.append({k: v for k, v in d.items() if k != "notebook"})
-    return {"kernels": kernels, "planner": planner, "server": server, "ada estimate": ada, "environment": env}
+    return {"kernels": kernels, "planner": planner, "server": server, "ada estimate": ada,
+            "ada estimate inputs": ada_inputs, "environment": env}
 
 
-def _html_table(rows: list[dict]) -> str:
+# what each index table's figures mean, printed under it
+_NOTES = {
+    "kernels": "numerics: a check passes when every element is within atol + rtol*|ref| of the torch reference "
+               "and DeepGEMM's 1 - similarity is within the dtype's budget (ds4lab/numerics.py TOLERANCES); "
+               "'elements over budget' counts the elements that broke the first rule. The max relative error "
+               "divides by |ref| clamped at atol, so elements near zero inflate it without failing: it is "
+               "evidence, not the verdict. Roof fractions: of the copy (memory-bound kernels) or FP8 roof "
+               "measured in the same H200 run (results/bench.csv), recomputed unrounded from each row.",
+    "ada estimate": "ESTIMATE, not measured on an Ada card (notebook 09): H200 sm_89-build rows scaled by "
+                    "datasheet card figures; the seeds' figures are their published claims.",
+}
+
+
+def _cell(v) -> str:
+    return html.escape(f"{v:.4g}" if isinstance(v, float) else str("" if v is None else v))[:200]
+
+
+def _html_table(rows: list[dict], links: dict[str, str] | None = None) -> str:
+    """Rows as an HTML table; a ``notebook`` cell named in ``links`` links to its page."""
     e = html.escape
     if not rows:
         return "<p>(not recorded)</p>"
+    links = links or {}
     cols = list(dict.fromkeys(k for r in rows for k in r))
     out = ["<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>"]
     for r in rows:
         cells = []
         for c in cols:
             v = r.get(c)
-            cells.append(f"<td>{e(f'{v:.4g}' if isinstance(v, float) else str('' if v is None else v))[:200]}</td>")
+            if c == "notebook" and v in links:
+                cells.append(f"<td><a href='{e(links[v])}'>{_cell(v)}</a></td>")
+            else:
+                cells.append(f"<td>{_cell(v)}</td>")
         out.append("<tr>" + "".join(cells) + "</tr>")
     return "\n".join(out) + "</table>"
 
@@ -93,25 +209,39 @@ def _index_html(results: list[dict], summary: list[dict], elapsed: float) -> str
     e = html.escape
     out = ["<html><head><meta charset='utf-8'><title>ds4lab tour</title>",
            "<style>body{font-family:sans-serif;margin:2em} table{border-collapse:collapse} "
-           "td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px} .FAIL{color:#b00}</style></head><body>",
+           "td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px} .FAIL{color:#b00} "
+           ".note{font-size:13px;color:#444;max-width:70em}</style></head><body>",
            "<h1>ds4lab tour</h1>", f"<p>{e(env_banner())}</p>", f"<p>total {elapsed:.0f} s</p>",
-           "<h2>Notebooks</h2><table><tr><th>notebook</th><th>status</th><th>seconds</th><th>error</th></tr>"]
+           "<h2>Notebooks</h2><table><tr><th>notebook (HTML)</th><th>executed notebook</th><th>status</th>"
+           "<th>seconds</th><th>error</th></tr>"]
+    links = {}
     for r in results:
         name = os.path.basename(r["path"])[:-6]
+        if r["html"]:
+            links[name] = f"{name}.html"
         link = f"<a href='{e(name)}.html'>{e(name)}</a>" if r["html"] else e(name)
-        out.append(f"<tr><td>{link}</td><td class='{r['status']}'>{r['status']}</td><td>{r['seconds']:.0f}</td>"
-                   f"<td>{e(r.get('error', ''))[:300]}</td></tr>")
+        nb_link = f"<a href='{e(name)}.ipynb'>{e(name)}.ipynb</a>" if r.get("ipynb", r["html"]) else ""
+        out.append(f"<tr><td>{link}</td><td>{nb_link}</td><td class='{r['status']}'>{r['status']}</td>"
+                   f"<td>{r['seconds']:.0f}</td><td>{e(r.get('error', ''))[:300]}</td></tr>")
     out.append("</table>")
     for title, rows in summary_tables(summary).items():
-        out.append(f"<h2>{e(title)}</h2>" + _html_table(rows))
-    out.append("<p>Speed fractions are of the roofs measured in the same H200 run (results/bench.csv); "
-               "on a CPU the kernel notebooks run numerics on the Triton interpreter and show those "
-               "committed rows.</p></body></html>")
+        out.append(f"<h2>{e(title)}</h2>" + _html_table(rows, links))
+        if title in _NOTES and rows:
+            out.append(f"<p class='note'>{e(_NOTES[title])}</p>")
+    out.append("<p class='note'>Everything each notebook recorded is in <a href='summary.json'>summary.json</a>. "
+               "On a CPU the kernel notebooks run numerics on the Triton interpreter and show the committed "
+               "H200 rows.</p></body></html>")
     return "\n".join(out)
 
 
 def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str] | None = None,
              timeout: int = 1200, log=print) -> int:
+    """Execute the notebooks (all, or those whose names start with a prefix in ``only``) with
+    ``timeout`` seconds per cell (> 0), write executed copies, HTML and ``index.html`` under
+    ``out_dir``; returns the exit status (1 if any notebook failed)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"--timeout {timeout!r}: seconds per cell must be > 0 "
+                         "(there is no 'no limit' value; the default is 1200)")
     import papermill as pm
     paths = _notebooks(only)
     if not paths:
@@ -131,7 +261,7 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
         log(f"[{i}/{len(paths)}] {name} ...")
         sys.stdout.flush()
         t0 = time.time()
-        r = {"path": path, "status": "OK", "html": False}
+        r = {"path": path, "status": "OK", "html": False, "ipynb": False}
         try:
             pm.execute_notebook(path, out_nb, cwd=NOTEBOOK_DIR, kernel_name="python3", progress_bar=False,
                                 execution_timeout=timeout)
@@ -140,10 +270,12 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
             r["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         r["seconds"] = time.time() - t0
         if os.path.exists(out_nb):
-            _to_html(out_nb, out_nb[:-6] + ".html")
+            r["ipynb"] = True
+            r["charts"] = _to_html(out_nb, out_nb[:-6] + ".html")
             r["html"] = True
         results.append(r)
-        log(f"    {r['status']} ({r['seconds']:.0f} s){'  ' + r.get('error', '') if r['status'] != 'OK' else ''}")
+        charts = f", {r['charts']} chart(s) in {os.path.basename(out_nb)[:-6]}.html" if r.get("charts") else ""
+        log(f"    {r['status']} ({r['seconds']:.0f} s{charts}){'  ' + r.get('error', '') if r['status'] != 'OK' else ''}")
     summary = summary_rows(summary_dir)
     index = os.path.join(out_dir, "index.html")
     with open(index, "w") as f:
@@ -162,7 +294,7 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
 def add_arguments(p) -> None:
     p.add_argument("only", nargs="*", help="notebook prefixes to run (e.g. 01 07); default all")
     p.add_argument("--out", default=os.path.join(_ROOT, "build", "tour"))
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per cell, > 0 (default 1200)")
 
 
 def main(args) -> int:

@@ -56,13 +56,19 @@ def roofline_figure(rows: list[dict], title: str = ""):
 
 
 def numerics_figure(rows: list[dict], title: str = ""):
-    """Max relative error and similarity diff per (shape, case) on a log axis."""
+    """Max relative error and similarity diff per (shape, case) on a log axis. Evidence, not the
+    verdict: a check passes when every element is within ``atol + rtol*|ref|`` and ``1 - similarity``
+    is within the dtype's budget (the rows' ``verdict``, counted in the title)."""
     import plotly.graph_objects as go
     x = [f"{_short(r['shape'])} {r['case']} {r['check']}" for r in rows]
     fig = go.Figure()
     fig.add_bar(x=x, y=[max(r["max_rel"], 1e-12) for r in rows], name="max rel err")
     fig.add_bar(x=x, y=[max(r["diff"], 1e-16) for r in rows], name="1 - similarity")
-    fig.update_layout(barmode="group", yaxis_type="log", title=title or "numerics vs reference", height=420)
+    n_fail = sum(r["verdict"] != "PASS" for r in rows)
+    verdict = f"{len(rows) - n_fail}/{len(rows)} checks pass (element-wise atol + rtol*|ref| and similarity budget)"
+    fig.update_layout(barmode="group", yaxis_type="log", height=420,
+                      title=f"{title or 'numerics vs reference'}: {verdict}",
+                      yaxis_title="error (log; evidence, not the verdict)")
     return fig
 
 
