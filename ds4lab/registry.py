@@ -14,7 +14,7 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["KernelSpec", "register", "all_specs", "get", "resolve"]
+__all__ = ["KernelSpec", "register", "all_specs", "get", "resolve", "kernel_configs", "reference_baseline"]
 
 _REGISTRY: dict[str, "KernelSpec"] = {}
 LOAD_ERRORS: dict[str, str] = {}  # kernel_specs module -> error (a broken family must not hide the others)
@@ -24,6 +24,30 @@ def resolve(path: str) -> Callable:
     """``"pkg.module:attr"`` -> the object."""
     mod, _, attr = path.partition(":")
     return getattr(importlib.import_module(mod), attr)
+
+
+def kernel_configs(family: str, table: str | None = None) -> dict:
+    """The config table a family's launchers read: ``ds4lab_kernels.<family>.CONFIGS``
+    (``{"sm_89": {label: config}, "sm_90": {...}}``), or ``CONFIGS[table]`` where one file keeps a
+    table per launcher (indexer: ``"insert"``, ``"mqa"``, ``"paged"``). The kernels' own object, not a copy."""
+    configs = importlib.import_module(f"ds4lab_kernels.{family}").CONFIGS
+    return configs if table is None else configs[table]
+
+
+def reference_baseline(path: str, **fixed) -> Callable[[dict], Callable[[], Any]]:
+    """A bench baseline that runs a torch function on the kernel's own inputs.
+
+    Args:
+        path: ``"module:function"`` (see :func:`resolve`), imported when the baseline is made.
+        fixed: keyword arguments added to every call (e.g. ``compute_dtype=torch.float32``).
+
+    Returns:
+        ``inputs -> (lambda: fn(**inputs, **fixed))``, the shape of :attr:`KernelSpec.baselines` values.
+    """
+    def make(inputs: dict) -> Callable[[], Any]:
+        fn = resolve(path)
+        return lambda: fn(**inputs, **fixed)
+    return make
 
 
 @dataclass

@@ -13,7 +13,7 @@ from ..geometry import op_shapes
 from ..numerics import compare, fp8_mma_rel_error
 from ..reference import fp8_gemm as R
 from ..reference.quant import per_token_group_quant_fp8 as _act_quant
-from ..registry import KernelSpec, register
+from ..registry import KernelSpec, kernel_configs, register
 
 BLOCK = 128
 GEMM_OPS = ("wq_a_wkv", "wq_b", "wo_b", "indexer_wq_b", "shared_gate_up", "shared_down")
@@ -156,11 +156,6 @@ def _config_for(arch: str, shape: dict) -> list[str]:
     return [config_label(shape["M"])]
 
 
-def _configs():
-    from ds4lab_kernels.fp8_gemm import CONFIGS
-    return CONFIGS
-
-
 def _dequant(inputs):
     a, b = inputs["a"], inputs["b"]
     G = a.shape[1] // BLOCK
@@ -203,7 +198,7 @@ register(KernelSpec(
     flops=flops,
     min_bytes=min_bytes,
     check=check,
-    configs=_configs(),
+    configs=kernel_configs("fp8_gemm"),
     config_for=_config_for,
     baselines={"cublas_fp8_tensorwise": _cublas_fp8_tensorwise, "torch_bf16_dequant": _bf16_dequant_mm},
     bound="memory",  # the decode goal is a fraction of copy bandwidth; prefill is judged vs the cuBLAS row

@@ -5,7 +5,7 @@ import torch
 
 from ..geometry import op_shapes
 from ..numerics import compare_exact
-from ..registry import KernelSpec, register
+from ..registry import KernelSpec, kernel_configs, reference_baseline, register
 
 GROUP = 128
 SCALE_FMTS = ("fp32", "pow2", "ue8m0", "ue8m0_packed")
@@ -57,21 +57,6 @@ def check(out, ref, inputs) -> list:
     return [compare_exact(q, rq, "q (fp8 bytes)"), compare_exact(s, rs, f"scales ({inputs['scale_fmt']})")]
 
 
-def _config_for(arch, shape):
-    from ds4lab_kernels.fp8_quant import CONFIGS
-    return list(CONFIGS[arch])
-
-
-def _torch_eager(inputs):
-    from ..reference.quant import per_token_group_quant_fp8 as ref
-    return lambda: ref(**inputs)
-
-
-def _configs():
-    from ds4lab_kernels.fp8_quant import CONFIGS
-    return CONFIGS
-
-
 register(KernelSpec(
     name="per_token_group_quant_fp8",
     family="fp8_quant",
@@ -89,9 +74,8 @@ register(KernelSpec(
     min_bytes=lambda s: s["M"] * s["K"] * (2 + 1) + s["M"] * (s["K"] // GROUP) * (
         4 if s.get("scale_fmt", "fp32") in ("fp32", "pow2") else 1),
     check=check,
-    configs=_configs(),
-    config_for=_config_for,
-    baselines={"torch_eager": _torch_eager},
+    configs=kernel_configs("fp8_quant"),
+    baselines={"torch_eager": reference_baseline("ds4lab.reference.quant:per_token_group_quant_fp8")},
     bound="memory",
     aot_shape={"M": 4096, "K": 4096, "scale_fmt": "ue8m0"},
 ))

@@ -7,7 +7,7 @@ import torch
 from ..geometry import op_shapes
 from ..numerics import Tolerance, compare, compare_exact, compare_mask, fp8_mma_rel_error
 from ..reference import indexer as R
-from ..registry import KernelSpec, register
+from ..registry import KernelSpec, kernel_configs, register
 
 D = R.HEAD_DIM
 BS = 64                      # compressed entries per indexer cache block (256 tokens / ratio 4)
@@ -77,13 +77,6 @@ def check_insert(out, ref, inputs) -> list:
     return reps
 
 
-def _configs(table):
-    def get():
-        from ds4lab_kernels.indexer import CONFIGS
-        return CONFIGS[table]
-    return get
-
-
 register(KernelSpec(
     name="indexer_k_cache_insert",
     family="indexer",
@@ -96,7 +89,7 @@ register(KernelSpec(
     flops=lambda s: 0.0,
     min_bytes=lambda s: s["T"] * (D * 2 + D + 4 + 8),
     check=check_insert,
-    configs=_configs("insert")(),
+    configs=kernel_configs("indexer", "insert"),
     bound="memory",
     aot_shape={"T": 300, "num_blocks": 6},
 ))
@@ -188,11 +181,6 @@ def _tf32_mqa(inputs, chunk=256):
     return run
 
 
-def _mqa_config_for(arch, shape):
-    from ds4lab_kernels.indexer import CONFIGS
-    return list(CONFIGS["mqa"][arch])
-
-
 register(KernelSpec(
     name="fp8_mqa_logits",
     family="indexer",
@@ -206,8 +194,7 @@ register(KernelSpec(
     flops=_mqa_flops,
     min_bytes=lambda s: s["M"] * s.get("H", 64) * (D + 4) + s["N"] * (D + 4) + s["M"] * s["N"] * 4,
     check=check_logits,
-    configs=_configs("mqa")(),
-    config_for=_mqa_config_for,
+    configs=kernel_configs("indexer", "mqa"),
     baselines={"torch_tf32": _tf32_mqa},
     bound="compute",
     aot_shape={"M": 64, "N": 1024, "H": 64},
@@ -294,11 +281,6 @@ def _paged_bench(cfg, tp):
             for n in (1, 2)]
 
 
-def _paged_config_for(arch, shape):
-    from ds4lab_kernels.indexer import CONFIGS
-    return list(CONFIGS["paged"][arch])
-
-
 register(KernelSpec(
     name="fp8_paged_mqa_logits",
     family="indexer",
@@ -312,8 +294,7 @@ register(KernelSpec(
     # the cache bytes read (values + scales) plus the logits written; q/weights are negligible
     min_bytes=lambda s: s["B"] * s["ctx"] * (D + 4) + s["B"] * s["next_n"] * s["ctx"] * 4,
     check=check_logits,
-    configs=_configs("paged")(),
-    config_for=_paged_config_for,
+    configs=kernel_configs("indexer", "paged"),
     baselines={"torch_tf32": _tf32_paged},
     bound="memory",
     aot_shape={"B": 4, "next_n": 2, "ctx": 4096, "H": 64},

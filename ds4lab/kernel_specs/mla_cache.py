@@ -5,7 +5,7 @@ import torch
 
 from ..geometry import op_shapes
 from ..numerics import Report, compare_exact
-from ..registry import KernelSpec, register
+from ..registry import KernelSpec, kernel_configs, register
 
 POISON = 0xA5  # every byte the writer must not touch starts as this
 CASES = ("random", "zero_rows", "tiny_rows", "outliers", "skip_slots", "block_edges")
@@ -68,15 +68,6 @@ def bench_shapes(cfg, tp: int) -> list[dict]:
             for bs in (64, 2) for t in (32, 8192)]
 
 
-def _configs():
-    from ds4lab_kernels.mla_cache import CONFIGS
-    return CONFIGS
-
-
-def _config_for(arch, shape):
-    return list(_configs()[arch])
-
-
 def _torch_eager(inputs):
     """torch-only writer (quantize + index_put into the byte tensor), as a baseline row."""
     from ..reference.mla_cache import quantize_entry
@@ -106,8 +97,7 @@ register(KernelSpec(
     flops=lambda s: 0.0,
     min_bytes=lambda s: s["T"] * (512 * 2 + 576 + 8 + 4),
     check=check,
-    configs=_configs(),
-    config_for=_config_for,
+    configs=kernel_configs("mla_cache"),
     baselines={"torch_eager": _torch_eager},
     bound="memory",
     aot_shape={"T": 64, "block_size": 64, "num_blocks": 4},

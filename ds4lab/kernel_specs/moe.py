@@ -6,7 +6,7 @@ import torch
 
 from ..geometry import op_shapes
 from ..numerics import Report, compare, compare_exact
-from ..registry import KernelSpec, register
+from ..registry import KernelSpec, kernel_configs, reference_baseline, register
 
 GROUP = 128
 
@@ -120,11 +120,6 @@ def _route_torch(inputs):
     return run
 
 
-def _cfgs(mod):
-    import importlib
-    return importlib.import_module(f"ds4lab_kernels.{mod}").CONFIGS
-
-
 register(KernelSpec(
     name="sqrtsoftplus_topk",
     family="moe_routing",
@@ -137,7 +132,7 @@ register(KernelSpec(
     flops=lambda s: 0.0,
     min_bytes=lambda s: s["T"] * s["E"] * 4 + s["E"] * 4 + s["T"] * s["topk"] * 8,
     check=check_route,
-    configs=_cfgs("moe_routing"),
+    configs=kernel_configs("moe_routing"),
     baselines={"torch_eager": _route_torch},
     bound="memory",
     aot_shape={"T": 64, "E": 256, "topk": 6},
@@ -278,12 +273,6 @@ def _moe_config_for(arch, shape):
     return [k for k, v in CONFIGS[arch].items() if v["path"] == path]
 
 
-def _dequant_baseline(inputs):
-    from ..reference.moe import dequant_bf16_moe
-    kw = {k: v for k, v in inputs.items()}
-    return lambda: dequant_bf16_moe(**kw)
-
-
 register(KernelSpec(
     name="fused_moe_w4a16",
     family="moe_w4a16",
@@ -298,9 +287,9 @@ register(KernelSpec(
     flops=_moe_flops,
     min_bytes=_moe_min_bytes,
     check=check_moe,
-    configs=_cfgs("moe_w4a16"),
+    configs=kernel_configs("moe_w4a16"),
     config_for=_moe_config_for,
-    baselines={"torch_dequant_bf16": _dequant_baseline},
+    baselines={"torch_dequant_bf16": reference_baseline("ds4lab.reference.moe:dequant_bf16_moe")},
     bound="memory",
     aot_shape={"T": 16, "E": 8, "D": 4096, "I": 512, "topk": 6},
     sm89_mma={"_prefill_w13_kernel": "HMMA", "_prefill_w2_kernel": "HMMA"},

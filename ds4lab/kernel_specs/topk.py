@@ -5,7 +5,7 @@ import torch
 
 from ..geometry import op_shapes
 from ..numerics import compare_topk
-from ..registry import KernelSpec, register
+from ..registry import KernelSpec, kernel_configs, register
 
 CASES = ("random", "zero_plateau", "short_rows", "neg_inf_rows", "nan_rows", "seq_len_1", "integer_ties")
 
@@ -70,11 +70,6 @@ def _bench(cfg, tp):
     return shapes
 
 
-def _configs():
-    from ds4lab_kernels.topk import CONFIGS
-    return CONFIGS
-
-
 register(KernelSpec(
     name="topk_indices",
     family="topk",
@@ -87,7 +82,7 @@ register(KernelSpec(
     flops=lambda s: 0.0,
     min_bytes=lambda s: s["R"] * s["N"] * 4 + s["R"] * s["k"] * 4,
     check=check,
-    configs=_configs(),
+    configs=kernel_configs("topk"),
     baselines={"torch_topk": _torch_topk},
     bound="memory",
     aot_shape={"R": 4, "N": 65536, "k": 512},
