@@ -3,6 +3,8 @@ launcher reads for a tensor's device.
 
 One copy for every kernel family (it used to be repeated in ten files, all with this same logic).
 """
+import os
+
 import torch
 
 
@@ -19,11 +21,17 @@ def arch_of(device: torch.device) -> str:
         runs on, read the sm_89 table (launchers that want interpreter-sized programs check
         ``device.type`` themselves).
 
-    ``TRITON_OVERRIDE_ARCH`` is not consulted: the table follows the physical GPU, so the sm_89
-    build on an H200 (``ds4lab.bench --arch sm89``) picks sm_90 rows unless a config is passed
-    (the bench and the compile report always pass one).
+    On CUDA, ``TRITON_OVERRIDE_ARCH`` (``sm89`` / ``sm90``; Triton compiles for that arch instead
+    of the device's) wins over the device: the sm_89 build on an H200 (``ds4lab.bench --arch sm89``)
+    must read the sm_89 table in every launcher, including the sub-configs a launcher fills in for
+    itself (a config passed by the caller only covers the top level).
     """
     if device.type != "cuda":
         return "sm_89"
+    override = os.environ.get("TRITON_OVERRIDE_ARCH", "").strip().lower().replace("_", "")
+    if override:
+        if override.startswith("sm") and override[2:].rstrip("a").isdigit():
+            return "sm_90" if int(override[2:].rstrip("a")) >= 90 else "sm_89"
+        raise ValueError(f"TRITON_OVERRIDE_ARCH={override!r}: expected e.g. 'sm89' or 'sm90'")
     major, _ = torch.cuda.get_device_capability(device)
     return "sm_90" if major >= 9 else "sm_89"
