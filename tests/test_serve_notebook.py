@@ -2,6 +2,7 @@
 the tiny checkpoint, starts the server with and without MTP, and prints the tables behind its charts."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +36,11 @@ def test_serve_notebook_runs(tmp_path):
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
                    if o.output_type == "stream")
     assert "profile tiny-cpu (stack cpu)" in text
+    # the printed launch is the one that ran: its port is a port a server really listened on
+    started = re.findall(r"launch\s+subprocess: tiny-cpu -> (http://[\d.]+:\d+) \(log", text)
+    served = dict(re.findall(r"(mtp1|no-spec): served at (http://[\d.]+:\d+),", text))
+    assert len(started) == 2 and sorted(served.values()) == sorted(started), (started, served)
+    assert f"--port {served['mtp1'].rsplit(':', 1)[1]} " in text
     assert "greedy outputs identical with and without MTP: True" in text
     assert "mtp1" in text and "no-spec" in text and "tok/s" in text and "TPOT ms" in text
     assert "kv_tokens" in text and "acceptance" in text and "Restart=always" in text
