@@ -1,6 +1,8 @@
 """Every registered kernel against its torch reference, on every test shape and input case
 (the interpreter lane on CPU machines; the real GPU where there is one). Kernel families add their
 specific tests (layouts, errors, byte offsets) in tests/test_<family>.py."""
+import zlib
+
 import pytest
 import torch
 
@@ -27,8 +29,10 @@ def _params():
 
 @pytest.mark.parametrize("spec,shape,case,arch,label", list(_params()))
 def test_kernel_matches_reference(spec, shape, case, arch, label):
-    seed = abs(hash((spec.name, str(shape), case))) % 2**31  # fixed per parameter set
-    # and a fresh draw each run on top (the fast version must compute the same function on any input)
+    # fixed per parameter set (crc32: Python's str hash is salted per process, so hash() gave every
+    # run, CI included, other inputs than the failure it was asked to reproduce) ...
+    seed = zlib.crc32(f"{spec.name}:{shape}:{case}".encode()) % 2**31
+    # ... and a draw from the test's seed on top (conftest: DS4LAB_TEST_SEED; 'random' = fresh inputs)
     seed ^= torch.randint(0, 2**31, (1,)).item()
     inputs = spec.make_inputs(shape, case, seed, DEVICE)
     cfg = spec.configs[arch][label] if label else None
