@@ -94,8 +94,40 @@ def make_prefill_inputs(shape: dict, case: str = "random", seed: int = 0, device
             "indices": idx.to(device), "attn_sink": sink.to(device), "lengths": lens.to(device)}
 
 
+P_ROUND = 2.0 ** -8   # bf16 unit roundoff: the kernels round each probability to bf16 for the PV dot
+
+
+def _p_rounding_allowance(inputs) -> torch.Tensor:
+    """``2^-8 * sum_j p_j |v_j|`` (float64, CPU, the output's shape): the most the kernels' bf16
+    probabilities (``tl.dot(p.to(bf16), v)``, a relative error of at most 2^-8 per ``p_j``; the
+    softmax sum stays fp32) can move an output element away from the exact-probability reference."""
+    from ..reference import sparse_mla as R
+    fn = R.sparse_mla_prefill if "kv" in inputs else R.sparse_mla_decode
+    return P_ROUND * fn(**inputs, abs_values=True)
+
+
 def check(out, ref, inputs) -> list:
-    reps = [compare(out, ref.to(torch.float64), "bfloat16", name="out")]
+    """bf16 budget against the fp64 reference, less the kernels' bf16-probability rounding.
+
+    The kernels feed the un-normalised probabilities to the PV dot as bf16 (a tensor-core operand,
+    as in FlashAttention); the reference keeps them exact. An output element may therefore carry up
+    to ``2^-8 * sum_j p_j |v_j|`` (``_p_rounding_allowance``), which for a near-zero output of a row
+    that attends to a few large-|v| keys can exceed the bf16 budget of the output itself (random case,
+    64 heads: 0.75 of that budget at worst over 1,500 draws; prefill with |v| x100: over it in 20 of
+    20 draws, within 0.62 of the allowance). Where the plain budget fails, that much is taken off each
+    finite difference and the bf16 budget applied again (fp8_gemm.check does the same for its
+    accumulator), so the extra reference pass runs only then."""
+    ref = ref.to(torch.float64)
+    reps = [compare(out, ref, "bfloat16", name="out")]
+    if not reps[0]:
+        o, r = out.detach().cpu().double(), ref.detach().cpu()
+        d = o - r
+        shrunk = r + torch.sign(d) * (d.abs() - _p_rounding_allowance(inputs).reshape(o.shape)).clamp_min(0)
+        o = torch.where(o.isfinite() & r.isfinite(), shrunk, o)
+        plain = reps[0]
+        reps = [compare(o, r, "bfloat16", name="out (less 2^-8 sum p|v| of bf16 P)")]
+        reps[0].note = (f"{reps[0].note + '; ' if reps[0].note else ''}plain bf16 budget: max_abs={plain.max_abs:.3g} "
+                        f"n_fail={plain.n_fail}")
     if not torch.isfinite(out.float()).all():
         reps[0].ok = False
         reps[0].note = "non-finite output"

@@ -32,8 +32,11 @@ def _valid(indices: torch.Tensor, lengths: torch.Tensor | None, n_slots: int) ->
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, attn_sink: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """q ``(T, H, D)``, kv ``(T, N, D)`` float64, valid ``(T, N)`` bool, sink ``(H,)`` -> ``(T, H, D)`` float64."""
+           scale: float, abs_values: bool = False) -> torch.Tensor:
+    """q ``(T, H, D)``, kv ``(T, N, D)`` float64, valid ``(T, N)`` bool, sink ``(H,)`` -> ``(T, H, D)`` float64.
+
+    ``abs_values``: weight ``|v_j|`` instead of ``v_j`` (``sum_j p_j |v_j|``, same probabilities): the
+    magnitude an error in the probabilities is relative to (``kernel_specs.sparse_mla.check``)."""
     q = q.detach().cpu().double()
     sink = attn_sink.detach().cpu().double()[None, :]                      # (1, H)
     s = torch.einsum("thd,tnd->thn", q, kv) * scale
@@ -42,16 +45,17 @@ def attend(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, attn_sink: to
     m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m_safe[..., None])
     den = e.sum(-1) + torch.exp(sink - m_safe)
-    num = torch.einsum("thn,tnd->thd", e, kv)
+    num = torch.einsum("thn,tnd->thd", e, kv.abs() if abs_values else kv)
     out = num / den.clamp_min(1e-300)[..., None]
     return torch.where((den > 0)[..., None], out, torch.zeros_like(out))
 
 
 def sparse_mla_decode(q, swa_cache, swa_indices, swa_lens, attn_sink, comp_cache=None, comp_indices=None,
                       comp_lens=None, swa_block_size: int = 64, comp_block_size: int = 64,
-                      scale: float = DEFAULT_SCALE) -> torch.Tensor:
+                      scale: float = DEFAULT_SCALE, abs_values: bool = False) -> torch.Tensor:
     """fp64 reference of :func:`ds4lab_kernels.sparse_mla.sparse_mla_decode` (same arguments) ->
-    ``(T, H, 512)`` float64. Reads the same cache bytes the kernel reads (``dequant_slots``)."""
+    ``(T, H, 512)`` float64. Reads the same cache bytes the kernel reads (``dequant_slots``).
+    ``abs_values``: ``sum_j p_j |v_j|`` instead (see :func:`attend`)."""
     shp = q.shape
     q = q.reshape(-1, *shp[-2:])
     T = q.shape[0]
@@ -63,17 +67,19 @@ def sparse_mla_decode(q, swa_cache, swa_indices, swa_lens, attn_sink, comp_cache
         kvs.append(dequant_slots(comp_cache, comp_indices, comp_block_size))
         vals.append(_valid(comp_indices, None if comp_lens is None else comp_lens.reshape(-1),
                            comp_cache.shape[0] * comp_block_size))
-    out = attend(q, torch.cat(kvs, 1), torch.cat(vals, 1), attn_sink, scale)
+    out = attend(q, torch.cat(kvs, 1), torch.cat(vals, 1), attn_sink, scale, abs_values)
     return out.reshape(shp)
 
 
-def sparse_mla_prefill(q, kv, indices, attn_sink, lengths=None, scale: float = DEFAULT_SCALE) -> torch.Tensor:
-    """fp64 reference of :func:`ds4lab_kernels.sparse_mla.sparse_mla_prefill` -> ``(Tq, H, 512)`` float64."""
+def sparse_mla_prefill(q, kv, indices, attn_sink, lengths=None, scale: float = DEFAULT_SCALE,
+                       abs_values: bool = False) -> torch.Tensor:
+    """fp64 reference of :func:`ds4lab_kernels.sparse_mla.sparse_mla_prefill` -> ``(Tq, H, 512)`` float64.
+    ``abs_values``: ``sum_j p_j |v_j|`` instead (see :func:`attend`)."""
     kvd = kv.detach().cpu().double()
     idx = indices.detach().cpu().long()
     valid = _valid(idx, lengths, kv.shape[0])
     g = kvd[torch.where(valid, idx, torch.zeros_like(idx))]             # (Tq, K, D)
-    return attend(q, g * valid[..., None], valid, attn_sink, scale)
+    return attend(q, g * valid[..., None], valid, attn_sink, scale, abs_values)
 
 
 # ---- benchmark baseline (torch, any device) -------------------------------------------------------
