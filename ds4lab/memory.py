@@ -996,6 +996,7 @@ def plan_for_profile(settings: dict, gpu: str | GPU | int, *, cfg: ModelConfig =
     A stack pinned below vLLM 0.32 (the community fork) does not subtract its CUDA-graph estimate
     from the KV budget (``graphs_in_budget=False``). Raises ValueError naming the key for a bad value.
     """
+    from .stacks import option_value   # pure TOML module; memory stays torch-free
     s = dict(settings)
     if stack is None and s.get("stack"):
         from .stacks import stack as _stack   # pure TOML read; memory stays torch-free
@@ -1004,13 +1005,7 @@ def plan_for_profile(settings: dict, gpu: str | GPU | int, *, cfg: ModelConfig =
     argv = [str(a) for a in list(stack.get("flags", [])) + list(s.get("flags", [])) + list(s.get("extra_args", []))]
 
     def flag(name: str) -> str | None:
-        out = None
-        for i, a in enumerate(argv):
-            if a == name and i + 1 < len(argv):
-                out = argv[i + 1]
-            elif a.startswith(name + "="):
-                out = a.split("=", 1)[1]
-        return out
+        return option_value(argv, name)
 
     def num(key: str, text: str | None, conv=int):
         if text is None:

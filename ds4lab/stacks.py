@@ -5,7 +5,7 @@ import os
 import tomllib
 from functools import lru_cache
 
-__all__ = ["STACKS_PATH", "stacks", "stack"]
+__all__ = ["STACKS_PATH", "stacks", "stack", "option_value"]
 
 STACKS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "env", "stacks.toml")
 
@@ -22,3 +22,14 @@ def stack(name: str) -> dict:
     if name not in s:
         raise ValueError(f"stack {name!r}: known stacks are {sorted(s)}")
     return s[name]
+
+
+def option_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argv (``--flag v`` or ``--flag=v``); the last one wins, as in vLLM."""
+    out = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            out = argv[i + 1]
+        elif a.startswith(flag + "="):
+            out = a.split("=", 1)[1]
+    return out

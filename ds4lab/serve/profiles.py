@@ -19,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
+from ds4lab.stacks import option_value
 from ds4lab.stacks import stack as _stack
 
 __all__ = ["PROFILES_PATH", "load_profiles", "profile", "Launch", "build_launch", "scrub_env",
@@ -191,17 +192,6 @@ def profile(name: str) -> dict:
     if name not in p:
         raise ValueError(f"profile {name!r}: known profiles are {sorted(p)}")
     return dict(p[name])
-
-
-def option_value(argv: list[str], flag: str) -> str | None:
-    """The value of ``flag`` in an argv (``--flag v`` or ``--flag=v``); the last one wins."""
-    out = None
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            out = argv[i + 1]
-        elif a.startswith(flag + "="):
-            out = a.split("=", 1)[1]
-    return out
 
 
 def drop_option(argv: list[str], flag: str) -> list[str]:
