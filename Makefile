@@ -35,9 +35,9 @@ info: setup
 aot: setup
 	$(PY) -m ds4lab aot
 
-## On the H200 image (no venv): python3 -m ds4lab.bench --out results/
+## On the H200 image (no venv): python3 -m ds4lab.harness.bench --out results/
 bench-gpu:
-	python3 -m ds4lab.bench --out results
+	python3 -m ds4lab.harness.bench --out results
 
 doctor: setup
 	$(PY) -m ds4lab doctor

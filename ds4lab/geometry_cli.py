@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from .banner import env_banner
-from .geometry import SUPPORTED_TP, describe, layer_counts, load_config
+from ds4lab.banner import env_banner
+from ds4lab.geometry import SUPPORTED_TP, describe, layer_counts, load_config
 
 
 def add_arguments(p) -> None:

@@ -29,26 +29,24 @@ def setup() -> str:
             raise RuntimeError("triton was imported before ds4lab.notebook.setup(): restart the kernel "
                                "and run setup() first (the CPU interpreter must be chosen before import)")
         os.environ["TRITON_INTERPRET"] = "1"
-        from . import interp
+        from ds4lab import interp
         interp.install()
-    from .banner import env_banner
-    from .srctree import ensure_kernels_importable
-    ensure_kernels_importable()
+    from ds4lab.banner import env_banner
     print(env_banner())
     return "cuda" if gpu else "cpu"
 
 
 def kernels_of(family: str | list[str]) -> list[str]:
     """Registered kernel names of a family file (or a list of names/families)."""
-    from .registry import all_specs
+    from ds4lab.harness.registry import all_specs
     wanted = [family] if isinstance(family, str) else list(family)
     return [s.name for s in all_specs() if s.family in wanted or s.name in wanted]
 
 
 def numerics(family, max_shapes: int | None = None, seed: int = 0) -> list[dict]:
     """Numerics sweep of every kernel of ``family`` over its test shapes and cases; prints the table."""
-    from .kernel_report import format_table, numerics_sweep
-    from .registry import get
+    from ds4lab.harness.report import format_table, numerics_sweep
+    from ds4lab.harness.registry import get
     rows = []
     for name in kernels_of(family):
         shapes = get(name).test_shapes[:max_shapes] if max_shapes else None
@@ -92,8 +90,8 @@ def compile_report(family, archs=("sm_89", "sm_90")) -> list[dict]:
 
 def bench(family):
     """Committed H200 rows for the family: (figure, side-by-side rows); prints provenance + table."""
-    from .kernel_report import builds_side_by_side, failed_rows, format_table, load_results, provenance
-    from .views import bench_figure
+    from ds4lab.harness.report import builds_side_by_side, failed_rows, format_table, load_results, provenance
+    from ds4lab.views.kernels import bench_figure
     names = kernels_of(family)
     every = [r for n in names for r in load_results(n, status=None)]
     rows = [r for r in every if r.get("status") == "OK"]

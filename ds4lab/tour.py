@@ -116,7 +116,7 @@ def _ada_tables(d: dict) -> tuple[list[dict], list[dict]]:
     """Notebook 09's record as two readable tables: one row per (card, TP, batch, mode) with its
     tokens/s figures (the flat ``<card>_tp4_b1_<mode>_<figure>`` keys of ``ada_estimate.headline``),
     and the remaining inputs / notes as figure-value rows."""
-    from .ada_estimate import HEADLINE_KEYS
+    from ds4lab.planner.speed import HEADLINE_KEYS
     names = {v: k for k, v in HEADLINE_KEYS.items()}
     rows: dict[tuple, dict] = {}
     rest = []
@@ -205,7 +205,7 @@ def _html_table(rows: list[dict], links: dict[str, str] | None = None) -> str:
 
 
 def _index_html(results: list[dict], summary: list[dict], elapsed: float) -> str:
-    from .banner import env_banner
+    from ds4lab.banner import env_banner
     e = html.escape
     out = ["<html><head><meta charset='utf-8'><title>ds4lab tour</title>",
            "<style>body{font-family:sans-serif;margin:2em} table{border-collapse:collapse} "
@@ -284,7 +284,7 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
         json.dump({"notebooks": results, "summary": summary}, f, indent=1, default=str)
     bad = [r for r in results if r["status"] != "OK"]
     log(f"\n{len(results) - len(bad)}/{len(results)} notebooks OK in {time.time() - t_all:.0f} s -> {index}")
-    from .kernel_report import format_table
+    from ds4lab.harness.report import format_table
     for title, rows in summary_tables(summary).items():
         if rows:
             log(f"\n{title}:\n" + format_table(rows, digits=3))

@@ -20,7 +20,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 for build in ${BUILDS:-native sm89}; do
   extra=""; [ "$build" = sm89 ] && extra="--no-baselines"
-  timeout ${BENCH_TIMEOUT:-300} python3 -m ds4lab.bench "$@" --arch $build $extra --out "$OUT" ${BENCH_ARGS:-} \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m ds4lab.harness.bench "$@" --arch $build $extra --out "$OUT" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench_$build.log" | grep -E "FAIL|ERROR|rows ->|roofs|Traceback|Error" | tail -40 || rc=1
 done
 exit $rc

@@ -50,7 +50,7 @@ def make(name, title, families, blurb):
                                  "dtype's budget (`ds4lab/numerics.py`); `max_rel` divides by `|ref|` clamped at "
                                  "`atol`, so elements near zero inflate it without failing the check."),
         c("rows = nb.numerics(families, max_shapes=max_shapes, seed=seed)\n"
-          "from ds4lab.views import numerics_figure\n"
+          "from ds4lab.views.kernels import numerics_figure\n"
           "display(numerics_figure(rows, title='error against the reference'))\n"
           f"nb.record('{name}', kernels=kernels, **nb.numerics_summary(rows))"),
         nbf.v4.new_markdown_cell("## sm_89 compile report\n\nShared memory must stay within 101,376 B per block on "

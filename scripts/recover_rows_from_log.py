@@ -6,8 +6,8 @@ import json
 import re
 import sys
 
-from ds4lab.bench import write_csv
-from ds4lab.registry import get
+from ds4lab.harness.bench import write_csv
+from ds4lab.harness.registry import get
 
 LINE = re.compile(r"^(\S+)\s+(\S+)\s+tp=(\d+) (\{.*?\})\s+(\S*)\s+p50=\s*([\d.]+)us\s+([\d.]+)TB/s\s+([\d.]+)TF/s roof=([\d.]+)")
 
@@ -31,7 +31,7 @@ def main(log, build, sha, ts, out):
                      "timing": "graph (recovered from log: p20/p80 not recorded)", "n_sets": "",
                      "flops": spec.flops(sh), "min_bytes": spec.min_bytes(sh), "tbps": float(tbps),
                      "tflops": float(tflops), "frac_roof": float(roof), "numerics": "passed check-before-time",
-                     "repro": f"python3 -m ds4lab.bench {kernel} --tp {tp} --arch {build} --shape '{json.dumps(sh)}'"
+                     "repro": f"python3 -m ds4lab.harness.bench {kernel} --tp {tp} --arch {build} --shape '{json.dumps(sh)}'"
                               + (f" --config {label}" if impl == "ds4lab" else " --config none")})
     write_csv(rows, out)
     print(f"{len(rows)} rows recovered from {log}")

@@ -4,7 +4,7 @@ import json
 import sys
 from collections import defaultdict
 
-from ds4lab.kernel_report import bench_summary, load_results
+from ds4lab.harness.report import bench_summary, load_results
 
 build = sys.argv[sys.argv.index("--build") + 1] if "--build" in sys.argv else "native"
 rows = [r for r in bench_summary(load_results()) if r["build"] == build]

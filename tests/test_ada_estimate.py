@@ -1,12 +1,12 @@
-"""ds4lab.ada_estimate: the scaling math, the decode model's op coverage and monotonicity, and that it
+"""ds4lab.planner.speed: the scaling math, the decode model's op coverage and monotonicity, and that it
 runs on the committed results/bench.csv."""
 import json
 
 import pytest
 
-from ds4lab import ada_estimate as ada
+from ds4lab.planner import speed as ada
 from ds4lab.geometry import DEFAULT_CONFIG, op_shapes
-from ds4lab.kernel_report import load_results
+from ds4lab.harness.report import load_results
 
 CARD = ada.CARDS["RTX 4090-48G"]
 A0 = ada.Assumptions(launch_floor_us=0.0)
@@ -46,7 +46,7 @@ def test_launch_floor_and_additive_bracket():
 
 
 def test_formulas_agree_with_the_registry():
-    from ds4lab.registry import get
+    from ds4lab.harness.registry import get
     used = {"fp8_gemm_nt", "per_token_group_quant_fp8", "fp8_einsum_bhr_hdr_bhd", "inv_rope_fp8_quant",
             "fused_moe_w4a16", "sqrtsoftplus_topk", "fp8_paged_mqa_logits", "topk_indices", "sparse_mla_decode",
             "fp8_ds_mla_insert", "indexer_k_cache_insert", "mhc_fused_post_pre", "mhc_pre", "hc_head"}

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ds4lab.aot import _aot_shapes
+from ds4lab.harness.aot import _aot_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.aot
@@ -25,7 +25,7 @@ def rows(tmp_path_factory):
 
 
 def test_every_registered_config_compiles_for_both_archs(rows):
-    from ds4lab.registry import all_specs
+    from ds4lab.harness.registry import all_specs
     for spec in all_specs():
         for arch in ("sm_89", "sm_90"):
             got = {r["config"] for r in rows if r["kernel"] == spec.name and r["arch"] == arch}
@@ -41,7 +41,7 @@ def test_limits(rows):
 
 
 def test_fp8_mma_on_sm89(rows):
-    from ds4lab.registry import all_specs
+    from ds4lab.harness.registry import all_specs
     for spec in all_specs():
         for fn, op in spec.sm89_mma.items():
             hits = [r for r in rows if r["kernel"] == spec.name and r["arch"] == "sm_89" and r["triton_fn"] == fn]
@@ -52,8 +52,8 @@ def test_fp8_mma_on_sm89(rows):
 
 PROBE = r"""
 import json, torch, triton, triton.language as tl
-from ds4lab.aot import compile_spec
-from ds4lab.registry import KernelSpec
+from ds4lab.harness.aot import compile_spec
+from ds4lab.harness.registry import KernelSpec
 
 @triton.jit
 def big_tile(a_ptr, c_ptr, BM: tl.constexpr, BK: tl.constexpr):
@@ -98,8 +98,8 @@ def test_overlimit_shared_memory_is_flagged(tmp_path):
 
 SPILL_PROBE = r"""
 import json, torch, triton, triton.language as tl
-from ds4lab.aot import compile_spec
-from ds4lab.registry import KernelSpec
+from ds4lab.harness.aot import compile_spec
+from ds4lab.harness.registry import KernelSpec
 
 @triton.jit
 def live_tile(x_ptr, o_ptr, N: tl.constexpr):

@@ -13,7 +13,7 @@ import pytest
 
 from ds4lab import doctor
 from ds4lab.doctor import DoctorContext, run_checks
-from ds4lab.stacks import stack
+from ds4lab.config.stacks import stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORK = "community-sm89-fork"

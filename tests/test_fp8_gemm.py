@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from ds4lab.numerics import compare, compare_exact
+from ds4lab.harness.numerics import compare, compare_exact
 from ds4lab.reference import fp8_gemm as R
 from ds4lab.reference.quant import per_token_group_quant_fp8 as ref_quant
 from ds4lab_kernels import fp8_quant

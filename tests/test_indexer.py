@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from ds4lab.kernel_specs.indexer import BLOCK_BYTES, _logit_tol, make_cache
-from ds4lab.numerics import compare
+from ds4lab.harness.specs.indexer import BLOCK_BYTES, _logit_tol, make_cache
+from ds4lab.harness.numerics import compare
 from ds4lab.reference import indexer as ref
 from ds4lab_kernels import indexer as K
 
@@ -89,7 +89,7 @@ def test_negative_slots_are_skipped_and_nan_keys_flagged():
 
 
 def test_paged_next_n_2_causal_rows_and_1d_convention_agree():
-    from ds4lab.kernel_specs.indexer import make_paged_inputs
+    from ds4lab.harness.specs.indexer import make_paged_inputs
     inp = make_paged_inputs({"B": 2, "next_n": 2, "ctx": 150}, "decode", 1, DEVICE)
     a = K.fp8_paged_mqa_logits(**inp)
     # row 1 of each request sees one entry more than row 0 (MTP verification)
@@ -106,7 +106,7 @@ def test_paged_next_n_2_causal_rows_and_1d_convention_agree():
 
 
 def test_paged_bad_block_id_gives_nan_not_numbers():
-    from ds4lab.kernel_specs.indexer import make_paged_inputs
+    from ds4lab.harness.specs.indexer import make_paged_inputs
     inp = make_paged_inputs({"B": 1, "next_n": 1, "ctx": 100}, "decode", 2, DEVICE)
     inp["block_table"][0, 1] = 10_000
     out = K.fp8_paged_mqa_logits(**inp)

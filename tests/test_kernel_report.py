@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from ds4lab import kernel_report as K
+from ds4lab.harness import report as K
 
 FIELDS = ["timestamp", "gpu", "torch", "triton", "cuda", "git_sha", "build", "kernel", "impl", "tp", "shape",
           "config_label", "config", "status", "p20_us", "p50_us", "p80_us", "tbps", "tflops", "frac_roof",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, HAS_CUDA
-from ds4lab.registry import all_specs
+from ds4lab.harness.registry import all_specs
 
 SPECS = all_specs()
 
@@ -46,7 +46,7 @@ def test_kernel_matches_reference(spec, shape, case, arch, label):
 
 def test_registry_entries_are_complete():
     from ds4lab.geometry import DEFAULT_CONFIG
-    from ds4lab.registry import LOAD_ERRORS
+    from ds4lab.harness.registry import LOAD_ERRORS
     assert not LOAD_ERRORS, LOAD_ERRORS
     names = set()
     for spec in SPECS:

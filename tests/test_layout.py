@@ -12,7 +12,7 @@ def test_every_subpackage_is_listed_for_wheels():
     cfg = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]
     listed = set(cfg["packages"])
     found = set()
-    for top, name in (("ds4lab", "ds4lab"), ("kernels", "ds4lab_kernels")):
+    for top, name in (("ds4lab", "ds4lab"), ("ds4lab_kernels", "ds4lab_kernels")):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             if "__init__.py" in files and "__pycache__" not in dirpath:
                 rel = os.path.relpath(dirpath, os.path.join(ROOT, top))
@@ -25,12 +25,12 @@ def test_kernels_import_without_path_tricks_from_elsewhere(tmp_path):
     code = "import ds4lab_kernels, ds4lab, os; print(os.path.dirname(ds4lab_kernels.__file__))"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == os.path.join(ROOT, "kernels")
+    assert out.stdout.strip() == os.path.join(ROOT, "ds4lab_kernels")
 
 
 def test_kernels_files_import_only_torch_and_triton():
     allowed = {"torch", "triton", "math", "functools", "typing", "__future__", "dataclasses", "os"}
-    kdir = os.path.join(ROOT, "kernels")
+    kdir = os.path.join(ROOT, "ds4lab_kernels")
     for f in os.listdir(kdir):
         if not f.endswith(".py"):
             continue
@@ -38,7 +38,7 @@ def test_kernels_files_import_only_torch_and_triton():
             s = line.strip()
             if s.startswith(("import ", "from ")) and not s.startswith("from ."):
                 mod = s.split()[1].split(".")[0]
-                assert mod in allowed, f"kernels/{f} imports {mod}: kernels/ must stand alone"
+                assert mod in allowed, f"ds4lab_kernels/{f} imports {mod}: ds4lab_kernels/ must stand alone"
 
 
 def test_reference_never_imports_kernels():
@@ -72,7 +72,7 @@ def test_cli_info_runs():
 
 
 def test_stacks_data_readable():
-    from ds4lab.stacks import stack, stacks
+    from ds4lab.config.stacks import stack, stacks
     assert {"cpu", "h200-bench", "ada-upstream", "community-sm89-fork"} <= set(stacks())
     assert stack("community-sm89-fork")["transformers"] == "5.8.1"
     import pytest

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from ds4lab import memory as M
+from ds4lab.planner import memory as M
 from ds4lab.geometry import DEFAULT_CONFIG, ModelConfig
 
-HAS_TINY = importlib.util.find_spec("ds4lab.tiny") is not None
+HAS_TINY = importlib.util.find_spec("ds4lab.checkpoint.tiny") is not None
 
 
 # ---- KV accounting: SPEC.md §3 numbers re-derived from the geometry -------------------------
@@ -96,10 +96,10 @@ def test_weights_match_spec_totals():
         M.weight_terms(DEFAULT_CONFIG, "gguf", 1)
 
 
-@pytest.mark.skipif(not HAS_TINY, reason="ds4lab.tiny (issue 11) does not exist yet")
+@pytest.mark.skipif(not HAS_TINY, reason="ds4lab.checkpoint.tiny (issue 11) does not exist yet")
 def test_bf16_weights_match_tiny_checkpoint_tensors():
     """Planner's bf16 weight bytes vs the tiny checkpoint's actual tensor list (same names as the real one)."""
-    from ds4lab.tiny import TINY_CONFIG, tensor_specs
+    from ds4lab.checkpoint.tiny import TINY_CONFIG, tensor_specs
 
     size = {"bfloat16": 2, "bf16": 2, "float32": 4, "fp32": 4, "int64": 8, "int32": 4}
     real = sum(math.prod(shape) * size[dt] for shape, dt in tensor_specs().values())
@@ -220,8 +220,8 @@ def test_load_oom_is_named_before_kv_refusal():
 
 # ---- hot path stays pure, CLI ------------------------------------------------------------------
 def test_core_imports_no_torch_and_is_slider_fast():
-    code = ("import sys, time; t = time.time(); import ds4lab.memory as M; M.sweep(); M.recommend();"
-            "assert 'torch' not in sys.modules and 'ds4lab.memory_views' not in sys.modules;"
+    code = ("import sys, time; t = time.time(); import ds4lab.planner.memory as M; M.sweep(); M.recommend();"
+            "assert 'torch' not in sys.modules and 'ds4lab.views.memory' not in sys.modules;"
             "print(time.time() - t)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     # ~0.3-0.8 s; the bound only catches a pathological regression (e.g. a per-point torch import)
@@ -290,7 +290,7 @@ def test_plan_help_describes_every_option():
 # ---- views ---------------------------------------------------------------------------------------
 def test_views_rows_and_figure():
     pytest.importorskip("plotly")
-    from ds4lab import memory_views as V
+    from ds4lab.views.kernels import memory as V
 
     plans = M.sweep(cfg=DEFAULT_CONFIG, max_num_batched_tokens=512, async_scheduling=False)
     rows = V.budget_rows(plans)

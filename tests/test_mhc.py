@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from ds4lab.kernel_specs import mhc as S
-from ds4lab.numerics import compare
+from ds4lab.harness.specs import mhc as S
+from ds4lab.harness.numerics import compare
 from ds4lab.reference import mhc as R
 from ds4lab_kernels import mhc as K
 
@@ -265,7 +265,7 @@ def test_gemm_and_head_bad_inputs():
 
 def test_flops_bytes_formulas():
     from ds4lab.geometry import DEFAULT_CONFIG
-    from ds4lab.registry import get
+    from ds4lab.harness.registry import get
     s = get("mhc_fused_post_pre").bench_shapes(DEFAULT_CONFIG, 1)[0]
     assert (s["D"], s["hc"], s["N"]) == (4096, 4, 24)
     b = get("mhc_fused_post_pre").min_bytes(dict(s, T=512))

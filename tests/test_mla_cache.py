@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from ds4lab.kernel_specs.mla_cache import block_bytes
+from ds4lab.harness.specs.mla_cache import block_bytes
 from ds4lab.reference import mla_cache as ref
 from ds4lab_kernels import mla_cache as k
 from ds4lab_kernels.mla_cache import fp8_ds_mla_insert

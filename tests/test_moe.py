@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from ds4lab.numerics import compare
+from ds4lab.harness.numerics import compare
 from ds4lab.reference import moe as R
 from ds4lab_kernels import moe_w4a16 as K
 from ds4lab_kernels.moe_routing import sqrtsoftplus_topk
@@ -248,7 +248,7 @@ def _write_ckpt(tmp_path, E=3, D=256, I=256, stacked=False):
 
 @pytest.mark.parametrize("stacked", [False, True])
 def test_loader_reads_pack_quantized_layout_with_tp(tmp_path, stacked):
-    from ds4lab.moe_loader import load_moe_layer
+    from ds4lab.checkpoint.moe_loader import load_moe_layer
     q, s = _write_ckpt(tmp_path, stacked=stacked)
     full = load_moe_layer(tmp_path, layer=1)
     assert full.w13_packed.dtype == torch.int32 and full.w13_packed.shape == (3, 512, 32)

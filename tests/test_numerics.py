@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ds4lab import numerics as nm
+from ds4lab.harness import numerics as nm
 
 
 def test_compare_passes_rounding_and_reports_figures():

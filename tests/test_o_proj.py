@@ -6,8 +6,8 @@ import torch
 
 from conftest import DEVICE
 from ds4lab.geometry import DEFAULT_CONFIG, op_shapes
-from ds4lab.kernel_specs import o_proj as spec
-from ds4lab.numerics import compare, compare_exact
+from ds4lab.harness.specs import o_proj as spec
+from ds4lab.harness.numerics import compare, compare_exact
 from ds4lab.reference import o_proj as ref
 from ds4lab.reference.quant import decode_ue8m0
 from ds4lab_kernels import o_proj as K

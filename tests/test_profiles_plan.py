@@ -1,4 +1,4 @@
-"""Each shipped serve profile (env/profiles.toml) planned on each Ada card (ds4lab.memory.plan_for_profile).
+"""Each shipped serve profile (ds4lab/config/profiles.toml) planned on each Ada card (ds4lab.planner.memory.plan_for_profile).
 
 The expectations are what the planner says today, including the refusals: a profile that the planner
 refuses on a card is listed as such here (the profile text is the lead's call, not this test's).
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from ds4lab import memory as M
+from ds4lab.planner import memory as M
 from ds4lab.serve.profiles import load_profiles
-from ds4lab.stacks import stack
+from ds4lab.config.stacks import stack
 
 ADA = ("rtx4090", "rtx4090-48g", "rtx6000ada", "l40s")
 

@@ -24,7 +24,7 @@ ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("
 
 # ---- profiles ---------------------------------------------------------------------------------
 def test_profiles_name_known_stacks():
-    from ds4lab.stacks import stacks
+    from ds4lab.config.stacks import stacks
 
     ps = profiles.load_profiles()
     assert {"tiny-cpu", "ada-upstream", "community-sm89-fork"} <= set(ps)
@@ -354,7 +354,7 @@ def test_print_and_artifacts_show_the_planner_verdict(name, tmp_path, capsys):
     """serve --print/--artifacts plan the profile on the cards of its stack's capability and warn
     (never refuse) where vLLM would not start; the lines agree with memory.plan_for_profile and
     keep the output pasteable (comments)."""
-    from ds4lab import memory
+    from ds4lab.planner import memory
     from ds4lab.cli import main
 
     assert main(["serve", "--profile", name, "--print"]) == 0

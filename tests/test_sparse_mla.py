@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from ds4lab.kernel_specs.sparse_mla import _cache, check
-from ds4lab.numerics import Tolerance, compare
+from ds4lab.harness.specs.sparse_mla import _cache, check
+from ds4lab.harness.numerics import Tolerance, compare
 from ds4lab.reference import sparse_mla as ref
 from ds4lab_kernels.sparse_mla import CONFIGS, sparse_mla_decode, sparse_mla_prefill
 
@@ -132,7 +132,7 @@ def test_check_excuses_bf16_probabilities_only():
     # to 2^-8 sum_j p_j |v_j| (~0.5 abs here), past the plain bf16 budget on every draw; the check
     # takes exactly that allowance off (measured: within 0.62 of it) and still fails outputs from a
     # wrong index, a missing sink or a dropped last candidate (each caught in 50 of 50 draws)
-    from ds4lab.kernel_specs.sparse_mla import make_prefill_inputs
+    from ds4lab.harness.specs.sparse_mla import make_prefill_inputs
     inp = make_prefill_inputs({"Tq": 3, "H": 16, "N": 70, "Kc": 45}, "random", int(torch.randint(0, 2**31, (1,))))
     inp["kv"] = (inp["kv"].float() * 100).bfloat16()
     inp["q"] = (inp["q"].float() / 100).bfloat16()

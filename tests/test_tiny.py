@@ -1,4 +1,4 @@
-"""The tiny DeepSeek-V4 checkpoint (ds4lab.tiny) and the vLLM plugin's pure parts: fast, no server."""
+"""The tiny DeepSeek-V4 checkpoint (ds4lab.checkpoint.tiny) and the vLLM plugin's pure parts: fast, no server."""
 import hashlib
 import json
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from ds4lab import tiny
+from ds4lab.checkpoint import tiny
 from ds4lab.geometry import LayerKind, layer_kinds, load_config
 
 CFG = tiny.TINY_CONFIG

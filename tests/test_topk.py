@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from ds4lab.numerics import compare_topk
+from ds4lab.harness.numerics import compare_topk
 from ds4lab.reference.topk import topk_indices as ref
 from ds4lab_kernels.topk import topk_indices
 

@@ -52,7 +52,7 @@ def test_ada_summary_is_one_row_per_card_and_mode(tmp_path):
 
 
 def _plotly_notebook(path):
-    from ds4lab.views import numerics_figure
+    from ds4lab.views.kernels import numerics_figure
     fig = numerics_figure([{"shape": '{"M": 1}', "case": "random", "check": "D", "verdict": "PASS",
                             "max_rel": 1e-3, "diff": 1e-6}], title="a </script> label")
     nb = nbformat.v4.new_notebook()

@@ -13,7 +13,7 @@ import urllib.request
 import psutil
 import pytest
 
-from ds4lab import tiny
+from ds4lab.checkpoint import tiny
 from ds4lab.vllm_plugin.server import VllmServer, tiny_server_args
 
 pytestmark = pytest.mark.vllm

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant import ceil_pow2, decode_ue8m0, encode_ue8m0, pack_ue8m0, unpack_ue8m0
+from ds4lab.reference.quant import ceil_pow2, decode_ue8m0, encode_ue8m0, pack_ue8m0, unpack_ue8m0
 
 BLOCK = 128
 E4M3_MAX = 448.0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant import ceil_pow2, to_e4m3
+from ds4lab.reference.quant import ceil_pow2, to_e4m3
 
 __all__ = ["HEAD_DIM", "block_bytes", "entry_offsets", "quantize_k", "indexer_k_cache_insert",
            "read_indexer_k_cache", "gather_indexer_k", "fp8_mqa_logits", "fp8_paged_mqa_logits"]

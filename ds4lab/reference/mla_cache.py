@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant import ceil_pow2, to_e4m3
+from ds4lab.reference.quant import ceil_pow2, to_e4m3
 
 NOPE, ROPE, TILE = 448, 64, 64
 ENTRY, SCALES = 576, 8

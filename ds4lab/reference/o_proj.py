@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant import decode_ue8m0, per_token_group_quant_fp8
+from ds4lab.reference.quant import decode_ue8m0, per_token_group_quant_fp8
 
 GROUP = 128
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .mla_cache import dequant_slots
+from ds4lab.reference.mla_cache import dequant_slots
 
 DEFAULT_SCALE = 512 ** -0.5
 

@@ -1,6 +1,6 @@
 """``ds4lab.serve``: launch DeepSeek-V4 with MTP speculative decoding from a notebook, and measure it.
 
-- :mod:`~ds4lab.serve.profiles`: ``env/profiles.toml`` profile + overrides -> argv and environment
+- :mod:`~ds4lab.serve.profiles`: ``ds4lab/config/profiles.toml`` profile + overrides -> argv and environment
   (:func:`build_launch`), stale-variable scrubbing, offline HF snapshot resolution.
 - :mod:`~ds4lab.serve.server`: :class:`Server`, subprocess or in-process, progress, start-up numbers,
   clean stop, a watchdog so nothing outlives a killed notebook kernel.
@@ -8,7 +8,7 @@
 - :mod:`~ds4lab.serve.measure`: warmup, canary, benchmark (tokens/s, TTFT, TPOT, MTP acceptance from
   ``/metrics``) with and without speculation.
 - :mod:`~ds4lab.serve.artifacts`: serve.sh, warmup.sh, canary.sh and a systemd unit from the profile.
-- :mod:`~ds4lab.serve.views`: plotly charts (the core never imports it).
+- :mod:`~ds4lab.views.serve`: plotly charts (the core never imports it).
 
 CLI ``ds4lab serve`` (this module's :func:`add_arguments` / :func:`main`) is a thin face over them.
 Never imports kernels/: a server process gets kernels only through the vLLM plugin.
@@ -19,14 +19,14 @@ import argparse
 import json
 import sys
 
-from .artifacts import write_artifacts
-from .measure import (BenchResult, Comparison, SpecStats, acanary, abenchmark, acompare, awarmup,
+from ds4lab.serve.artifacts import write_artifacts
+from ds4lab.serve.measure import (BenchResult, Comparison, SpecStats, acanary, abenchmark, acompare, awarmup,
                       canary, benchmark, compare, comparison_rows, acceptance_rows, format_table,
                       make_prompts, new_log_path, startup_rows)
-from .profiles import (Launch, SnapshotError, build_launch, fit_to_machine, load_profiles, parse_setting,
+from ds4lab.serve.profiles import (Launch, SnapshotError, build_launch, fit_to_machine, load_profiles, parse_setting,
                        plan_cards, profile, resolve_hf_snapshot)
-from .server import Server, ServerError
-from .startup import StartupInfo, parse_log, print_progress
+from ds4lab.serve.server import Server, ServerError
+from ds4lab.serve.startup import StartupInfo, parse_log, print_progress
 
 __all__ = ["Launch", "build_launch", "profile", "load_profiles", "resolve_hf_snapshot", "SnapshotError",
            "fit_to_machine", "Server", "ServerError", "StartupInfo", "parse_log", "print_progress", "write_artifacts",
@@ -61,7 +61,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
     if args.gpu is not None:
-        from ds4lab.memory import GPUS, resolve_gpu
+        from ds4lab.planner.memory import GPUS, resolve_gpu
 
         try:
             resolve_gpu(args.gpu)
@@ -84,7 +84,7 @@ def _print_plan(launch: Launch, rows: list[dict], gpu: str | None) -> None:
             print(f"# plan: not planned ({launch.profile} runs the tiny checkpoint on a CPU stack)")
         return
     s = launch.settings
-    print(f"# plan (ds4lab.memory.plan_for_profile; TP={s.get('tensor_parallel_size', 1)}, "
+    print(f"# plan (ds4lab.planner.memory.plan_for_profile; TP={s.get('tensor_parallel_size', 1)}, "
           f"max_model_len {s.get('max_model_len')}, max_num_seqs {s.get('max_num_seqs', 1)}):")
     small = [r for r in rows if r["load_oom"] and not r["named"]]
     for r in rows:
@@ -109,7 +109,7 @@ def _print_plan(launch: Launch, rows: list[dict], gpu: str | None) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="tiny-cpu",
-                        help="a profile of env/profiles.toml (tiny-cpu, ada-upstream, community-sm89-fork)")
+                        help="a profile of ds4lab/config/profiles.toml (tiny-cpu, ada-upstream, community-sm89-fork)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a profile key, parsed by the key's type (lists and env as JSON), "
                              "e.g. --set num_speculative_tokens=0")

@@ -301,9 +301,9 @@ async def acompare(profile: str = "tiny-cpu", overrides: Mapping[str, Any] | Non
     logs go to a new folder ``<log_dir>/ds4lab-serve-<profile>-XXXXXXXX/<label>.log`` (``log_dir``
     default: the system temp folder); :attr:`Comparison.logs` names them and
     :attr:`Comparison.launches` holds the launches that ran (with the ports they really used)."""
-    from .profiles import build_launch, profile as _profile
-    from .server import Server
-    from .startup import print_progress
+    from ds4lab.serve.profiles import build_launch, profile as _profile
+    from ds4lab.serve.server import Server
+    from ds4lab.serve.startup import print_progress
 
     prof = dict(_profile(profile))
     prof.update(overrides or {})

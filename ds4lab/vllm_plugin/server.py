@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from ..procgroup import kill_group
+from ds4lab.procgroup import kill_group
 
 __all__ = ["VllmServer", "ServerError", "free_port", "tiny_server_args", "cpu_env"]
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry import op_shapes
-from ..numerics import compare_topk
-from ..registry import KernelSpec, kernel_configs, register
+from ds4lab.geometry import op_shapes
+from ds4lab.harness.numerics import compare_topk
+from ds4lab.harness.registry import KernelSpec, kernel_configs, register
 
 CASES = ("random", "zero_plateau", "short_rows", "neg_inf_rows", "nan_rows", "seq_len_1", "integer_ties")
 
@@ -62,7 +62,7 @@ def _torch_topk(inputs):
 
 
 def _bench(cfg, tp):
-    from ..geometry import DEFAULT_CONFIG
+    from ds4lab.geometry import DEFAULT_CONFIG
     k = op_shapes(cfg or DEFAULT_CONFIG, tp)["topk_indices"].dims["k"]
     shapes = [{"R": 64, "N": 65536, "k": k}]
     if tp == 1:

@@ -1,11 +1,11 @@
-"""Views over :mod:`ds4lab.memory`: the budget chart (plotly), its table, and the slider widget.
+"""Views over :mod:`ds4lab.planner.memory`: the budget chart (plotly), its table, and the slider widget.
 
 Depends on the planner core; the core never imports this module. Every figure builder has a
 ``*_rows`` twin returning the same numbers rounded, which the notebook prints under the chart.
 """
 from __future__ import annotations
 
-from . import memory as M
+from ds4lab.planner import memory as M
 
 __all__ = ["GROUP_ORDER", "budget_rows", "budget_figure", "plan_rows", "controls"]
 
@@ -65,7 +65,7 @@ def plan_rows(p: M.Plan) -> list[dict]:
 
 
 def controls(cfg=None, **defaults):
-    """ipywidgets sliders over :func:`ds4lab.memory.plan` / :func:`~ds4lab.memory.sweep`.
+    """ipywidgets sliders over :func:`ds4lab.planner.memory.plan` / :func:`~ds4lab.planner.memory.sweep`.
 
     Returns a ``VBox``; moving a slider redraws the chart and the tables (pure-function calls, no torch).
     """

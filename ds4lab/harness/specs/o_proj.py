@@ -10,10 +10,10 @@ import math
 
 import torch
 
-from ..geometry import DEFAULT_CONFIG, op_shapes
-from ..numerics import Tolerance, fp8_mma_rel_error, compare, compare_exact
-from ..reference.quant import ceil_pow2, encode_ue8m0, per_token_group_quant_fp8
-from ..registry import KernelSpec, register
+from ds4lab.geometry import DEFAULT_CONFIG, op_shapes
+from ds4lab.harness.numerics import Tolerance, fp8_mma_rel_error, compare, compare_exact
+from ds4lab.reference.quant import ceil_pow2, encode_ue8m0, per_token_group_quant_fp8
+from ds4lab.harness.registry import KernelSpec, register
 
 GROUP = 128
 HEAD_DIM = DEFAULT_CONFIG.head_dim            # 512
@@ -107,7 +107,7 @@ def rope_min_bytes(s: dict) -> float:
 
 
 def _rope_torch(inputs):
-    from ..reference.o_proj import torch_inv_rope_quant
+    from ds4lab.reference.o_proj import torch_inv_rope_quant
     kw = {k: v for k, v in inputs.items() if k != "check_positions"}
     return lambda: torch_inv_rope_quant(**kw)
 
@@ -213,13 +213,13 @@ def _configs_einsum():
 
 
 def _torch_dequant_bmm(inputs):
-    from ..reference.o_proj import torch_dequant_bmm
+    from ds4lab.reference.o_proj import torch_dequant_bmm
     return lambda: torch_dequant_bmm(inputs["x"], inputs["x_s"], inputs["wo_a"], inputs["wo_a_s"])
 
 
 def _torch_bf16_bmm(inputs):
     """Weights upcast once ahead of time (a bf16 copy of wo_a, 2x the bytes); x dequantized per call."""
-    from ..reference.o_proj import dequant_weight, torch_dequant_bmm
+    from ds4lab.reference.o_proj import dequant_weight, torch_dequant_bmm
     wb = dequant_weight(inputs["wo_a"], inputs["wo_a_s"]).to(torch.bfloat16)
     return lambda: torch_dequant_bmm(
         (inputs["x"].float().reshape(*inputs["x"].shape[:2], -1, GROUP) *
@@ -227,7 +227,7 @@ def _torch_bf16_bmm(inputs):
 
 
 def _scale_f32(s):
-    from ..reference.quant import decode_ue8m0
+    from ds4lab.reference.quant import decode_ue8m0
     return decode_ue8m0(s) if s.dtype == torch.uint8 else s
 
 
@@ -278,7 +278,7 @@ def bf16_einsum_bench_shapes(cfg, tp: int) -> list[dict]:
 
 
 def _torch_bmm(inputs):
-    from ..reference.o_proj import torch_dequant_bmm
+    from ds4lab.reference.o_proj import torch_dequant_bmm
     return lambda: torch_dequant_bmm(inputs["x"], None, inputs["wo_a"], None)
 
 
@@ -378,7 +378,7 @@ def _o_proj_configs():
 
 def _o_proj_torch_bf16(inputs):
     """The upcast fork: bf16 copies of wo_a/wo_b made once, then eager inverse RoPE + bmm + matmul."""
-    from ..reference.o_proj import dequant_weight, inv_rope
+    from ds4lab.reference.o_proj import dequant_weight, inv_rope
     G = inputs["o"].shape[1] // HPG
     wa = dequant_weight(inputs["wo_a"], inputs["wo_a_s"]).to(torch.bfloat16)
     wb = dequant_weight(inputs["wo_b"][None], None if inputs["wo_b_s"] is None else inputs["wo_b_s"][None])[0]

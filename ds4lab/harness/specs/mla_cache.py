@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry import op_shapes
-from ..numerics import Report, compare_exact
-from ..registry import KernelSpec, kernel_configs, register
+from ds4lab.geometry import op_shapes
+from ds4lab.harness.numerics import Report, compare_exact
+from ds4lab.harness.registry import KernelSpec, kernel_configs, register
 
 POISON = 0xA5  # every byte the writer must not touch starts as this
 CASES = ("random", "zero_rows", "tiny_rows", "outliers", "skip_slots", "block_edges")
@@ -51,7 +51,7 @@ def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") 
 
 def check(out, ref, inputs) -> list:
     """Byte-exact cache, and every byte outside the written entries still the poison byte."""
-    from ..reference.mla_cache import written_mask
+    from ds4lab.reference.mla_cache import written_mask
     reps = [compare_exact(out, ref, "kv_cache bytes")]
     mask = written_mask(out, inputs["slot_mapping"], inputs["block_size"])
     stray = (out.detach().cpu().reshape(mask.shape) != POISON) & ~mask
@@ -70,7 +70,7 @@ def bench_shapes(cfg, tp: int) -> list[dict]:
 
 def _torch_eager(inputs):
     """torch-only writer (quantize + index_put into the byte tensor), as a baseline row."""
-    from ..reference.mla_cache import quantize_entry
+    from ds4lab.reference.mla_cache import quantize_entry
 
     def run():
         kv, slots, cache, bs = inputs["kv"], inputs["slot_mapping"].long(), inputs["kv_cache"], inputs["block_size"]

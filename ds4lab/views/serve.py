@@ -5,8 +5,8 @@ Every figure has a text twin in the core (:func:`ds4lab.serve.measure.comparison
 """
 from __future__ import annotations
 
-from .measure import Comparison
-from .startup import StartupInfo
+from ds4lab.serve.measure import Comparison
+from ds4lab.serve.startup import StartupInfo
 
 __all__ = ["comparison_figure", "acceptance_figure", "startup_figure"]
 

@@ -2,7 +2,7 @@
 the Triton interpreter), and the benchmark rows measured on the H200 (read from results/*.csv, with
 their provenance), native and sm_89 builds side by side, as rounded text tables.
 
-Pure data in, rows out; the plotly figures live in :mod:`ds4lab.views`.
+Pure data in, rows out; the plotly figures live in :mod:`ds4lab.views.kernels`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 __all__ = ["RESULTS_DIR", "numerics_sweep", "load_results", "recompute_roof_fractions", "bench_summary",
            "builds_side_by_side", "format_table", "provenance"]
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "results")
 
 
 def numerics_sweep(kernel: str, shapes: list[dict] | None = None, cases: Iterable[str] | None = None,
@@ -27,7 +27,7 @@ def numerics_sweep(kernel: str, shapes: list[dict] | None = None, cases: Iterabl
     """
     import torch
 
-    from .registry import get
+    from ds4lab.harness.registry import get
     spec = get(kernel)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"

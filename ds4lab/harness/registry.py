@@ -111,7 +111,7 @@ def register(spec: KernelSpec) -> KernelSpec:
 
 
 def _load_all() -> None:
-    from . import kernel_specs
+    from ds4lab.harness import specs as kernel_specs
     for m in pkgutil.iter_modules(kernel_specs.__path__):
         name = f"{kernel_specs.__name__}.{m.name}"
         if name in LOAD_ERRORS:

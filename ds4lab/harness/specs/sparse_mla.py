@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry import op_shapes
-from ..numerics import compare
-from ..registry import KernelSpec, kernel_configs, reference_baseline, register
-from .mla_cache import block_bytes
+from ds4lab.geometry import op_shapes
+from ds4lab.harness.numerics import compare
+from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
+from ds4lab.harness.specs.mla_cache import block_bytes
 
 CASES = ("random", "boundary_lens", "neg_indices", "all_invalid", "one_valid", "peaked", "sink_extremes")
 
 
 def _cache(n_entries: int, bs: int, g: torch.Generator):
     """An fp8_ds_mla cache written by the reference writer from RMS-normed random latents."""
-    from ..reference.mla_cache import fp8_ds_mla_insert
+    from ds4lab.reference.mla_cache import fp8_ds_mla_insert
     nb = -(-n_entries // bs)
     kv = torch.randn(nb * bs, 512, generator=g) * torch.exp(torch.empty(nb * bs, 1).uniform_(-1, 1, generator=g))
     cache = torch.zeros((nb, block_bytes(bs)), dtype=torch.uint8)
@@ -101,7 +101,7 @@ def _p_rounding_allowance(inputs) -> torch.Tensor:
     """``2^-8 * sum_j p_j |v_j|`` (float64, CPU, the output's shape): the most the kernels' bf16
     probabilities (``tl.dot(p.to(bf16), v)``, a relative error of at most 2^-8 per ``p_j``; the
     softmax sum stays fp32) can move an output element away from the exact-probability reference."""
-    from ..reference import sparse_mla as R
+    from ds4lab.reference import sparse_mla as R
     fn = R.sparse_mla_prefill if "kv" in inputs else R.sparse_mla_decode
     return P_ROUND * fn(**inputs, abs_values=True)
 

@@ -174,7 +174,7 @@ def _aot_shapes(spec) -> list[dict]:
 
 def report(names: list[str] | None = None, archs=("sm_89", "sm_90"), progress=None) -> list[AotRow]:
     """Compile every (kernel, arch, AOT shape, config); ``progress(msg)`` is called once per kernel."""
-    from .registry import all_specs
+    from ds4lab.harness.registry import all_specs
     rows = []
     for spec in all_specs():
         if names and spec.name not in names and spec.family not in names:
@@ -218,7 +218,7 @@ def main(args) -> int:
         # JITFunctions are needed: re-run ourselves without the interpreter
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.call([sys.executable, "-m", "ds4lab", "aot", *sys.argv[2:]], env=env)
-    from .registry import all_specs
+    from ds4lab.harness.registry import all_specs
     known = {s.name for s in all_specs()} | {s.family for s in all_specs()}
     unknown = sorted(set(args.kernels) - known)
     if unknown:

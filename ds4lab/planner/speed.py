@@ -1,7 +1,7 @@
 """Ada (sm_89) estimates from the H200 sm_89-build rows, and a DeepSeek-V4-Flash decode-step model.
 
 Everything here is an ESTIMATE: no Ada card was measured. Pure Python over benchmark rows
-(:func:`ds4lab.kernel_report.load_results`) and :mod:`ds4lab.geometry`; no torch.
+(:func:`ds4lab.harness.report.load_results`) and :mod:`ds4lab.geometry`; no torch.
 
 Scaling method (issue 15 item 3)
 --------------------------------
@@ -41,7 +41,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from .geometry import DEFAULT_CONFIG, LayerKind, ModelConfig, layer_counts, op_shapes
+from ds4lab.geometry import DEFAULT_CONFIG, LayerKind, ModelConfig, layer_counts, op_shapes
 
 __all__ = ["Card", "CARDS", "H200", "SEED_FIGURES", "Assumptions", "row_efficiency", "scale_row",
            "ada_scaled_table", "additive_time", "kernel_bytes", "kernel_flops", "decode_terms",

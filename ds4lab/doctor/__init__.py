@@ -2,7 +2,7 @@
 
 Every check is a function ``check_x(ctx) -> CheckResult`` over an explicit :class:`DoctorContext`
 (an environ dict with its ``PATH``, the Python interpreter the server will run, the HF cache
-folder, the chosen profile from ``env/stacks.toml`` and the argv of the intended server command).
+folder, the chosen profile from ``ds4lab/config/stacks.toml`` and the argv of the intended server command).
 Facts about a Python environment are read by running that interpreter (``python <probe>`` as a
 subprocess with the context's environ), never by importing into the doctor's own process, so the
 doctor can check the server's venv rather than its own, and tests can build real venvs with a
@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from .stacks import stack, stacks
+from ds4lab.config.stacks import stack, stacks
 
 __all__ = [
     "CheckResult", "DoctorContext", "Report", "CHECKS", "STATUSES",
@@ -370,14 +370,14 @@ def default_profile(facts: dict) -> str:
 
 
 def _serve_profiles() -> dict[str, dict]:
-    from .serve.profiles import load_profiles
+    from ds4lab.serve.profiles import load_profiles
 
     return load_profiles()
 
 
 def resolve_profile_name(name: str) -> str:
-    """A doctor profile (a stack of ``env/stacks.toml``) from ``name``: a stack name as is, or a
-    ``ds4lab serve`` profile of ``env/profiles.toml`` (e.g. ``tiny-cpu`` -> its stack ``cpu``).
+    """A doctor profile (a stack of ``ds4lab/config/stacks.toml``) from ``name``: a stack name as is, or a
+    ``ds4lab serve`` profile of ``ds4lab/config/profiles.toml`` (e.g. ``tiny-cpu`` -> its stack ``cpu``).
     ValueError naming both lists otherwise."""
     if name in stacks():
         return name
@@ -1154,7 +1154,7 @@ def run_doctor(profile: str | None = None, python: str | None = None, environ: d
 
 def add_arguments(p) -> None:
     p.add_argument("--profile", choices=sorted(set(stacks()) | set(_serve_profiles())), default=None,
-                   help="stack from env/stacks.toml, or a `ds4lab serve` profile meaning its stack "
+                   help="stack from ds4lab/config/stacks.toml, or a `ds4lab serve` profile meaning its stack "
                         "(tiny-cpu = cpu) (default: from this machine; cpu without CUDA)")
     p.add_argument("--python", default=None, help="interpreter of the server's venv to check (default: this one)")
     p.add_argument("--hf-cache", default=None,

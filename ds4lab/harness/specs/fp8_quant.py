@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry import op_shapes
-from ..numerics import compare_exact
-from ..registry import KernelSpec, kernel_configs, reference_baseline, register
+from ds4lab.geometry import op_shapes
+from ds4lab.harness.numerics import compare_exact
+from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
 
 GROUP = 128
 SCALE_FMTS = ("fp32", "pow2", "ue8m0", "ue8m0_packed")

@@ -16,7 +16,7 @@ def _short(shape: str) -> str:
 
 def bench_figure(side_rows: list[dict], title: str = ""):
     """Grouped bars: p50 microseconds per shape for the sm_90 build, the sm_89 build and the best
-    baseline (rows from :func:`ds4lab.kernel_report.builds_side_by_side`); log y."""
+    baseline (rows from :func:`ds4lab.harness.report.builds_side_by_side`); log y."""
     import plotly.graph_objects as go
     x = [f"{r['kernel']} tp{r['tp']} {_short(r['shape'])}" for r in side_rows]
     fig = go.Figure()
@@ -74,7 +74,7 @@ def numerics_figure(rows: list[dict], title: str = ""):
 
 def ada_estimate_figure(rows: list[dict], title: str = ""):
     """ESTIMATE, not a measurement: predicted decode tokens/s per card, TP and batch (rows of
-    :func:`ds4lab.ada_estimate.decode_model`): bars for the efficiency-carry method and the additive
+    :func:`ds4lab.planner.speed.decode_model`): bars for the efficiency-carry method and the additive
     bracket, markers for the bandwidth ceiling and the seeds' published figures; log y."""
     import plotly.graph_objects as go
     fig = go.Figure()

@@ -15,7 +15,7 @@ import tempfile
 
 
 def _real_ptxas() -> str:
-    # set by ds4lab.bench; else the triton wheel's ptxas, located without importing triton
+    # set by ds4lab.harness.bench; else the triton wheel's ptxas, located without importing triton
     if os.environ.get("DS4LAB_REAL_PTXAS"):
         return os.environ["DS4LAB_REAL_PTXAS"]
     spec = importlib.util.find_spec("triton")

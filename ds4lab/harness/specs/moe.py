@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry import op_shapes
-from ..numerics import Report, compare, compare_exact
-from ..registry import KernelSpec, kernel_configs, reference_baseline, register
+from ds4lab.geometry import op_shapes
+from ds4lab.harness.numerics import Report, compare, compare_exact
+from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
 
 GROUP = 128
 
@@ -63,7 +63,7 @@ def check_route(out, ref, inputs) -> list:
     """Ids: in range, distinct, and (bias path) the multiset of their fp64 selection scores equals
     the reference top-k's within fp32 rounding (near-ties may pick either expert); hash path: exact.
     Weights: against the fp64 reference recomputed for the kernel's own ids."""
-    from ..reference import moe as R
+    from ds4lab.reference import moe as R
     (w, ids), (rw, rids) = out, ref
     ids, rids = ids.cpu().long(), rids.cpu().long()
     logits = inputs["router_logits"].cpu()
@@ -220,7 +220,7 @@ def check_moe(out, ref, inputs) -> list:
     """bf16 budget with ``atol`` scaled by the output's RMS (when above 1): an output element that
     is a small sum of large terms (the ``clamp`` case: |h| up to 100) carries the terms' absolute
     rounding error (fp16 h on the prefill path, 2^-11 relative), not its own."""
-    from ..numerics import Tolerance, tolerance_for
+    from ds4lab.harness.numerics import Tolerance, tolerance_for
     base = tolerance_for("bfloat16")
     r = ref.detach().double()
     fin = r[r.isfinite()]

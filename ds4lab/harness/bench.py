@@ -159,9 +159,9 @@ def run_bench(names=None, tps=(1,), build="native", quick=False, log=print, shap
     import torch
     import triton
 
-    from .banner import git_sha
-    from .geometry import DEFAULT_CONFIG
-    from .registry import all_specs
+    from ds4lab.banner import git_sha
+    from ds4lab.geometry import DEFAULT_CONFIG
+    from ds4lab.harness.registry import all_specs
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -190,7 +190,7 @@ def run_bench(names=None, tps=(1,), build="native", quick=False, log=print, shap
                 nsets = _n_sets(inputs, l2)
                 sets = [inputs] + [spec.make_inputs(shape, spec.cases[0], i + 1, dev) for i in range(nsets - 1)]
                 flops, nbytes = spec.flops(shape), spec.min_bytes(shape)
-                repro = (f"python3 -m ds4lab.bench {spec.name} --tp {tp} --arch {build} "
+                repro = (f"python3 -m ds4lab.harness.bench {spec.name} --tp {tp} --arch {build} "
                          f"--shape '{json.dumps(shape)}'")
                 common = {**base, "kernel": spec.name, "tp": tp, "shape": json.dumps(shape), "flops": flops,
                           "min_bytes": nbytes, "n_sets": nsets}
@@ -284,8 +284,6 @@ def main(args) -> int:
         print("ds4lab bench: no CUDA device here. The committed rows in results/*.csv were measured on "
               "the H200; run this on a GPU machine (see README).", file=sys.stderr)
         return 2
-    from .srctree import ensure_kernels_importable
-    ensure_kernels_importable()
     only_baselines = args.config == "none"
     rows = run_bench(args.kernels or None, tuple(args.tp or (1, 4)), args.arch, args.quick,
                      shape_filter=args.shape, config_filter="\0" if only_baselines else args.config,
@@ -297,6 +295,6 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m ds4lab.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ds4lab.harness.bench", description=__doc__.splitlines()[0])
     add_arguments(ap)
     sys.exit(main(ap.parse_args()))

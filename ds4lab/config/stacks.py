@@ -1,4 +1,4 @@
-"""The known software stacks (``env/stacks.toml``) as data for the doctor and the launcher."""
+"""The known software stacks (``ds4lab/config/stacks.toml``) as data for the doctor and the launcher."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ from functools import lru_cache
 
 __all__ = ["STACKS_PATH", "stacks", "stack", "option_value"]
 
-STACKS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "env", "stacks.toml")
+STACKS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stacks.toml")
 
 
 @lru_cache(maxsize=1)

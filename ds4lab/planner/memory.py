@@ -1,7 +1,7 @@
 """Per-GPU memory planner: ``--gpu-memory-utilization`` against KV headroom (``ds4lab plan``).
 
 Pure Python over :mod:`ds4lab.geometry` (no torch, no vLLM import): fast enough for a slider.
-Views (plotly figures, ipywidgets) live in :mod:`ds4lab.memory_views`; this module never imports them.
+Views (plotly figures, ipywidgets) live in :mod:`ds4lab.views.memory`; this module never imports them.
 
 Three layers, each term naming its source:
 
@@ -34,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .geometry import (
+from ds4lab.geometry import (
     DEFAULT_CONFIG, FP8_BLOCK, SUPPORTED_TP, LayerKind, ModelConfig, check_tp, layer_counts, layer_kinds,
     load_config,
 )
@@ -968,7 +968,7 @@ def _fixes(p: Plan) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Serve profiles (env/profiles.toml) -> a plan
+# Serve profiles (ds4lab/config/profiles.toml) -> a plan
 # ---------------------------------------------------------------------------------------------
 def _profile_format(model: str) -> str:
     m = model.lower()
@@ -981,14 +981,14 @@ def _profile_format(model: str) -> str:
 
 def plan_for_profile(settings: dict, gpu: str | GPU | int, *, cfg: ModelConfig = DEFAULT_CONFIG,
                      watched: bool = False, stack: dict | None = None) -> Plan:
-    """:func:`plan` for a serve profile (a table of ``env/profiles.toml``) on one card.
+    """:func:`plan` for a serve profile (a table of ``ds4lab/config/profiles.toml``) on one card.
 
     ``settings`` uses the profile keys: ``tensor_parallel_size`` (default 1), ``max_model_len``,
     ``max_num_seqs`` (default 1), ``max_num_batched_tokens`` (default: vLLM's for the card),
     ``gpu_memory_utilization`` (``gpu_memory_utilization_watched`` when ``watched``; default 0.92),
     ``kv_cache_memory_bytes``, ``num_speculative_tokens`` (0: no MTP), ``model`` (the checkpoint
     format: ``tiny`` -> bf16, a ``W4A16`` repo -> community, else official), ``flags`` /
-    ``extra_args``. ``stack`` is the profile's table of ``env/stacks.toml`` (looked up by
+    ``extra_args``. ``stack`` is the profile's table of ``ds4lab/config/stacks.toml`` (looked up by
     ``settings["stack"]`` when None); its ``flags`` come before the profile's, as in
     ``ds4lab.serve.profiles.build_launch``, and the last spelling of a flag wins, as in vLLM's
     argparse. Flags read: ``--max-num-batched-tokens``, ``--max-model-len``, ``--max-num-seqs``,
@@ -996,10 +996,10 @@ def plan_for_profile(settings: dict, gpu: str | GPU | int, *, cfg: ModelConfig =
     A stack pinned below vLLM 0.32 (the community fork) does not subtract its CUDA-graph estimate
     from the KV budget (``graphs_in_budget=False``). Raises ValueError naming the key for a bad value.
     """
-    from .stacks import option_value   # pure TOML module; memory stays torch-free
+    from ds4lab.config.stacks import option_value   # pure TOML module; memory stays torch-free
     s = dict(settings)
     if stack is None and s.get("stack"):
-        from .stacks import stack as _stack   # pure TOML read; memory stays torch-free
+        from ds4lab.config.stacks import stack as _stack   # pure TOML read; memory stays torch-free
         stack = _stack(str(s["stack"]))
     stack = stack or {}
     argv = [str(a) for a in list(stack.get("flags", [])) + list(s.get("flags", [])) + list(s.get("extra_args", []))]

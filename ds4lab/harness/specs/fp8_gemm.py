@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry import op_shapes
-from ..numerics import compare, fp8_mma_rel_error
-from ..reference import fp8_gemm as R
-from ..reference.quant import per_token_group_quant_fp8 as _act_quant
-from ..registry import KernelSpec, kernel_configs, register
+from ds4lab.geometry import op_shapes
+from ds4lab.harness.numerics import compare, fp8_mma_rel_error
+from ds4lab.reference import fp8_gemm as R
+from ds4lab.reference.quant import per_token_group_quant_fp8 as _act_quant
+from ds4lab.harness.registry import KernelSpec, kernel_configs, register
 
 BLOCK = 128
 GEMM_OPS = ("wq_a_wkv", "wq_b", "wo_b", "indexer_wq_b", "shared_gate_up", "shared_down")

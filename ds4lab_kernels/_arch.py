@@ -22,7 +22,7 @@ def arch_of(device: torch.device) -> str:
         ``device.type`` themselves).
 
     On CUDA, ``TRITON_OVERRIDE_ARCH`` (``sm89`` / ``sm90``; Triton compiles for that arch instead
-    of the device's) wins over the device: the sm_89 build on an H200 (``ds4lab.bench --arch sm89``)
+    of the device's) wins over the device: the sm_89 build on an H200 (``ds4lab.harness.bench --arch sm89``)
     must read the sm_89 table in every launcher, including the sub-configs a launcher fills in for
     itself (a config passed by the caller only covers the top level).
     """

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry import op_shapes
-from ..numerics import Tolerance, compare, compare_exact, compare_mask, fp8_mma_rel_error
-from ..reference import indexer as R
-from ..registry import KernelSpec, kernel_configs, register
+from ds4lab.geometry import op_shapes
+from ds4lab.harness.numerics import Tolerance, compare, compare_exact, compare_mask, fp8_mma_rel_error
+from ds4lab.reference import indexer as R
+from ds4lab.harness.registry import KernelSpec, kernel_configs, register
 
 D = R.HEAD_DIM
 BS = 64                      # compressed entries per indexer cache block (256 tokens / ratio 4)
@@ -21,7 +21,7 @@ def _gen(seed, device):
 
 
 def _heads(cfg=None):
-    from ..geometry import DEFAULT_CONFIG
+    from ds4lab.geometry import DEFAULT_CONFIG
     return op_shapes(cfg or DEFAULT_CONFIG, 1)["mqa_logits"].dims["H"]
 
 

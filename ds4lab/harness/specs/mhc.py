@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from ..geometry import op_shapes
-from ..numerics import Tolerance, compare, compare_exact, tolerance_for
-from ..registry import KernelSpec, kernel_configs, reference_baseline, register
+from ds4lab.geometry import op_shapes
+from ds4lab.harness.numerics import Tolerance, compare, compare_exact, tolerance_for
+from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
 
 HC = 4
 CASES = ("random", "large_rows", "zero_rows", "sharp_comb")
@@ -92,7 +92,7 @@ def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu", 
             x[-1, -1] = float("inf")
     post = 2.0 * torch.sigmoid(torch.randn(T, hc, 1, generator=g))
     logits = torch.randn(T, hc, hc, generator=g) * (3.0 if case == "sharp_comb" else 1.0)
-    from ..reference.mhc import sinkhorn
+    from ds4lab.reference.mhc import sinkhorn
     comb = sinkhorn(logits.double(), 20, 1e-6).float()
     io = {"x": x.to(torch.bfloat16).to(dev), "residual": res.to(torch.bfloat16).to(dev),
           "post_mix": post.to(dev), "comb_mix": comb.to(dev)}
@@ -152,7 +152,7 @@ def check_fused(out, ref, inputs):
     """The new residual against the fp64 post; the gates and layer input against the fp64 pre OF THE
     RESIDUAL THE KERNEL WROTE: fp32 vs fp64 post arithmetic flips ~5e-5 of the bf16 roundings by one ulp,
     and one flipped element moves a mix by ~2^-8 |fn| (1e-3 at the small test K), which is not an error."""
-    from ..reference.mhc import mhc_pre
+    from ds4lab.reference.mhc import mhc_pre
     pre_kw = {k: v for k, v in inputs.items() if k not in ("x", "residual", "post_mix", "comb_mix")}
     ref_pre = mhc_pre(out[0], **pre_kw)
     return [_rowwise(out[0], ref[0], "residual_cur"),
