@@ -18,7 +18,6 @@ _X_FIRST = ("M", "T", "ctx", "B", "N", "R")
 # keys of a shape that are labels, not sizes (kept in a panel's title, never on x)
 _LABEL_KEYS = ("op",)
 _PANEL_H = 250  # px per panel row
-_TOP = 110      # px above the first panel row: title and legend
 _TP_STYLE = (("solid", "circle"), ("dash", "square-open"), ("dot", "diamond"), ("dashdot", "x"))  # per tp
 
 # (column of a side-by-side row, legend label, colour): one trace per series, the same in every panel
@@ -272,7 +271,8 @@ def numerics_figure(rows: list[dict], title: str = ""):
         return fig
     cols = 1 if len(kernels) == 1 else 2 if len(kernels) <= 4 else 3
     nrows = math.ceil(len(kernels) / cols)
-    height = _TOP + 40 + 270 * nrows
+    top = 45 + 22 + 22 + 35  # title, verdict line, legend, the first row's panel titles
+    height = top + 300 * nrows
     fig = make_subplots(rows=nrows, cols=cols, subplot_titles=kernels, vertical_spacing=min(0.3, 120 / height),
                         horizontal_spacing=0.08)
     shown = set()
@@ -306,10 +306,12 @@ def numerics_figure(rows: list[dict], title: str = ""):
         fig.update_yaxes(type="log", exponentformat="power", row=row, col=col,
                          title_text="error (log)" if col == 1 else None, title_standoff=2)
     fig.update_annotations(font_size=12)
-    fig.update_layout(title=dict(text=f"{title or 'numerics vs reference'}<br><span style='font-size:12px'>{verdict}"
-                                      "</span>", y=1 - 10 / height, yanchor="top"),
-                      height=height, margin=dict(t=_TOP + 20, l=70, r=20, b=90), font_size=11,
-                      legend=dict(orientation="h", x=0, y=1 + 8 / height, yanchor="bottom"))
+    span = height - top - 90  # the paper's height in px
+    fig.add_annotation(text=verdict, xref="paper", yref="paper", x=0, xanchor="left", y=1 + (top - 40) / span,
+                       yanchor="top", showarrow=False, font_size=12)
+    fig.update_layout(title=dict(text=title or "numerics vs reference", y=1 - 12 / height, yanchor="top"),
+                      height=height, margin=dict(t=top, l=70, r=20, b=90), font_size=11,
+                      legend=dict(orientation="h", x=0, y=1 + (top - 62) / span, yanchor="top"))
     return fig
 
 

@@ -1,7 +1,7 @@
 """Render plotly figures in a real headless browser (Chromium from Debian's packages) and check what
 a person would see: every panel's plot area has room, holds drawn data, and nothing covers it.
 
-``render(fig, out_dir, name)`` writes ``name.html`` (plotly.js inline: works offline), drawn by
+``render({name: fig}, out_dir, page)`` writes ``page.html`` (plotly.js inline: works offline), drawn by
 Chromium twice: ``--dump-dom`` reads the geometry plotly laid out (a small script writes each
 subplot's plot-area rectangle, the legend's and the titles' boxes into the page), and
 ``--screenshot`` writes ``name.png``. :func:`check` turns both into a list of problems (empty when
@@ -31,11 +31,12 @@ def chromium() -> str | None:
     return None
 
 
-# after the drawing settles, every box a reader's eye meets, in page pixels
+# after the drawing settles, every box a reader's eye meets, in page pixels, per figure
 _PROBE = """
 <script>
 function ds4labProbe(gd) {
-  var fl = gd._fullLayout, out = {width: fl.width, height: fl.height, panels: [], legend: null, titles: []};
+  var fl = gd._fullLayout, top = gd.getBoundingClientRect().top + window.scrollY;
+  var out = {name: gd.id, top: top, width: fl.width, height: fl.height, panels: [], legend: null, titles: []};
   Object.keys(fl._plots).sort().forEach(function (id) {
     var sp = fl._plots[id], xa = sp.xaxis, ya = sp.yaxis;
     var n = 0;
@@ -43,62 +44,74 @@ function ds4labProbe(gd) {
       if ((t.xaxis || 'x') === xa._id && (t.yaxis || 'y') === ya._id && t.visible !== false)
         n += (t.x || []).filter(function (v, i) { return v !== null && (t.y || [])[i] !== null; }).length;
     });
-    out.panels.push({id: id, x: xa._offset, y: ya._offset, w: xa._length, h: ya._length, points: n});
+    out.panels.push({id: id, x: xa._offset, y: top + ya._offset, w: xa._length, h: ya._length, points: n});
   });
+  var box = function (el) { var r = el.getBoundingClientRect();
+                            return {x: r.left, y: r.top + window.scrollY, w: r.width, h: r.height}; };
   var lg = gd.querySelector('g.legend');
-  if (lg) { var r = lg.getBoundingClientRect(); out.legend = {x: r.left, y: r.top, w: r.width, h: r.height}; }
+  if (lg) out.legend = box(lg);
   gd.querySelectorAll('g.annotation, g.g-gtitle, g.g-ytitle, g.g-xtitle').forEach(function (a) {
-    var r = a.getBoundingClientRect();
-    out.titles.push({cls: a.getAttribute('class'), text: a.textContent.slice(0, 80),
-                     x: r.left, y: r.top, w: r.width, h: r.height});
+    var b = box(a); b.cls = a.getAttribute('class'); b.text = a.textContent.slice(0, 80); out.titles.push(b);
   });
-  var pre = document.createElement('pre'); pre.id = 'ds4lab-layout';
-  pre.textContent = JSON.stringify(out); pre.style.display = 'none'; document.body.appendChild(pre);
+  return out;
 }
 </script>
 """
 
 
-def _page(fig, width: int) -> str:
+def _page(figs: dict, width: int) -> tuple[str, int]:
+    """One page drawing every figure of ``{name: fig}`` in turn (plotly.js inline, once)."""
     import plotly.io as pio
-    fig = fig.to_dict() if hasattr(fig, "to_dict") else fig
-    height = int(fig.get("layout", {}).get("height") or 500)
-    body = pio.to_html(fig, include_plotlyjs=True, full_html=False, div_id="fig",
-                       default_width=f"{width}px", default_height=f"{height}px",
-                       config={"responsive": False})
-    return (f"<html><head><meta charset='utf-8'>{_PROBE}</head><body style='margin:0;background:#fff'>{body}"
-            "<script>var gd = document.getElementById('fig');"
-            "(window.Plotly.Plots.resize(gd) || Promise.resolve()).then(function(){ds4labProbe(gd);});</script>"
-            "</body></html>"), height
+    parts, total = [], 0
+    for i, (name, fig) in enumerate(figs.items()):
+        d = fig.to_dict() if hasattr(fig, "to_dict") else fig
+        height = int(d.get("layout", {}).get("height") or 500)
+        total += height
+        parts.append(pio.to_html(d, include_plotlyjs=(i == 0), full_html=False, div_id=name,
+                                 default_width=f"{width}px", default_height=f"{height}px",
+                                 config={"responsive": False}))
+    ids = json.dumps(list(figs))
+    return (f"<html><head><meta charset='utf-8'>{_PROBE}</head><body style='margin:0;background:#fff'>"
+            + "".join(parts) +
+            f"<script>var ids = {ids};"
+            "Promise.all(ids.map(function (id) { return Plotly.Plots.resize(document.getElementById(id)); }))"
+            ".then(function () { var pre = document.createElement('pre'); pre.id = 'ds4lab-layout';"
+            "pre.style.display = 'none'; pre.textContent = JSON.stringify(ids.map(function (id) {"
+            "return ds4labProbe(document.getElementById(id)); })); document.body.appendChild(pre); });</script>"
+            "</body></html>"), total
 
 
-def render(fig, out_dir: str, name: str, width: int = WIDTH, browser: str | None = None) -> dict:
-    """Draw ``fig`` in headless Chromium; writes ``out_dir/name.html`` and ``name.png``; returns
-    the probed geometry (``width``, ``height``, ``panels`` [{x, y, w, h, points}] in page px,
-    ``legend``, ``titles``) plus ``png``. Raises RuntimeError if Chromium is missing or fails."""
+def render(figs: dict, out_dir: str, name: str, width: int = WIDTH, browser: str | None = None) -> list[dict]:
+    """Draw every figure of ``{name: fig}`` on one page in headless Chromium; writes
+    ``out_dir/name.html`` and ``name.png``. Returns per figure the probed geometry (``name``,
+    ``width``, ``height``, ``panels`` [{x, y, w, h, points}] in page px, ``legend``, ``titles``)
+    plus ``png``. Raises RuntimeError if Chromium is missing or draws nothing."""
     browser = browser or chromium()
     if not browser:
         raise RuntimeError("chromium not found: apt-get install -y chromium")
     os.makedirs(out_dir, exist_ok=True)
-    page, height = _page(fig, width)
+    page, height = _page(figs, width)
     html_path = os.path.abspath(os.path.join(out_dir, f"{name}.html"))
     png = os.path.abspath(os.path.join(out_dir, f"{name}.png"))
     with open(html_path, "w") as f:
         f.write(page)
+    if os.path.exists(png):
+        os.remove(png)
     flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-             "--disable-dev-shm-usage", f"--window-size={width},{height}", "--virtual-time-budget=10000"]
+             "--disable-dev-shm-usage", f"--window-size={width},{height}", "--virtual-time-budget=20000"]
     url = "file://" + html_path
-    dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120)
+    dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=180)
     m = re.search(r"<pre id=\"ds4lab-layout\"[^>]*>(.*?)</pre>", dom.stdout, re.S)
     if not m:
         raise RuntimeError(f"chromium drew no layout for {name}: rc={dom.returncode} {dom.stderr[-800:]}")
     import html as _html
-    geo = json.loads(_html.unescape(m.group(1)))
-    shot = subprocess.run(flags + [f"--screenshot={png}", url], capture_output=True, text=True, timeout=120)
+    geos = json.loads(_html.unescape(m.group(1)))
+    shot = subprocess.run(flags + [f"--screenshot={png}", url], capture_output=True, text=True, timeout=180)
     if not os.path.exists(png):
         raise RuntimeError(f"chromium wrote no screenshot for {name}: rc={shot.returncode} {shot.stderr[-800:]}")
-    geo["png"] = png
-    return geo
+    for g in geos:
+        g["png"] = png
+    return geos
 
 
 def colour_pixels(png: str, box: dict) -> int:
@@ -141,8 +154,10 @@ def check(geo: dict, min_w: int = 150, min_h: int = 110, min_pixels: int = 40) -
         for t in ts:
             if _overlap(geo["legend"], t) > 0.1 * t["w"] * t["h"]:
                 problems.append(f"legend covers the title {t['text']!r}")
+    top = geo.get("top", 0)
     for t in ts:
-        if t["x"] < -1 or t["y"] < -1 or t["x"] + t["w"] > geo["width"] + 1 or t["y"] + t["h"] > geo["height"] + 1:
+        if (t["x"] < -1 or t["y"] < top - 1 or t["x"] + t["w"] > geo["width"] + 1
+                or t["y"] + t["h"] > top + geo["height"] + 1):
             problems.append(f"title {t['text']!r} cut off ({t['x']:.0f},{t['y']:.0f} {t['w']:.0f}x{t['h']:.0f})")
     for i, a in enumerate(ts):
         for b in ts[i + 1:]:
@@ -182,14 +197,14 @@ def main(argv=None) -> int:
         from ds4lab import notebook as nb
         nb.setup()
     bad = 0
-    for name, fig in kernel_figures(numerics=args.numerics).items():
-        geo = render(fig, args.out, name)
+    for geo in render(kernel_figures(numerics=args.numerics), args.out, "kernel_figures"):
         problems = check(geo)
         bad += bool(problems)
-        print(f"{'OK  ' if not problems else 'BAD '} {name}: {len(geo['panels'])} panels, "
-              f"{geo['width']}x{geo['height']} px -> {geo['png']}")
+        print(f"{'OK  ' if not problems else 'BAD '} {geo['name']}: {len(geo['panels'])} panels, "
+              f"{geo['width']}x{geo['height']} px")
         for p in problems:
             print("     " + p)
+    print(f"-> {os.path.join(args.out, 'kernel_figures.png')} (and .html)")
     return 1 if bad else 0
 
 
