@@ -165,8 +165,8 @@ def committed_rows(family, log=None) -> list[dict]:
     sm_90 and sm_89 builds side by side (:func:`ds4lab.harness.report.builds_side_by_side`). With
     ``log`` (e.g. ``print``) also their provenance and the rows whose pre-timing check failed."""
     from ds4lab.harness.report import builds_side_by_side, failed_rows, load_results, provenance
-    names = kernels_of(family)
-    every = [r for n in names for r in load_results(n, status=None)]
+    names = set(kernels_of(family))
+    every = [r for r in load_results(status=None) if r.get("kernel") in names]
     rows = [r for r in every if r.get("status") == "OK"]
     if log:
         log(provenance(rows))

@@ -5,8 +5,8 @@ with a summary table. Exits non-zero if any notebook fails; progress is printed 
 Each notebook hands its headline numbers to the summary through :func:`ds4lab.notebook.record`
 (``$DS4LAB_TOUR_DIR/<notebook>.json``).
 
-Pages work offline: nbconvert's lab template loads require.js and MathJax from a CDN; the export
-leaves both out (no notebook uses LaTeX; plotly.js is a local file). A widget (07's sliders) has no
+Pages work offline: nbconvert's lab template loads require.js, MathJax and mermaid from a CDN; the
+export leaves them out (no notebook uses LaTeX or mermaid; plotly.js is a local file). A widget (07's sliders) has no
 static form: the page says so where it would be, instead of a blank space.
 
 Kernel: the registered ``ds4lab`` Jupyter kernel (``env/setup.sh``) where it exists, else the
@@ -54,10 +54,11 @@ WIDGET_NOTE = ("<div class='ds4lab-widget-note' style='border:1px dashed #999;pa
                "font-size:13px'>Interactive widget: it runs in JupyterLab (<code>make lab</code>, this notebook); "
                "a static page cannot draw it. The outputs below it show the notebook's default values.</div>")
 
-# nbconvert's lab page without its CDN scripts (require.js, MathJax): the tour must open offline
+# nbconvert's lab page without its CDN scripts (require.js, MathJax, mermaid): the tour must open offline
 _OFFLINE_TEMPLATE = ("{%- extends 'lab/index.html.j2' -%}\n"
                      "{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}\n"
-                     "{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}\n")
+                     "{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}\n"
+                     "{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}\n")
 
 
 def widget_outputs_to_notes(nb) -> int:
@@ -188,7 +189,10 @@ def summary_tables(summary: list[dict]) -> dict[str, list[dict]]:
                             "worst 1-similarity": d.get("worst_diff"),
                             "worst max rel err (not the verdict)": d.get("worst_max_rel"),
                             "best roof frac (sm_90 build)": d.get("best_roof_fraction"),
-                            "best roof frac (sm_89 build)": d.get("best_sm89_roof_fraction")})
+                            "best roof frac (sm_89 build)": d.get("best_sm89_roof_fraction"),
+                            **({"live GPU": d["local_gpu"], "live rows": d.get("local_rows"),
+                                "live best roof frac (native)": d.get("local_best_roof_fraction")}
+                               if d.get("local_gpu") else {})})
         elif name.startswith("07"):
             planner.append({k: d.get(k) for k in ("gpu", "tp", "max_model_len", "util_watched", "util_unattended",
                                                   "util_watched_batched512", "util_unattended_batched512",

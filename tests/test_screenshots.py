@@ -26,8 +26,9 @@ def _old_single_bar_chart(side):
 
 def test_every_kernel_chart_is_readable_in_a_browser(tmp_path):
     figs = {}
-    for name, fams in nb.KERNEL_NOTEBOOKS.items():
-        side = nb.committed_rows(fams)
+    # the densest notebooks (01: 11 panels; 03: 9); `make screenshots` draws all six
+    for name in ("01_fp8_gemm", "03_indexer"):
+        side = nb.committed_rows(nb.KERNEL_NOTEBOOKS[name])
         figs[f"{name}_time"] = bench_figure(side, title=f"{name}: p50 per call on the H200")
         figs[f"{name}_roof"] = roof_figure(side, title=f"{name}: fraction of the H200 roof")
     # real numerics rows of the cheapest family (the interpreter, one shape per kernel)
