@@ -290,7 +290,7 @@ def test_plan_help_describes_every_option():
 # ---- views ---------------------------------------------------------------------------------------
 def test_views_rows_and_figure():
     pytest.importorskip("plotly")
-    from ds4lab.views.kernels import memory as V
+    from ds4lab.views import memory as V
 
     plans = M.sweep(cfg=DEFAULT_CONFIG, max_num_batched_tokens=512, async_scheduling=False)
     rows = V.budget_rows(plans)
