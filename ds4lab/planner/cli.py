@@ -3,17 +3,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from ds4lab.config.stacks import option_value
 from ds4lab.geometry import SUPPORTED_TP, load_config
 from ds4lab.planner.gpus import GPUS
 from ds4lab.planner.plan import plan
 from ds4lab.planner.recommend import recommend
+from ds4lab.planner.stack_models import HONOURED_ENV, STACK_MODELS, stack_model
 from ds4lab.planner.terms import GiB
 from ds4lab.planner.weights import FORMATS
 from ds4lab.tables import format_table
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "main", "EXIT_REFUSED", "EXIT_LOAD_OOM"]
+
+#: ``--check`` exit statuses (0: vLLM would start; 2: bad input, from ds4lab.cli)
+EXIT_REFUSED = 3
+EXIT_LOAD_OOM = 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one batch in flight instead of two (halves the sliding-window reservation)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="pin the KV pool per GPU in bytes (vLLM then ignores the utilization for KV)")
+    p.add_argument("--stack", default="ada-upstream",
+                   help="serving stack whose memory model to use: a ds4lab/config/stacks.toml name "
+                        "(ada-upstream, community-sm89-fork, cpu) or a model key (vllm-0.32); "
+                        "default: ada-upstream (vLLM 0.32)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--check", action="store_true",
+                   help="exit status says whether vLLM would start at the planned utilization: 0 starts, "
+                        f"{EXIT_REFUSED} vLLM refuses to start (KV cache too small), {EXIT_LOAD_OOM} CUDA out "
+                        "of memory while loading the weights (2 stays bad input)")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -59,44 +74,79 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--tp {args.tp}: supported tensor-parallel degrees are {SUPPORTED_TP}")
 
 
+def _stack_env() -> dict[str, str]:
+    """The honoured vLLM variables from this process's environment (what vLLM would read here)."""
+    return {k: os.environ[k] for k in HONOURED_ENV if k in os.environ}
+
+
 def main(args: argparse.Namespace) -> int:
     """``ds4lab plan``: one plan, then the recommendation. Exit 0: it is a report, also when a mode
-    is impossible (the table says so and names the flags that fix it); 2 for bad input (cli.py)."""
+    is impossible (the table says so and names the flags that fix it); 2 for bad input (cli.py).
+    With ``--check``: 0 when vLLM would start at the planned utilization, :data:`EXIT_REFUSED` when
+    it refuses (KV), :data:`EXIT_LOAD_OOM` when loading runs out of memory. A closed stdout
+    (``ds4lab plan | head``) ends quietly, as CLIs do on SIGPIPE."""
+    try:
+        code = _main(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the reader went away: point stdout at /dev/null so the interpreter's final flush is quiet
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13   # the shell's status for a command ended by SIGPIPE
+
+
+def _main(args: argparse.Namespace) -> int:
     _check_args(args)
     cfg = load_config(args.config)
+    st = args.stack
+    table = None
+    if st not in STACK_MODELS:
+        from ds4lab.config.stacks import stack as _stack   # pure TOML read; stays torch-free
+        try:
+            table = _stack(st)
+        except (KeyError, ValueError):
+            stack_model(st)   # raises the ValueError that names the known stacks
+    model = stack_model(table if table is not None else st)
+    kv_dtype = option_value([str(a) for a in (table or {}).get("flags", [])], "--kv-cache-dtype") or "fp8_ds_mla"
     kw = dict(gpu=args.gpu_bytes if args.gpu_bytes is not None else args.gpu, fmt=args.fmt, tp=args.tp,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               num_speculative_tokens=args.num_speculative_tokens, cuda_graphs=not args.enforce_eager,
-              async_scheduling=not args.no_async_scheduling, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
-    rec = recommend(cfg, **kw)
-    u = args.gpu_memory_utilization
-    if u is None:
-        u = rec.watched or rec.util_max_watched or 0.95
+              async_scheduling=not args.no_async_scheduling, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              kv_cache_dtype=kv_dtype, stack=model,
+              env=dict({str(k): str(v) for k, v in (table or {}).get("env", {}).items()}, **_stack_env()))
+    rec = recommend(cfg, gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+    u = rec.at
     p = plan(cfg, gpu_memory_utilization=u, **kw)
+    code = 0
+    if args.check:
+        code = EXIT_LOAD_OOM if p.load_oom else EXIT_REFUSED if p.kv.refused else 0
     if args.json:
         print(json.dumps({"plan": p.summary(), "terms": p.rows(), "refusal": p.verdict,
+                          "warnings": list(p.warnings),
                           "recommendation": {"util_min": rec.util_min, "watched": rec.watched,
                                              "unattended": rec.unattended, "reasons": rec.reasons,
-                                             "fixes": rec.fixes, "table": rec.table(),
+                                             "fixes": rec.fixes, "fixes_at_util": rec.at, "table": rec.table(),
                                              "remedies": {m: {"flags": r.flags, "overrides": r.overrides,
                                                               "gpu_memory_utilization": r.util,
                                                               "kv_tokens": r.plan.kv.tokens}
                                                           for m, r in rec.remedies.items()}}}, indent=1))
-        return 0
-    print(f"# {p.gpu.name} x TP={p.tp}, {p.fmt} checkpoint, util {u}, max-model-len {p.max_model_len}, "
-          f"max-num-seqs {p.max_num_seqs}, max-num-batched-tokens {p.max_num_batched_tokens}")
+        return code
+    print(f"# {p.gpu.name} x TP={p.tp}, {p.fmt} checkpoint, stack {model.name}, util {u}, max-model-len "
+          f"{p.max_model_len}, max-num-seqs {p.max_num_seqs}, max-num-batched-tokens {p.max_num_batched_tokens}")
     if args.gpu_memory_utilization is None and rec.watched is None:
         print(f"# no utilization works as given for watched operation; planned at {u} to show why")
-    print(format_table(p.rows()))
+    print(_verdict_line(p))
+    print(format_table([{k: v for k, v in r.items() if k != "source"} for r in p.rows()]))
     k = p.kv
     print(f"\nKV: {k.num_blocks} blocks x {k.bytes_per_block:,} B; {k.blocks_per_request} blocks/request "
           f"({k.fixed_blocks_per_request} fixed); vLLM would print 'KV cache size: {k.tokens:,} tokens, "
           f"Maximum concurrency for {p.max_model_len:,} tokens per request: {k.max_concurrency:.2f}x'")
-    if p.load_oom:
-        print(f"vLLM FAILS WHILE LOADING: {p.verdict}")
-    elif k.refused:
-        print(f"vLLM REFUSES TO START: {k.message}")
+    if p.verdict:
+        print(p.verdict)
+    for w in p.warnings:
+        print(f"warning: {w}")
     if p.jit_oom_risk:
         print(f"JIT-OOM risk: only {p.headroom_bytes / GiB:.2f} GiB outside the torch pool")
     print("\n# recommendation")
@@ -105,7 +155,19 @@ def main(args: argparse.Namespace) -> int:
         print(f"- {r}")
     for f in rec.fixes:
         print(f"- fix: {f}")
-    return 0
+    print("\n# sources (term: where it comes from)")
+    for t in p.terms:
+        print(f"- {t.name}: {t.source}")
+    return code
+
+
+def _verdict_line(p) -> str:
+    """The verdict first: the outcome in the wording every face uses (``Plan.outcome``)."""
+    if p.load_oom:
+        return "verdict: LOAD OOM - vLLM FAILS WHILE LOADING (CUDA out of memory in load_model)"
+    if p.kv.refused:
+        return "verdict: REFUSED - vLLM REFUSES TO START (the KV cache cannot hold one max-model-len request)"
+    return f"verdict: STARTS - KV holds {p.kv.max_concurrency:.2f}x max-model-len"
 
 
 if __name__ == "__main__":   # pragma: no cover

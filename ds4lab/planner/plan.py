@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from ds4lab.geometry import DEFAULT_CONFIG, ModelConfig, check_tp
 from ds4lab.planner.gpus import GPU, resolve_gpu
 from ds4lab.planner.kv import KVCapacity, KVLayout, kv_cache_specs, kv_capacity, kv_layout
-from ds4lab.planner.terms import BF16, FP32, GiB, MiB, Term, cdiv, round_up
+from ds4lab.planner.stack_models import StackModel, stack_model, stack_terms
+from ds4lab.planner.terms import GiB, Term
 from ds4lab.planner.weights import weight_terms
 
 __all__ = ["JIT_HEADROOM", "JIT_SOURCE", "Plan", "default_max_num_batched_tokens", "plan", "sweep"]
@@ -66,6 +67,8 @@ class Plan:
     headroom_bytes: int
     jit_oom_risk: bool
     notes: tuple[str, ...] = ()
+    stack: str = "vllm-0.32"
+    warnings: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -91,6 +94,13 @@ class Plan:
                     f"{self.gpu.total_bytes / GiB:.1f} GiB; vLLM fails in load_model, before KV sizing")
         return self.kv.message if self.kv.refused else ""
 
+    @property
+    def outcome(self) -> str:
+        """The verdict in two words, the one wording every face uses (CLI, ``serve --print``, views):
+        ``"load OOM"`` (CUDA out of memory in load_model), ``"refused"`` (vLLM refuses to start: KV),
+        ``"starts"``."""
+        return "load OOM" if self.load_oom else "refused" if self.kv.refused else "starts"
+
     def by_group(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for t in self.terms:
@@ -115,19 +125,9 @@ class Plan:
             "refused": k.refused, "load_oom": self.load_oom,
             "weights_gib": round(self.weight_bytes / GiB, 3),
             "headroom_gib": round(self.headroom_bytes / GiB, 3),
-            "jit_oom_risk": self.jit_oom_risk,
+            "jit_oom_risk": self.jit_oom_risk, "stack": self.stack, "outcome": self.outcome,
+            "warnings": list(self.warnings),
         }
-
-
-def _activation_bytes(cfg: ModelConfig, tp: int, tokens: int) -> int:
-    """Peak live activations of one forward over ``tokens`` (profile_run), estimate from geometry:
-    mHC residual in/out + collapsed x (3 x [T, hc, D] bf16), attention q / o ([T, H/tp, 512] bf16
-    x 3), MoE ([T*topk, 2I/tp + I/tp + D] bf16), whichever sublayer is larger."""
-    D = cfg.hidden_size
-    resid = 3 * tokens * cfg.hc_mult * D * BF16
-    attn = 3 * tokens * (cfg.num_attention_heads // tp) * cfg.head_dim * BF16
-    moe = tokens * cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size // tp + D) * BF16
-    return resid + max(attn, moe)
 
 
 def plan(cfg: ModelConfig = DEFAULT_CONFIG, *, gpu: str | GPU | int = "l40s", fmt: str = "community",
@@ -135,14 +135,19 @@ def plan(cfg: ModelConfig = DEFAULT_CONFIG, *, gpu: str | GPU | int = "l40s", fm
          max_num_seqs: int = 1, max_num_batched_tokens: int | None = None,
          num_speculative_tokens: int = 1, cuda_graphs: bool = True, async_scheduling: bool = True,
          kv_cache_memory_bytes: int | None = None, kv_cache_dtype: str = "fp8_ds_mla",
-         graphs_in_budget: bool = True, jit_headroom: int = JIT_HEADROOM["watched"]) -> Plan:
+         graphs_in_budget: bool | None = None, jit_headroom: int = JIT_HEADROOM["watched"],
+         stack: str | StackModel | Mapping | None = None, env: Mapping[str, str] | None = None) -> Plan:
     """Per-GPU memory for one serving setting (all bytes per rank).
 
     Parameters mirror ``vllm serve`` flags. ``num_speculative_tokens`` > 0 means MTP speculation
     (adds the MTP layer's SWA cache and the MTP hidden buffer). ``async_scheduling`` doubles the
     in-flight tokens that sliding-window caches reserve (``VllmConfig.max_concurrent_batches``).
-    ``graphs_in_budget``: vLLM 0.32 subtracts its CUDA-graph estimate from the KV budget
-    (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``); older forks did not, so graphs ate the headroom.
+    ``stack``: the serving stack's memory model (:func:`ds4lab.planner.stack_models.stack_model`: a
+    model key, a ``config/stacks.toml`` name or table; default upstream vLLM 0.32); it decides the
+    terms outside weights and KV and the sliding-window reservation. ``env``: the environment vLLM
+    would see (``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``, ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``;
+    :data:`~ds4lab.planner.stack_models.HONOURED_ENV`); default: none set. ``graphs_in_budget``
+    overrides the stack's rule for the CUDA-graph estimate (None: the stack's, then the env's).
     ``kv_cache_memory_bytes`` pins the KV pool (vLLM skips the util-based sizing).
 
     Raises ValueError naming the argument for out-of-range settings.
@@ -163,8 +168,13 @@ def plan(cfg: ModelConfig = DEFAULT_CONFIG, *, gpu: str | GPU | int = "l40s", fm
          else default_max_num_batched_tokens(g.total_bytes, max_num_seqs, max_model_len))
     if B < max_num_seqs:
         raise ValueError(f"max_num_batched_tokens={B}: must be >= max_num_seqs={max_num_seqs} (vLLM rule)")
+    model = stack_model(stack)
+    env = dict(env or {})
     mtp = num_speculative_tokens > 0
-    in_flight = (2 if async_scheduling else 1) * B
+    if model.swa_reservation == "in_flight":   # vLLM 0.32 VllmConfig.max_in_flight_tokens
+        in_flight = (2 if async_scheduling else 1) * B
+    else:                                      # the fork: one decode step per request
+        in_flight = 1 + num_speculative_tokens
     # num_prefill_lookahead_tokens: one MTP module reads one token ahead (config/vllm.py)
     if not mtp:
         lookahead = 0
@@ -179,43 +189,13 @@ def plan(cfg: ModelConfig = DEFAULT_CONFIG, *, gpu: str | GPU | int = "l40s", fm
     # The profile run is one dummy forward over max_num_batched_tokens tokens with or without MTP:
     # draft tokens count inside that budget, and the drafter's own dummy_run repeats the same
     # token count afterwards (sequentially), so the peak does not scale with 1 + k.
-    terms.append(Term(f"activation peak ({B} tokens)", _activation_bytes(cfg, tp, B), "activations",
-                      "estimate from geometry at the profile run's token count: vLLM measures it in "
-                      "v1/worker/gpu_model_runner.py GPUModelRunner.profile_run -> "
-                      "_dummy_run(self.max_num_tokens = max_num_batched_tokens), also with MTP "
-                      "(spec_decode/llm_base_proposer.py dummy_run(num_tokens)); "
-                      "gpu_worker.determine_available_memory"))
-    reqs = min(B, max_num_seqs)
-    sampler_rows = 2 * reqs + (3 * reqs if mtp else 0)
-    terms.append(Term(f"sampler logits ({sampler_rows} rows x vocab fp32)", sampler_rows * cfg.vocab_size * FP32,
-                      "activations", "estimate: gpu_model_runner.py _dummy_sampler_run (logits + sampler copy "
-                      "per request; with MTP the rejection sampler's 2 rows + draft probs per request)"))
-    nc = cdiv(max_model_len, 4)
-    terms += [
-        Term("RoPE cos/sin caches", 512 * MiB, "workspaces", "SPEC.md §3 (512 MiB fixed)"),
-        Term("topk_indices_buffer [B, index_topk] i32", B * cfg.index_topk * 4, "workspaces", "SPEC.md §3"),
-        Term("C128 metadata 2x[B, ceil(L/128)->128] i32",
-             2 * B * round_up(cdiv(max_model_len, 128), 128) * 4, "workspaces", "SPEC.md §3"),
-        Term("prefill gather workspace 4x(L/4+128+B)x512 bf16", 4 * (nc + 128 + B) * cfg.head_dim * BF16,
-             "workspaces", "SPEC.md §3"),
-        Term("indexer logits transient (<= 512 MB)", min(B * nc * FP32, 512 * 10**6), "workspaces",
-             "SPEC.md §3 (VLLM_SPARSE_INDEXER_MAX_LOGITS_MB)"),
-    ]
-    if mtp:
-        terms.append(Term("MTP hidden buffer [B, hc*D] bf16", B * cfg.hc_mult * cfg.hidden_size * BF16,
-                          "workspaces", "SPEC.md §3"))
-    graph_bytes = 0
-    if cuda_graphs:
-        # config/vllm.py _set_cudagraph_sizes: min(512, 2 x max_num_seqs x (1 + k)), capped at
-        # max_num_batched_tokens
-        cap = min(512, 2 * max_num_seqs * (1 + num_speculative_tokens), B)
-        n_sizes = len([s for s in (1, 2, 4, 8) if s <= cap]) + max(0, (cap - 8) // 8)
-        graph_bytes = _activation_bytes(cfg, tp, cap) + n_sizes * (cfg.num_layers_with_mtp + 1) * 2 * MiB
-        terms.append(Term(f"CUDA-graph pool ({n_sizes} sizes <= {cap})", graph_bytes,
-                          "graphs" if graphs_in_budget else "headroom",
-                          "estimate: largest capture's activations + ~2 MiB per piecewise graph"))
-    terms.append(Term("CUDA context + cuBLAS + NCCL (non-torch)", int((0.55 + (0.25 if tp > 1 else 0)) * GiB),
-                      "non_torch", "estimate: measured as non-torch memory by vLLM's profiler"))
+    st = stack_terms(model, cfg, tp=tp, batched_tokens=B, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                     num_speculative_tokens=num_speculative_tokens, cuda_graphs=cuda_graphs, env=env)
+    if graphs_in_budget is not None:   # explicit override of the stack / env rule
+        st = [Term(t.name, t.bytes, ("graphs" if graphs_in_budget else "headroom") if t.group in ("graphs", "headroom")
+                   else t.group, t.source, t.replicated) for t in st]
+    terms += st
+    graph_bytes = sum(t.bytes for t in st if t.group == "headroom")   # graphs outside the budget
     budget = math.ceil(g.total_bytes * gpu_memory_utilization)   # worker.utils.request_memory
     used = sum(t.bytes for t in terms if t.group not in ("headroom",))
     notes: list[str] = []
@@ -230,14 +210,19 @@ def plan(cfg: ModelConfig = DEFAULT_CONFIG, *, gpu: str | GPU | int = "l40s", fm
     terms.append(Term("KV cache pool", max(kv_bytes, 0), "kv",
                       "util*total - non-KV (gpu_worker.determine_available_memory)"))
     outside = g.total_bytes - budget
-    headroom = outside - (graph_bytes if cuda_graphs and not graphs_in_budget else 0)
+    headroom = outside - graph_bytes
     if kv_cache_memory_bytes is not None:
         headroom = g.total_bytes - used - kv_bytes
     terms.append(Term("free for JIT / driver (outside the torch pool)", max(headroom, 0), "headroom",
                       "(1 - util) * total; Triton cuModuleLoad needs it (SPEC.md §3)"))
+    warnings: list[str] = []
+    if not kv.refused and kv.max_concurrency < max_num_seqs:
+        warnings.append(f"the KV pool holds {kv.max_concurrency:.2f} requests of {max_model_len:,} tokens, fewer "
+                        f"than --max-num-seqs {max_num_seqs}: that many long requests at once will be preempted "
+                        f"or queued (vLLM's 'Maximum concurrency' line)")
     return Plan(g, fmt, tp, gpu_memory_utilization, max_model_len, max_num_seqs, B, in_flight,
                 num_speculative_tokens, cuda_graphs, tuple(terms), kv, layout, headroom,
-                headroom < jit_headroom, tuple(notes))
+                headroom < jit_headroom, tuple(notes), model.name, tuple(warnings))
 
 
 def sweep(utils: Iterable[float] | None = None, **kw) -> list[Plan]:

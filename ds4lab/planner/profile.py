@@ -31,8 +31,9 @@ def plan_for_profile(settings: dict, gpu: str | GPU | int, *, cfg: ModelConfig =
     ``ds4lab.serve.profiles.build_launch``, and the last spelling of a flag wins, as in vLLM's
     argparse. Flags read: ``--max-num-batched-tokens``, ``--max-model-len``, ``--max-num-seqs``,
     ``--gpu-memory-utilization``, ``--kv-cache-dtype``, ``--enforce-eager``, ``--[no-]async-scheduling``.
-    A stack pinned below vLLM 0.32 (the community fork) does not subtract its CUDA-graph estimate
-    from the KV budget (``graphs_in_budget=False``). Raises ValueError naming the key for a bad value.
+    The stack picks the memory model (:func:`ds4lab.planner.stack_models.stack_model`); its ``env``
+    table and the profile's ``env`` are the environment the plan honours. Raises ValueError naming
+    the key for a bad value.
     """
     from ds4lab.config.stacks import option_value   # pure TOML module; memory stays torch-free
     s = dict(settings)
@@ -70,11 +71,7 @@ def plan_for_profile(settings: dict, gpu: str | GPU | int, *, cfg: ModelConfig =
         raise ValueError("profile key max_model_len: missing (the planner needs the longest request)")
     asyncs = [a for a in argv if a in ("--async-scheduling", "--no-async-scheduling")]
     kw["async_scheduling"] = not asyncs or asyncs[-1] == "--async-scheduling"
-    pin = str(stack.get("vllm", ""))
-    digits = pin.lstrip(">=<~! ").split(".")
-    try:
-        kw["graphs_in_budget"] = (int(digits[0]), int(digits[1])) >= (0, 32)
-    except (ValueError, IndexError):
-        kw["graphs_in_budget"] = True
-    return plan(cfg, gpu=gpu, fmt=_profile_format(str(s.get("model", "official"))), **kw)
+    env = {str(k): str(v) for k, v in dict(stack.get("env", {}), **dict(s.get("env", {}))).items()}
+    return plan(cfg, gpu=gpu, fmt=_profile_format(str(s.get("model", "official"))), stack=stack or None, env=env,
+                **kw)
 

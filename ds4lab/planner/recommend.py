@@ -7,7 +7,7 @@ from ds4lab.geometry import DEFAULT_CONFIG, SUPPORTED_TP, ModelConfig
 from ds4lab.planner.plan import JIT_HEADROOM, JIT_SOURCE, Plan, plan
 from ds4lab.planner.terms import GiB
 
-__all__ = ["Remedy", "Recommendation", "find_remedy", "recommend"]
+__all__ = ["Remedy", "Recommendation", "find_remedy", "recommend", "longest_max_model_len"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class Recommendation:
     fixes: tuple[str, ...]
     plans: dict
     remedies: dict = field(default_factory=dict)
+    at: float | None = None   # the utilization the fixes were computed at (asked, else the watched pick)
 
     def table(self) -> list[dict]:
         """One row per mode; an impossible mode reads ``impossible`` and is followed by a
@@ -107,7 +108,7 @@ def find_remedy(cfg: ModelConfig = DEFAULT_CONFIG, mode: str = "watched", step: 
     the mode's :data:`JIT_HEADROOM`: ``--no-async-scheduling``; ``--max-num-batched-tokens`` 1024,
     512, 256 (each alone, then without async scheduling; these shrink the sliding-window /
     compressor reservation, ``max_in_flight_tokens``); ``--max-model-len`` down to the longest that
-    fits (vLLM's own estimate, rounded down to 1024); ``--tensor-parallel-size`` up. Accepts
+    fits (:func:`longest_max_model_len`, a multiple of 1024); ``--tensor-parallel-size`` up. Accepts
     :func:`plan`'s keywords. Raises ValueError for an unknown ``mode``.
     """
     if mode not in JIT_HEADROOM:
@@ -131,8 +132,8 @@ def find_remedy(cfg: ModelConfig = DEFAULT_CONFIG, mode: str = "watched", step: 
     top = next((u for u in reversed(utils) if plan(cfg, gpu_memory_utilization=u, **kw).headroom_bytes >= need),
                None)
     if top is not None:
-        est = plan(cfg, gpu_memory_utilization=top, **kw).kv.estimated_max_model_len
-        est = est // 1024 * 1024 if est >= 1024 else est
+        est = longest_max_model_len(cfg, block=1024, **dict(kw, gpu_memory_utilization=top,
+                                                             max_model_len=base.max_model_len))
         if 0 < est < base.max_model_len:
             cands.append({"max_model_len": est})
     cands += [{"tp": t} for t in SUPPORTED_TP if t > base.tp]
@@ -155,9 +156,12 @@ def recommend(cfg: ModelConfig = DEFAULT_CONFIG, step: float = 0.005, lo: float 
     Watched operation takes the highest feasible value (most KV; a JIT OOM costs a restart you
     see); unattended the highest with the larger headroom. For a mode with no feasible value,
     ``remedies`` (default on) runs :func:`find_remedy` and puts its flags first in ``fixes``.
-    Accepts :func:`plan`'s keywords.
+    Accepts :func:`plan`'s keywords; ``gpu_memory_utilization`` is the utilization asked for: the
+    fixes (e.g. "lower --max-model-len to <= N") are computed there, so N itself fits at that
+    utilization (default: the watched value, else the highest util that keeps the watched headroom,
+    else 0.95: what ``ds4lab plan`` plans when no utilization is given; ``Recommendation.at``).
     """
-    kw.pop("gpu_memory_utilization", None)
+    asked = kw.pop("gpu_memory_utilization", None)
     kw.pop("jit_headroom", None)
     utils = _utils(lo, hi, step)
     plans = [plan(cfg, gpu_memory_utilization=u, **kw) for u in utils]
@@ -203,21 +207,49 @@ def recommend(cfg: ModelConfig = DEFAULT_CONFIG, step: float = 0.005, lo: float 
         elif remedies:
             fixes.append(f"{mode}: no single change tried (async scheduling off, max-num-batched-tokens "
                          f"1024/512/256, shorter max-model-len, higher TP) makes it feasible")
-        fixes.append(_fixes(ok[0] if ok else p_hi))
+    at = asked if asked is not None else (
+        res["watched"].gpu_memory_utilization if "watched" in res else maxes["watched"] or 0.95)
+    if len(res) < 2:
+        fixes.append(_fixes(cfg, plan(cfg, gpu_memory_utilization=at, **kw), kw))
     return Recommendation(util_min, maxes["watched"], maxes["unattended"],
                           res["watched"].gpu_memory_utilization if "watched" in res else None,
                           res["unattended"].gpu_memory_utilization if "unattended" in res else None,
-                          tuple(reasons), tuple(dict.fromkeys(f for f in fixes if f)), res, found)
+                          tuple(reasons), tuple(dict.fromkeys(f for f in fixes if f)), res, found, at)
 
 
-def _fixes(p: Plan) -> str:
+def longest_max_model_len(cfg: ModelConfig = DEFAULT_CONFIG, *, block: int = 256, **kw) -> int:
+    """The longest ``--max-model-len`` (a multiple of ``block``) at which vLLM starts with this
+    setting, at the plan's own utilization (0 if none does). Each candidate is planned in full
+    (workspaces shrink with L too), so the result fits and ``result + block`` does not. Accepts
+    :func:`plan`'s keywords (``max_model_len`` is the upper bound)."""
+    top = kw.pop("max_model_len", 98304)
+
+    def starts(n: int) -> bool:
+        p = plan(cfg, max_model_len=n, **kw)
+        return not (p.kv.refused or p.load_oom)
+
+    lo, hi = 0, top // block   # in blocks; 0 stands for "none"
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if starts(mid * block):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * block
+
+
+def _fixes(cfg: ModelConfig, p: Plan, kw: dict) -> str:
+    """What to change for the plan ``p`` at its own utilization (the one asked for)."""
     k = p.kv
     if p.load_oom:
         return (f"the weights alone need {p.weight_bytes / GiB:.1f} GiB per GPU: raise TP "
                 f"(the experts and attention split across ranks) or use a smaller checkpoint format")
     parts = []
-    if k.estimated_max_model_len:
-        parts.append(f"lower --max-model-len to <= {k.estimated_max_model_len}")
+    if k.refused:
+        n = longest_max_model_len(cfg, **dict(kw, gpu_memory_utilization=p.gpu_memory_utilization,
+                                              max_model_len=p.max_model_len))
+        if n:
+            parts.append(f"lower --max-model-len to <= {n} (starts at util {p.gpu_memory_utilization})")
     if k.fixed_blocks_per_request > 64:
         parts.append(f"lower --max-num-batched-tokens (now {p.max_num_batched_tokens}; the sliding-window "
                      f"caches reserve {k.fixed_blocks_per_request} blocks for {p.max_in_flight_tokens} "
