@@ -306,4 +306,4 @@ def test_views_rows_and_figure():
     assert rows[0]["refused"] and not rows[-1]["refused"] and rows[-1]["jit_oom_risk"]
     fig = V.budget_figure(plans)
     assert len(fig.data) == len(V.GROUP_ORDER) and len(fig.layout.shapes) >= 2
-    assert V.plan_rows(plans[-1])[-1]["group"] == "verdict"
+    assert V.plan_rows(plans[-1])[0]["group"] == "verdict"   # the verdict first (issue 22)

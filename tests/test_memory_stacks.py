@@ -164,3 +164,41 @@ def test_cli_plan_into_a_closed_pipe_ends_quietly():
                        timeout=120)
     assert p.returncode == 0 and len(p.stdout.splitlines()) == 2
     assert "Broken pipe" not in p.stderr and "Traceback" not in p.stderr
+
+
+# ---- views (issue 22 item 6): thin over the pure functions ----------------------------------------
+def test_figure_marks_util_and_names_load_oom():
+    pytest.importorskip("plotly")
+    from ds4lab.views import memory as V
+
+    oom = M.sweep(gpu="rtx4090-48g", fmt="community", tp=2)
+    fig = V.budget_figure(oom, util=0.93)
+    labels = [a.text for a in fig.layout.annotations]
+    assert "load OOM (weights do not fit)" in labels and not any("refuses" in t for t in labels)
+    assert "util 0.93" in labels and any(s.type == "line" and s.x0 == 0.93 for s in fig.layout.shapes)
+    assert fig.layout.legend.yanchor == "bottom" and fig.layout.legend.y > 1   # above the plot: off the x title
+    assert V.plan_rows(oom[0])[0]["term"].startswith("VERDICT: load OOM")
+    assert V.verdict_text(oom[0]).startswith("util 0.8: LOAD OOM")
+    assert {r["outcome"] for r in V.budget_rows(oom)} == {"load OOM"}
+
+
+def test_controls_have_async_and_batched_tokens_and_full_labels():
+    pytest.importorskip("ipywidgets")
+    from ds4lab.views import memory as V
+
+    box = V.controls(max_num_batched_tokens=512)
+    ws = [w for row in box.children[:-1] for w in row.children]
+    by = {w.description: w for w in ws}
+    assert {"async scheduling", "max-num-batched-tokens", "gpu-memory-utilization"} <= set(by)
+    assert all(w.style.description_width == "initial" for w in ws)
+    by["async scheduling"].value = False   # redraw runs the pure functions, no error text
+    by["gpu-memory-utilization"].value = 0.97
+    assert by["max-num-batched-tokens"].value == 512
+
+
+def test_serve_print_calls_a_load_oom_by_its_name(capsys):
+    from ds4lab.cli import main
+
+    assert main(["serve", "--profile", "community-sm89-fork", "--print", "--gpu", "rtx4090"]) == 0
+    plan_lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("#   RTX 4090")]
+    assert plan_lines and "LOAD OOM: CUDA out of memory" in plan_lines[0] and "REFUSED" not in plan_lines[0]

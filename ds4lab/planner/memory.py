@@ -18,6 +18,7 @@ All sizes are bytes unless a name says ``_gib``.
 """
 from __future__ import annotations
 
+from ds4lab.geometry import DEFAULT_CONFIG, ModelConfig, load_config
 from ds4lab.planner.cli import add_arguments, main
 from ds4lab.planner.gpus import GPU, GPUS, resolve_gpu
 from ds4lab.planner.kv import (
@@ -26,7 +27,8 @@ from ds4lab.planner.kv import (
 )
 from ds4lab.planner.plan import JIT_HEADROOM, JIT_SOURCE, Plan, default_max_num_batched_tokens, plan, sweep
 from ds4lab.planner.profile import plan_for_profile
-from ds4lab.planner.recommend import Recommendation, Remedy, find_remedy, recommend
+from ds4lab.planner.recommend import Recommendation, Remedy, find_remedy, longest_max_model_len, recommend
+from ds4lab.planner.stack_models import StackModel, stack_model
 from ds4lab.planner.terms import BF16, FP32, GiB, MiB, Term, cdiv, format_gib, round_up
 from ds4lab.planner.weights import FORMATS, weight_terms
 from ds4lab.tables import format_table
@@ -37,5 +39,5 @@ __all__ = [
     "kv_cache_specs", "kv_layout", "kv_capacity", "weight_terms", "plan", "sweep", "recommend", "find_remedy",
     "plan_for_profile", "default_max_num_batched_tokens", "resolve_gpu", "format_gib", "format_table",
     "add_arguments", "main", "BLOCK_SIZE", "SWA_BLOCK_SIZE", "PLAIN_ALIGN", "JIT_SOURCE", "BF16", "FP32", "cdiv",
-    "round_up",
+    "round_up", "DEFAULT_CONFIG", "ModelConfig", "load_config", "longest_max_model_len", "StackModel", "stack_model",
 ]
