@@ -82,7 +82,7 @@ def _assert_matches(d, out, lse):
 # extra-cache block sizes of FlashMLA's decode tests x h_q x s_q (one case each; a cross product is 24 runs)
 @pytest.mark.parametrize("ebs,h,s_q", [(2, 64, 1), (53, 128, 3), (61, 64, 3), (64, 128, 1), (69, 64, 1), (576, 64, 1)])
 def test_decode_extra_cache_block_sizes(ebs, h, s_q):
-    d = _case(_gen(), 2, s_q, h, 32, ebs, 48)
+    d = _case(_gen(), 2, s_q, h, 16, ebs, 24)
     out, lse = _call(d)
     _assert_matches(d, out, lse)
 
