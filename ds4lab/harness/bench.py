@@ -12,7 +12,7 @@ Method (STYLE.md: DeepGEMM, flashinfer, FlagGems):
 
 Runs on the H200 image with its own python3 (torch, triton, numpy only). ``--arch sm89`` runs the
 sm_89 build of every kernel on the H200 (issue 15): Triton compiles for sm_89
-(``TRITON_OVERRIDE_ARCH=sm89``) and ``ds4lab/harness/ptxas_retarget.py`` assembles that PTX for the
+(``TRITON_OVERRIDE_ARCH=sm89``) and ``ds4lab/tools/ptxas_retarget.py`` assembles that PTX for the
 local GPU; the SASS then has Ada's instruction mix (``mma.sync`` QMMA, no wgmma/TMA).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _setup_build(build: str) -> None:
     """Must run before triton is imported."""
     if build == "sm89":
         os.environ["TRITON_OVERRIDE_ARCH"] = "sm89"
-        os.environ["TRITON_PTXAS_PATH"] = os.path.join(_HERE, "ptxas_retarget.py")
+        os.environ["TRITON_PTXAS_PATH"] = os.path.join(_HERE, "ptxas_retarget.py")  # moved by issue 18
         import importlib.util
         tdir = importlib.util.find_spec("triton").submodule_search_locations[0]
         os.environ.setdefault("DS4LAB_REAL_PTXAS", os.path.join(tdir, "backends", "nvidia", "bin", "ptxas"))
