@@ -78,7 +78,7 @@ def _short_shapes(rows: list[dict]) -> list[dict]:
 def table(rows: list[dict], columns: list[str] | None = None, max_rows: int = 60, digits: int = 3) -> None:
     """Show rows: in a Jupyter kernel as a pandas DataFrame (HTML that scrolls; every row, floats to
     ``digits`` significant digits, shapes as short ``key=value`` labels), elsewhere as the short
-    rounded text table of the CLI (:func:`ds4lab.harness.report.format_table`, ``max_rows``)."""
+    rounded text table of the CLI (:func:`ds4lab.tables.format_table`, ``max_rows``)."""
     if not rows:
         print("(no rows)")
         return
@@ -91,7 +91,7 @@ def table(rows: list[dict], columns: list[str] | None = None, max_rows: int = 60
                                "display.max_columns", 50, "display.max_colwidth", 120):
             display(df)
         return
-    from ds4lab.harness.report import format_table
+    from ds4lab.tables import format_table
     print(format_table(_short_shapes(rows), columns, digits=digits, max_rows=max_rows))
 
 
