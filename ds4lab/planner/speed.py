@@ -42,6 +42,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ds4lab.geometry import DEFAULT_CONFIG, LayerKind, ModelConfig, layer_counts, op_shapes
+from ds4lab.harness import costs
 
 __all__ = ["Card", "CARDS", "H200", "SEED_FIGURES", "Assumptions", "row_efficiency", "scale_row",
            "ada_scaled_table", "additive_time", "kernel_bytes", "kernel_flops", "decode_terms",
@@ -221,68 +222,16 @@ def ada_scaled_table(rows: list[dict], cards=None, a: Assumptions = Assumptions(
     return out
 
 
-# ---- byte / FLOP formulas (the registry's, restated without torch; tests prove they agree) -------
+# ---- byte / FLOP formulas: the registry's own (ds4lab.harness.costs, torch-free) -----------------
 
 def kernel_bytes(kernel: str, s: dict) -> float:
-    """Minimum bytes of one call (same formulas as ``ds4lab/kernel_specs``)."""
-    if kernel == "fp8_gemm_nt":
-        M, N, K = s["M"], s["N"], s["K"]
-        return N * K + M * K + 2 * M * N + (N // 128) * (K // 128) + M * (-(-K // 512)) * 4
-    if kernel == "per_token_group_quant_fp8":
-        M, K = s["M"], s["K"]
-        return M * K * 3 + M * (-(-(K // 128) // 4)) * 4
-    if kernel == "fp8_einsum_bhr_hdr_bhd":
-        T, G, N, K = s["T"], s["G"], s["N"], s["K"]
-        return G * N * K + G * (N // 128) * (K // 128) * 4 + T * G * K + T * G * K // 128 + T * G * N * 2
-    if kernel == "inv_rope_fp8_quant":
-        n = s["T"] * s["H"] * 512
-        return n * 3 + n // 128 + s["T"] * (8 + 64 * 4)
-    if kernel == "fused_moe_w4a16":
-        D, I, T, k, E = s["D"], s["I"], s["T"], s["topk"], s["E"]
-        return min(E, T * k) * (3 * D * I // 2 + 3 * D * I // 128 * 2) + T * D * 4 + T * k * 8
-    if kernel == "sqrtsoftplus_topk":
-        return s["T"] * s["E"] * 4 + s["E"] * 4 + s["T"] * s["topk"] * 8
-    if kernel == "fp8_paged_mqa_logits":
-        return s["B"] * s["ctx"] * 132 + s["B"] * s["next_n"] * s["ctx"] * 4
-    if kernel == "topk_indices":
-        return s["R"] * s["N"] * 4 + s["R"] * s["k"] * 4
-    if kernel == "sparse_mla_decode":
-        return s["T"] * ((s.get("W", 0) + s["Kc"]) * 588 + 2 * s["H"] * 1024)
-    if kernel == "fp8_ds_mla_insert":
-        return s["T"] * (1024 + 576 + 12)
-    if kernel == "indexer_k_cache_insert":
-        return s["T"] * (128 * 3 + 12)
-    if kernel in ("mhc_fused_post_pre", "mhc_pre", "hc_head"):
-        T, D, hc, N = s["T"], s["D"], s["hc"], s["N"]
-        K, coef = hc * D, T * (hc + hc * hc) * 4
-        if kernel == "mhc_pre":
-            return T * K * 2 + N * K * 4 + D * 2 + T * D * 2 + coef
-        if kernel == "hc_head":
-            return T * K * 2 + hc * K * 4 + T * D * 2
-        return T * K * 2 + T * D * 2 + 2 * coef + N * K * 4 + D * 2 + T * K * 2 + T * D * 2
-    raise KeyError(kernel)
+    """Minimum bytes of one call (:func:`ds4lab.harness.costs.min_bytes`; KeyError for an unknown kernel)."""
+    return costs.min_bytes(kernel, s)
 
 
 def kernel_flops(kernel: str, s: dict) -> float:
-    """Useful FLOPs of one call (same formulas as ``ds4lab/kernel_specs``; 0 for data movement)."""
-    if kernel == "fp8_gemm_nt":
-        return 2.0 * s["M"] * s["N"] * s["K"]
-    if kernel == "fp8_einsum_bhr_hdr_bhd":
-        return 2.0 * s["T"] * s["G"] * s["N"] * s["K"]
-    if kernel == "fused_moe_w4a16":
-        return 2.0 * s["T"] * s["topk"] * 3 * s["D"] * s["I"]
-    if kernel == "fp8_paged_mqa_logits":
-        valid = s["B"] * sum(s["ctx"] - s["next_n"] + 1 + i for i in range(s["next_n"]))
-        return 2.0 * s.get("H", 64) * 128 * valid
-    if kernel == "sparse_mla_decode":
-        return 4.0 * s["T"] * s["H"] * (s.get("W", 0) + s["Kc"]) * 512
-    if kernel in ("mhc_fused_post_pre", "mhc_pre", "hc_head"):
-        T, D, hc, N = s["T"], s["D"], s["hc"], s["N"]
-        K = hc * D
-        if kernel == "hc_head":
-            return 2.0 * T * K * hc + 2.0 * T * K
-        return 2.0 * T * K * N + (2.0 * T * K * (hc + 1) if kernel == "mhc_fused_post_pre" else 0.0)
-    return 0.0
+    """Useful FLOPs of one call (:func:`ds4lab.harness.costs.flops`; 0 for data movement)."""
+    return costs.flops(kernel, s)
 
 
 # ---- row lookup -------------------------------------------------------------------------------------
