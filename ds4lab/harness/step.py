@@ -371,6 +371,7 @@ def _time_gpu(fn, rec: GroupRecorder, replays: int, profiled: int):
         except Exception as e:  # events timing already says so; attribute the eager activities
             run, note = None, f"graph capture failed ({type(e).__name__}); groups from the eager pass"
     stats: dict[str, dict] = {}
+    scale = 1  # profiled replays the activities below cover
     if run is not None:
         run()
         torch.cuda.synchronize()
@@ -379,27 +380,29 @@ def _time_gpu(fn, rec: GroupRecorder, replays: int, profiled: int):
                 run()
             torch.cuda.synchronize()
         acts = replay_activities(_trace(prof))
-        n = len(eager)
-        if n == 0 or len(acts) < n:
-            note = f"profiled replay showed {len(acts)} activities for {n} eager ones; groups from the eager pass"
-            reps = [[(a, gname, d) for a, gname, d in eager]]
+        if not eager or not acts:
+            note = f"profiled replay showed {len(acts)} activities, the eager pass {len(eager)}; groups from the eager pass"
+            reps = [eager]
         else:
-            reps = [acts[i * n:(i + 1) * n] for i in range(len(acts) // n)]
-            labels = align_labels([(a, gname) for a, gname, _ in eager], [a for a, _, _ in reps[0]])
-            reps = [[(a, labels[i], d) for i, (a, _, d) in enumerate(r)] for r in reps]
-            spans = [r[-1][1] + r[-1][2] - r[0][1] for r in (acts[i * n:(i + 1) * n] for i in range(len(reps)))]
-            busy = [sum(d for _, _, d in r) for r in reps]
-            stats[GAPS] = {"us": sum(sp - b for sp, b in zip(spans, busy)) / len(reps), "launches": 0}
+            labels = align_labels([(a, gname) for a, gname, _ in eager] * profiled, [a for a, _, _ in acts])
+            if len(acts) != profiled * len(eager):
+                note = f"replay: {len(acts) / profiled:.0f} activities per step, eager {len(eager)} (aligned by name)"
+            # the replays as one sequence, averaged per replay below
+            reps = [[(a, lab, d) for (a, _, d), lab in zip(acts, labels)]]
+            span = acts[-1][1] + acts[-1][2] - acts[0][1]
+            busy = sum(d for _, _, d in acts)
+            stats[GAPS] = {"us": (span - busy) / profiled, "launches": 0}
+            scale = profiled
     else:
-        reps = [[(a, gname, d) for a, gname, d in eager]]
+        reps = [eager]
     for r in reps:
         for _, gname, d in r:
             st = stats.setdefault(gname, {"us": 0.0, "launches": 0})
-            st["us"] += d / len(reps)
+            st["us"] += d / scale
             st["launches"] += 1
     for gname in stats:
         if gname != GAPS:
-            stats[gname]["launches"] //= len(reps)
+            stats[gname]["launches"] = round(stats[gname]["launches"] / scale)
     return (p20, p50, p80), timing, stats, note, ar_copies
 
 
