@@ -81,3 +81,12 @@ def test_timeout_must_be_positive(tmp_path, timeout):
     with pytest.raises(ValueError, match="--timeout"):
         tour.run_tour(str(tmp_path), ["01"], timeout=timeout)
     assert not (tmp_path / "index.html").exists()
+
+
+def test_decode_step_summary_row(tmp_path):
+    rec = {"h200_configs": 0, "local": "CPU: the tiny checkpoint's model", "local_p50_us": 1.5e6,
+           "local_launches": 120, "projection_card": "RTX 4090-48G", "projection_tok_s": 96.5,
+           "projection_basis": "bench.csv (sum of kernel rows + estimates)", "ignored": 1}
+    t = tour.summary_tables(_records(tmp_path, {"10_decode_step": rec}))
+    (row,) = t["decode step"]
+    assert row == {k: v for k, v in rec.items() if k != "ignored"}

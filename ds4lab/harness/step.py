@@ -55,7 +55,8 @@ import time
 from dataclasses import dataclass, field
 
 __all__ = ["FIELDS", "GroupRecorder", "StepPlan", "align_labels", "attribute_trace", "link_assumptions",
-           "plan", "run_step", "main", "add_arguments", "summary_table", "load_rows"]
+           "plan", "run_step", "main", "add_arguments", "summary_table", "load_rows", "configs", "group_table",
+           "launches_table", "local_step", "DEFAULT_CSV"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CSV = os.path.join(_ROOT, "results", "decode_step.csv")
@@ -585,6 +586,54 @@ def summary_table(rows: list[dict], top: int = 5) -> list[dict]:
                     "per_layer": r.get("launches_per_layer"), "groups/p50": r.get("sum_vs_p50"),
                     "top": ", ".join(f"{g['group']} {float(g['us'] or 0):.0f}" for g in groups[:top])})
     return out
+
+
+def configs(rows: list[dict]) -> list[dict]:
+    """The ``(step)`` rows (one per measured configuration), in file order."""
+    return [r for r in rows if r.get("group") == STEP]
+
+
+def group_table(rows: list[dict], step_row: dict) -> list[dict]:
+    """The op-group rows of the configuration ``step_row`` heads (same run and point), by time:
+    group, kind, launches (per step and per layer), us, share, bytes, floor at the copy roof."""
+    key = ("timestamp", "build", "tp", "batch", "mode", "ctx")
+    g = [r for r in rows if r.get("group") != STEP and all(r.get(k) == step_row.get(k) for k in key)]
+    g.sort(key=lambda r: -(float(r.get("us") or 0)))
+    cols = ("group", "kind", "launches", "launches_per_layer", "us", "share", "bytes", "floor_us")
+    return [{c: r.get(c) for c in cols} for r in g]
+
+
+def launches_table(rows: list[dict]) -> list[dict]:
+    """Per configuration: p50, launches per step and per layer, groups/p50 (the attribution check)."""
+    cols = ("build", "tp", "batch", "mode", "ctx", "timing", "status", "p50_us", "launches",
+            "launches_per_layer", "sum_vs_p50", "allreduce_copies", "note")
+    return [{c: r.get(c) for c in cols} for r in configs(rows)]
+
+
+def local_step(batches=(1,), ctxs=(8192,), modes=("plain", "mtp"), tp: int = 4, cpu_ctx: int = 16,
+               checkpoint: str | None = None, replays: int = 10, log=print) -> tuple[list[dict], str]:
+    """The step on this machine, as notebook 10 runs it: on a GPU, rank 0 of TP ``tp`` with random
+    weights at the real shapes at a small context (``ctxs``); on a CPU, the tiny checkpoint's model
+    (TP=1) on the Triton interpreter at ``cpu_ctx`` tokens, one batch, plain decode (eager, wall
+    time: the attribution code path, not a speed). Returns ``(rows, what ran)``; when the model
+    package cannot build a rank yet, ``([], reason)``."""
+    import torch
+    gpu = torch.cuda.is_available()
+    try:
+        from ds4lab.model import weights as _w  # noqa: F401
+        import ds4lab.model.model  # noqa: F401
+    except ImportError as e:
+        return [], f"not run: the model composition is not in this tree yet ({e})"
+    if gpu:
+        p = plan(tps=(tp,), batches=batches, ctxs=ctxs, modes=modes)
+        p.replays = replays
+        return run_step(p, device="cuda", log=log), f"GPU live: TP={tp} rank 0, random weights, ctx {list(ctxs)}"
+    from ds4lab.checkpoint.tiny import ensure_tiny_checkpoint
+    ck = str(checkpoint or ensure_tiny_checkpoint())
+    p = plan(tps=(1,), batches=batches[:1], ctxs=(cpu_ctx,), modes=("plain",))
+    p.replays = 1
+    return (run_step(p, device="cpu", checkpoint=ck, log=log),
+            f"CPU: the tiny checkpoint's model on the Triton interpreter (eager, wall time), ctx {cpu_ctx}")
 
 
 def _print_table(rows: list[dict]) -> None:
