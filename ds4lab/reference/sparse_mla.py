@@ -130,3 +130,21 @@ def gather_bmm_prefill(q, kv, indices, attn_sink, lengths=None, scale: float = D
     s = torch.cat([s, attn_sink.float()[None, :, None].expand(Tq, H, 1)], -1)
     p = torch.softmax(s, -1)[..., :-1].nan_to_num(0.0)
     return torch.bmm(p.to(torch.bfloat16), ws)
+
+
+def attend_masked(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, attn_sink: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """:func:`attend` over ONE shared candidate set: q ``(T, H, D)``, kv ``(N, D)`` float64, valid
+    ``(T, N)`` bool (which of the N candidates row t sees) -> ``(T, H, D)`` float64. Same formula
+    (sink in the denominator, zeros for a row with no candidate); for many rows whose candidate
+    sets overlap (a prefill chunk's SWA windows) it avoids gathering a ``(T, N, D)`` copy."""
+    q = q.detach().cpu().double()
+    sink = attn_sink.detach().cpu().double()[None, :]
+    s = torch.einsum("thd,nd->thn", q, kv) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    m = torch.maximum(s.amax(-1) if s.shape[-1] else torch.full(s.shape[:2], float("-inf"), dtype=s.dtype), sink)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m_safe[..., None])
+    den = e.sum(-1) + torch.exp(sink - m_safe)
+    out = torch.einsum("thn,nd->thd", e, kv) / den.clamp_min(1e-300)[..., None]
+    return torch.where((den > 0)[..., None], out, torch.zeros_like(out))
