@@ -1,7 +1,6 @@
 """ds4lab.harness.step on a CPU: the attribution code path for real (ds4lab kernels on the Triton
 interpreter inside the model's op groups), the trace parsing and alignment the GPU path uses, the
 rows/CSV, and - once the model composition has landed - the tiny model's step."""
-import importlib.util
 import os
 
 import pytest
@@ -78,9 +77,9 @@ class KernelChain:
             with op_group("layer.attn", "torch:container"):
                 with op_group("attn.act_quant", "kernel:per_token_group_quant_fp8"):
                     q, s = per_token_group_quant_fp8(x, 128, scale_fmt="ue8m0_packed")
-                with op_group("attn.wo_b", "kernel:fp8_gemm_nt"):
+                with op_group("attn.o_proj", "kernel:fp8_gemm_nt"):
                     y = fp8_gemm_nt(q, s, self.b, self.b_scale)
-            with op_group("moe.combine", "torch:add"):
+            with op_group("moe.add", "torch:add"):
                 x = x + y.sum() * 0
         return y
 
@@ -97,21 +96,24 @@ def test_run_step_cpu_attributes_real_kernel_launches(tmp_path):
     step = rows[0]
     assert step["group"] == S.STEP and step["status"] == "OK", step.get("note")
     by = {r["group"]: r for r in rows[1:]}
-    assert by["attn.act_quant"]["launches"] >= 2 and by["attn.wo_b"]["launches"] >= 2   # 2 layers, >= 1 each
-    assert by["moe.combine"]["launches"] == 0                                             # torch: no Triton launch
-    assert by["attn.wo_b"]["kind"] == "kernel:fp8_gemm_nt"
-    # TP=4: an all-reduce stand-in after each wo_b and each MoE combine (2 per layer here)
+    assert by["attn.act_quant"]["launches"] >= 2 and by["attn.o_proj"]["launches"] >= 2   # 2 layers, >= 1 each
+    assert by["moe.add"]["launches"] == 0                                                 # torch: no Triton launch
+    assert by["attn.o_proj"]["kind"] == "kernel:fp8_gemm_nt"
+    # TP=4: an all-reduce stand-in after each o_proj and each MoE sum (2 per layer here)
     assert step["allreduce_copies"] == 4 and by[S.ALLREDUCE_GROUP]["us"] > 0
     # exclusive times: the container group holds only its own glue, and the groups sum to the step
-    assert by["layer.attn"]["us"] < by["attn.wo_b"]["us"]
+    assert by["layer.attn"]["us"] < by["attn.o_proj"]["us"]
     assert 0.8 < step["sum_vs_p50"] <= 1.0 + 1e-6
     assert step["launches"] == sum(r["launches"] for r in rows[1:])
-    # bytes from the decode model's formulas where the group names an op (attn.wo_b -> wo_b)
-    assert by["attn.wo_b"]["bytes"] > 0 and by["attn.act_quant"]["bytes"] == ""
+    # bytes from the decode model's formulas where the group maps to its ops (GROUP_OPS)
+    from ds4lab.planner.speed import step_bytes
+    sb = step_bytes(DEFAULT_CONFIG, 4, 1, 1, 64)
+    assert by["attn.o_proj"]["bytes"] == pytest.approx(sb["o_proj"] + sb["wo_b"])
+    assert by["attn.act_quant"]["bytes"] == "" and step["bytes"] == pytest.approx(sum(sb.values()))
     back = S.load_rows(str(path))
     assert len(back) == len(rows) and back[0]["p50_us"] == pytest.approx(step["p50_us"], rel=1e-3)
     t = S.summary_table(back)
-    assert len(t) == 1 and t[0]["launches"] == step["launches"] and "attn.wo_b" in t[0]["top"]
+    assert len(t) == 1 and t[0]["launches"] == step["launches"] and "attn.o_proj" in t[0]["top"]
 
 
 def test_failed_point_is_one_error_row(tmp_path):
@@ -137,9 +139,7 @@ def test_cli_without_a_gpu_says_what_to_do(capsys):
 # ---- the tiny model's step (runs once ds4lab.model's composition has landed) ---------------------
 
 @pytest.mark.interp
-@pytest.mark.skipif(importlib.util.find_spec("ds4lab.model.model") is None
-                    or importlib.util.find_spec("ds4lab.model.weights") is None,
-                    reason="ds4lab.model composition/weights not merged yet (branch model)")
+@pytest.mark.skipif(S.model_missing() is not None, reason=f"{S.model_missing()} (branch model, not merged yet)")
 def test_tiny_model_step_on_the_interpreter(tmp_path):
     from ds4lab.checkpoint.tiny import ensure_tiny_checkpoint
     ck = str(ensure_tiny_checkpoint())

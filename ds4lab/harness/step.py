@@ -70,10 +70,20 @@ FIELDS = PROVENANCE + [
 STEP = "(step)"
 GAPS = "(gaps)"
 ALLREDUCE_GROUP = "comm.all_reduce (device copy)"
-# op groups after which the TP ranks all-reduce the hidden state (vLLM DeepseekV4: the attention
-# output projection's wo_b and the MoE's routed + shared sum are row-parallel). The recorder matches
-# a group name ending in one of these.
-ALLREDUCE_AFTER = ("attn.o_proj", "attn.wo_b", "moe.combine", "moe.shared_down")
+# op groups of ds4lab.model after which the TP ranks all-reduce the hidden state (vLLM DeepseekV4:
+# the attention output projection, whose wo_b is row-parallel, and the MoE's routed + shared sum).
+# The recorder matches a group name ending in one of these.
+ALLREDUCE_AFTER = ("attn.o_proj", "moe.add")
+# ds4lab.model op group -> the decode model's ops (planner.speed.step_bytes) whose bytes it moves;
+# groups not listed have no byte formula yet and get no floor
+GROUP_OPS = {
+    "attn.wqkv_a": ("wq_a_wkv",), "attn.wq_b": ("wq_b",), "attn.o_proj": ("o_proj", "wo_b"),
+    "attn.sparse_mla": ("sparse_mla",), "attn.swa_insert": ("kv_cache_insert",),
+    "indexer.wq_b": ("indexer_wq_b",), "indexer.logits_topk": ("mqa_logits", "topk_indices"),
+    "indexer.k_insert": ("indexer_k_insert",), "moe.gate": ("router_gate",), "moe.route": ("moe_router",),
+    "moe.experts": ("moe_w13+moe_w2",), "moe.shared_w13": ("shared_gate_up",), "moe.shared_w2": ("shared_down",),
+    "head.lm_head": ("lm_head",),
+}
 
 SMOKE = {"batches": (1, 16), "ctxs": (8192, 32768)}
 FULL = {"batches": (1, 4, 8, 16), "ctxs": (8192, 32768, 131072)}
@@ -306,16 +316,13 @@ def _provenance(build: str, device) -> dict:
 
 def _group_bytes(cfg, tp: int, batch: int, next_n: int, ctx: int, groups) -> dict[str, float]:
     """Bytes per op group of one step from the decode model's per-op formulas
-    (:func:`ds4lab.planner.speed.step_bytes`, built on :mod:`ds4lab.harness.costs`). A group takes
-    the bytes of the op named by its last dotted part (``attn.wq_b`` -> ``wq_b``); a group with no
-    such op is absent (its floor stays empty: no formula yet)."""
+    (:func:`ds4lab.planner.speed.step_bytes`, built on :mod:`ds4lab.harness.costs`), through
+    :data:`GROUP_OPS`; a group not listed is absent (its floor stays empty: no formula yet).
+    ``"(step)"`` carries the whole step's bytes (every op, formulas and estimates)."""
     from ds4lab.planner.speed import step_bytes
     per_op = step_bytes(cfg, tp, batch, next_n, ctx)
-    out = {}
-    for g in groups:
-        op = g.rsplit(".", 1)[-1]
-        if op in per_op:
-            out[g] = per_op[op]
+    out = {g: sum(per_op.get(op, 0.0) for op in GROUP_OPS[g]) for g in groups if g in GROUP_OPS}
+    out[STEP] = sum(per_op.values())
     return out
 
 
@@ -331,8 +338,8 @@ def _build(cfg, tp: int, rank: int, device, checkpoint: str | None):
     """Rank ``rank`` of TP ``tp``: random weights at the real shapes, or the checkpoint's."""
     from ds4lab.model import build_rank
     from ds4lab.model import weights as W
-    if checkpoint:
-        w = W.load_weights(checkpoint, cfg, tp, rank, device=device)
+    if checkpoint:  # quantized on load: FP8 128x128 blocks + UE8M0, packed INT4 experts, as the kernels read
+        w = W.load_tiny(checkpoint, cfg, tp, rank, quantize=True, device=device)
     else:
         w = W.random_weights(cfg, tp, rank, device=device, seed=0)
     return build_rank(cfg, tp, rank, w, device=device, backend="kernel")
@@ -436,10 +443,10 @@ def _config_rows(base, cfg, tp, rank, batch, mode, ctx, q, timing, stats, kinds,
     launches = sum(s["launches"] for s in stats.values())
     common = {**base, **(roofs or {}), "tp": tp, "rank": rank, "batch": batch, "next_n": next_n, "mode": mode,
               "ctx": ctx, "timing": timing, "allreduce_copies": ar_copies, "repro": repro}
-    step_bytes = sum(gb.values()) if gb else ""
+    step_bytes = gb.pop(STEP, "")
     rows = [{**common, "group": STEP, "kind": "", "launches": launches,
              "launches_per_layer": round(launches / layers, 1), "us": round(p50, 2), "share": 1.0,
-             "bytes": step_bytes, "floor_us": round(step_bytes / (copy_tbps * 1e6), 2) if gb and copy_tbps else "",
+             "bytes": step_bytes, "floor_us": round(step_bytes / (copy_tbps * 1e6), 2) if step_bytes and copy_tbps else "",
              "p20_us": round(p20, 2), "p50_us": round(p50, 2), "p80_us": round(p80, 2),
              "sum_vs_p50": round(total / p50, 3) if p50 else "", "status": "OK", "note": note}]
     for gname, st in sorted(stats.items(), key=lambda kv: -kv[1]["us"]):
@@ -450,6 +457,34 @@ def _config_rows(base, cfg, tp, rank, batch, mode, ctx, q, timing, stats, kinds,
                      "floor_us": round(b / (copy_tbps * 1e6), 3) if b != "" and copy_tbps else "",
                      "status": "OK", "note": ""})
     return rows
+
+
+def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log) -> list[dict]:
+    """One (tp, ctx, batch, mode) point: its rows, or one ERROR row naming what failed."""
+    next_n = 2 if mode == "mtp" else 1
+    repro = f"python3 -m ds4lab.harness.step --tp {tp} --batch {batch} --ctx {ctx} --mode {mode} --arch {p.build}"
+    try:
+        if fill_err:
+            raise RuntimeError(fill_err)
+        tokens, positions = _decode_inputs(m, cfg, batch, next_n, ctx, device)
+        rec = GroupRecorder()
+        if tp > 1:
+            rec.arm_allreduce(batch * next_n, cfg.hidden_size, device)
+        fn = lambda: m.decode(tokens, positions, caches)  # noqa: E731
+        if gpu:
+            q, timing, stats, note, ar = _time_gpu(fn, rec, p.replays, p.profiled_replays)
+        else:
+            q, timing, stats, note, ar = _time_cpu(fn, rec, p.replays)
+        new = _config_rows(base, cfg, tp, p.rank, batch, mode, ctx, q, timing, stats, rec.kinds, note, roofs, ar,
+                           repro)
+        log(f"TP={tp} ctx={ctx} B={batch} {mode}: p50 {new[0]['p50_us']:.1f} us, {new[0]['launches']} launches "
+            f"({new[0]['launches_per_layer']}/layer), groups/p50 {new[0]['sum_vs_p50']}")
+        return new
+    except Exception as e:
+        row = {**base, "tp": tp, "rank": p.rank, "batch": batch, "next_n": next_n, "mode": mode, "ctx": ctx,
+               "group": STEP, "status": "ERROR", "note": f"{type(e).__name__}: {e}"[:300], "repro": repro}
+        log(f"ERROR TP={tp} ctx={ctx} B={batch} {mode}: {row['note']}")
+        return [row]
 
 
 def run_step(p: StepPlan, device=None, checkpoint: str | None = None, cfg=None, csv_path: str | None = None,
@@ -495,40 +530,19 @@ def run_step(p: StepPlan, device=None, checkpoint: str | None = None, cfg=None, 
             t0 = time.perf_counter()
             m = _build(cfg, tp, p.rank, device, checkpoint)
             log(f"built rank {p.rank} of TP={tp} in {time.perf_counter() - t0:.1f} s")
-        max_ctx = max(p.ctxs) + 8
         for ctx in p.ctxs:
             for batch in p.batches:
+                caches, fill_err = None, None
+                try:  # one fill per (ctx, batch), shared by the modes (a step writes only positions >= ctx)
+                    caches = m.new_caches(batch, ctx + 8)
+                    m.fill_caches(caches, ctx)
+                except Exception as e:
+                    fill_err = f"cache fill: {type(e).__name__}: {e}"
                 for mode in p.modes:
-                    next_n = 2 if mode == "mtp" else 1
-                    repro = (f"python3 -m ds4lab.harness.step --tp {tp} --batch {batch} --ctx {ctx} --mode {mode} "
-                             f"--arch {p.build}")
-                    caches = None
-                    try:
-                        caches = m.new_caches(batch, max_ctx)
-                        m.fill_caches(caches, ctx)
-                        tokens, positions = _decode_inputs(m, cfg, batch, next_n, ctx, device)
-                        rec = GroupRecorder()
-                        if tp > 1:
-                            rec.arm_allreduce(batch * next_n, cfg.hidden_size, device)
-                        fn = lambda: m.decode(tokens, positions, caches)  # noqa: E731
-                        if gpu:
-                            q, timing, stats, note, ar = _time_gpu(fn, rec, p.replays, p.profiled_replays)
-                        else:
-                            q, timing, stats, note, ar = _time_cpu(fn, rec, p.replays)
-                        new = _config_rows(base, cfg, tp, p.rank, batch, mode, ctx, q, timing, stats, rec.kinds,
-                                           note, roofs, ar, repro)
-                        log(f"TP={tp} ctx={ctx} B={batch} {mode}: p50 {new[0]['p50_us']:.1f} us, "
-                            f"{new[0]['launches']} launches ({new[0]['launches_per_layer']}/layer), "
-                            f"groups/p50 {new[0]['sum_vs_p50']}")
-                    except Exception as e:
-                        new = [{**base, "tp": tp, "rank": p.rank, "batch": batch, "next_n": next_n, "mode": mode,
-                                "ctx": ctx, "group": STEP, "status": "ERROR",
-                                "note": f"{type(e).__name__}: {e}"[:300], "repro": repro}]
-                        log(f"ERROR TP={tp} ctx={ctx} B={batch} {mode}: {new[0]['note']}")
-                    emit(new)
-                    del caches
-                    if gpu:
-                        torch.cuda.empty_cache()
+                    emit(_point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log))
+                del caches
+                if gpu:
+                    torch.cuda.empty_cache()
         if model is None:
             del m
             if gpu:
@@ -610,6 +624,15 @@ def launches_table(rows: list[dict]) -> list[dict]:
     return [{c: r.get(c) for c in cols} for r in configs(rows)]
 
 
+def model_missing() -> str | None:
+    """Why :func:`run_step` cannot build a kernel-backend rank here (None: it can): the parts of
+    :mod:`ds4lab.model` it needs (composition, weights, cache fill, kernel backend)."""
+    import importlib.util
+    need = ("ds4lab.model.model", "ds4lab.model.weights", "ds4lab.model.fill", "ds4lab.model.backend_kernel")
+    gone = [m for m in need if importlib.util.find_spec(m) is None]
+    return f"ds4lab.model lacks {', '.join(gone)} in this tree" if gone else None
+
+
 def local_step(batches=(1,), ctxs=(8192,), modes=("plain", "mtp"), tp: int = 4, cpu_ctx: int = 16,
                checkpoint: str | None = None, replays: int = 10, log=print) -> tuple[list[dict], str]:
     """The step on this machine, as notebook 10 runs it: on a GPU, rank 0 of TP ``tp`` with random
@@ -619,11 +642,9 @@ def local_step(batches=(1,), ctxs=(8192,), modes=("plain", "mtp"), tp: int = 4, 
     package cannot build a rank yet, ``([], reason)``."""
     import torch
     gpu = torch.cuda.is_available()
-    try:
-        from ds4lab.model import weights as _w  # noqa: F401
-        import ds4lab.model.model  # noqa: F401
-    except ImportError as e:
-        return [], f"not run: the model composition is not in this tree yet ({e})"
+    missing = model_missing()
+    if missing:
+        return [], f"not run: {missing}"
     if gpu:
         p = plan(tps=(tp,), batches=batches, ctxs=ctxs, modes=modes)
         p.replays = replays
