@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP := bash env/setup.sh
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast test-fuzz tour lab aot bench-gpu lock clean info doctor plan serve serve-bench tiny screenshots
+.PHONY: setup test test-fast test-fuzz tour lab aot bench-gpu step-gpu lock clean info doctor plan serve serve-bench tiny screenshots
 
 setup:
 	@$(SETUP)
@@ -44,6 +44,10 @@ aot: setup
 ## On the H200 image (no venv): python3 -m ds4lab.harness.bench --out results/
 bench-gpu:
 	python3 -m ds4lab.harness.bench --out results
+
+## On the H200 image: the decode step, model check + native and sm_89 builds (MODE=full for all points)
+step-gpu:
+	OUT=results bash scripts/gpu/step.sh
 
 doctor: setup
 	$(PY) -m ds4lab doctor

@@ -178,9 +178,9 @@ def summary_tables(summary: list[dict]) -> dict[str, list[dict]]:
     """The tour's headline tables from what the notebooks recorded: kernels (numerics verdict,
     elements over budget, worst similarity and relative error, best fraction of the H200 roof for
     the sm_90 and sm_89 builds), planner recommendation, server tokens/s and MTP acceptance, the
-    Ada estimate (one row per card and mode, plus its inputs), the environment."""
+    Ada estimate (one row per card and mode, plus its inputs), the decode step (notebook 10), the environment."""
     by = {s["notebook"]: s for s in summary}
-    kernels, planner, server, ada, ada_inputs, env = [], [], [], [], [], []
+    kernels, planner, server, ada, ada_inputs, step, env = [], [], [], [], [], [], []
     for name, d in sorted(by.items()):
         if "numerics_total" in d:
             kernels.append({"notebook": name, "kernels": ", ".join(d.get("kernels", [])),
@@ -204,10 +204,13 @@ def summary_tables(summary: list[dict]) -> dict[str, list[dict]]:
             figs, rest = _ada_tables(d)
             ada += figs
             ada_inputs += rest
+        elif name.startswith("10"):
+            step.append({k: d.get(k) for k in ("h200_configs", "local", "local_p50_us", "local_launches",
+                                               "projection_card", "projection_tok_s", "projection_basis")})
         elif name.startswith("00"):
             env.append({k: v for k, v in d.items() if k != "notebook"})
     return {"kernels": kernels, "planner": planner, "server": server, "ada estimate": ada,
-            "ada estimate inputs": ada_inputs, "environment": env}
+            "ada estimate inputs": ada_inputs, "decode step": step, "environment": env}
 
 
 # what each index table's figures mean, printed under it

@@ -119,3 +119,10 @@ def test_tour_uses_the_registered_kernel():
     from jupyter_client.kernelspec import KernelSpecManager
     want = "ds4lab" if "ds4lab" in KernelSpecManager().find_kernel_specs() else "python3"
     assert tour.kernel_name() == want
+def test_decode_step_summary_row(tmp_path):
+    rec = {"h200_configs": 0, "local": "CPU: the tiny checkpoint's model", "local_p50_us": 1.5e6,
+           "local_launches": 120, "projection_card": "RTX 4090-48G", "projection_tok_s": 96.5,
+           "projection_basis": "bench.csv (sum of kernel rows + estimates)", "ignored": 1}
+    t = tour.summary_tables(_records(tmp_path, {"10_decode_step": rec}))
+    (row,) = t["decode step"]
+    assert row == {k: v for k, v in rec.items() if k != "ignored"}

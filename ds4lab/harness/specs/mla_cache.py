@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ds4lab.geometry import (FP8_DS_MLA_ALIGN, FP8_DS_MLA_DATA_BYTES, FP8_DS_MLA_ENTRY_BYTES,
-                             FP8_DS_MLA_SCALE_BYTES, op_shapes)
+from ds4lab.geometry import FP8_DS_MLA_ALIGN, FP8_DS_MLA_ENTRY_BYTES, op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import Report, compare_exact
 from ds4lab.harness.registry import KernelSpec, kernel_configs, register
 
@@ -96,8 +96,8 @@ register(KernelSpec(
     cases=CASES,
     test_shapes=[{"T": 9, "block_size": 64, "num_blocks": 3}, {"T": 7, "block_size": 2, "num_blocks": 6}],
     bench_shapes=bench_shapes,
-    flops=lambda s: 0.0,
-    min_bytes=lambda s: s["T"] * (512 * 2 + FP8_DS_MLA_DATA_BYTES + FP8_DS_MLA_SCALE_BYTES + 4),
+    flops=costs.FLOPS["fp8_ds_mla_insert"],
+    min_bytes=costs.MIN_BYTES["fp8_ds_mla_insert"],
     check=check,
     configs=kernel_configs("mla_cache"),
     baselines={"torch_eager": _torch_eager},
