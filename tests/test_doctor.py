@@ -423,6 +423,27 @@ def test_driver_vs_runtime_vs_toolkit(tmp_path, fake_libcuda):
     assert one(ctx_for(e, "cpu", e.environ()), "driver-cuda").status == "pass"
 
 
+def test_probes_are_standalone_programs_run_by_path(venv):
+    """The probe programs are real modules (linted, read by tests) that the doctor runs by file path
+    in the checked interpreter, which need not have ds4lab: they import only the standard library
+    and the packages they inspect, and run in a bare venv that cannot import ds4lab."""
+    import ast
+    from ds4lab.doctor.probes import COMPILE_PROBE, ENV_PROBE
+    for path in (ENV_PROBE, COMPILE_PROBE):
+        tree = ast.parse(open(path).read(), path)
+        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "ds4lab" not in mods and mods <= set(sys.stdlib_module_names) | {"torch", "triton", "transformers"}, \
+            (path, mods)
+    env = venv.environ()
+    assert subprocess.run([venv.python, "-c", "import ds4lab"], env=env, capture_output=True,
+                          cwd=venv.root).returncode != 0
+    r = subprocess.run([venv.python, ENV_PROBE, json.dumps({"dists": ["torch"], "modules": ["json", "torch"]})],
+                       env=env, capture_output=True, text=True, timeout=60, cwd=venv.root)
+    facts = json.loads(r.stdout.split("DS4LAB_PROBE", 1)[1])
+    assert facts["executable"] == venv.python and "json" in facts["modules"] and "torch" not in facts["modules"]
+
+
 @pytest.mark.aot
 def test_triton_compiles_for_sm89_without_a_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}

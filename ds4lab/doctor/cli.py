@@ -1,0 +1,28 @@
+"""``ds4lab doctor`` command line (``add_arguments`` / ``main`` for ``ds4lab/cli.py``)."""
+from __future__ import annotations
+
+from ds4lab.config.stacks import stacks
+from ds4lab.doctor.checks import CHECKS, run_doctor
+from ds4lab.doctor.context import _serve_profiles
+
+__all__ = ["add_arguments", "main"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--profile", choices=sorted(set(stacks()) | set(_serve_profiles())), default=None,
+                   help="stack from ds4lab/config/stacks.toml, or a `ds4lab serve` profile meaning its stack "
+                        "(tiny-cpu = cpu) (default: from this machine; cpu without CUDA)")
+    p.add_argument("--python", default=None, help="interpreter of the server's venv to check (default: this one)")
+    p.add_argument("--hf-cache", default=None,
+                   help="hub cache folder (default: huggingface_hub's resolution); a missing folder is reported")
+    p.add_argument("--server-cmd", default=None,
+                   help="the intended server command line, quoted once (default: the profile's flags)")
+    p.add_argument("--only", action="append", choices=list(CHECKS), help="run only this check (repeatable)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def main(args) -> int:
+    rep = run_doctor(profile=args.profile, python=args.python, hf_cache=args.hf_cache,
+                     server_argv=args.server_cmd, only=args.only)
+    print(rep.to_json() if args.json else rep.to_text())
+    return 0 if rep.ok else 1
