@@ -270,6 +270,52 @@ def test_hf_offline_dangling_refs_main(venv):
     assert one(ctx_for(venv, FORK, offline), "hf-offline").status == "warn"
 
 
+VLLM_RESOLVES = """
+import json, sys
+from vllm.transformers_utils.repo_utils import get_model_path
+out = {}
+for repo, rev in json.loads(sys.argv[1]):
+    try:
+        out[repo + "@" + str(rev)] = get_model_path(repo, revision=rev)
+    except Exception as e:
+        out[repo + "@" + str(rev)] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_hf_offline_agrees_with_huggingface_hub_and_vllm(venv):
+    """A real HF cache layout: refs/main without newline, with one (`echo $SHA > refs/main`), dangling,
+    and a --revision pin. The doctor, serve's resolution and the installed vLLM's own
+    get_model_path (HF_HUB_OFFLINE=1, real huggingface_hub) must agree on what loads."""
+    from ds4lab.serve.profiles import resolve_hf_snapshot
+    cache = venv.root / "hf"
+    sha, gone = "c" * 40, "d" * 40
+    hf_repo(cache, "org/clean", [sha], main=sha)
+    hf_repo(cache, "org/newline", [sha], main=sha + "\n")
+    hf_repo(cache, "org/dangling", [sha], main=gone)
+    offline = venv.environ(HF_HUB_OFFLINE="1")
+    cases = [("org/clean", None), ("org/newline", None), ("org/dangling", None), ("org/newline", sha)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    r = subprocess.run([sys.executable, "-c", VLLM_RESOLVES, json.dumps(cases)], capture_output=True, text=True,
+                       env=dict(env, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache)), timeout=120, cwd=venv.root)
+    vllm_says = json.loads(r.stdout.strip().splitlines()[-1])
+    for repo, rev in cases:
+        argv = ["vllm", "serve", repo] + (["--revision", rev] if rev else [])
+        row = one(ctx_for(venv, FORK, offline, argv=argv), "hf-offline")
+        loads = vllm_says[f"{repo}@{rev}"].startswith(str(cache))
+        assert (row.status != "fail") == loads, (repo, rev, vllm_says, row)   # warn: the other repos
+        assert vllm_says[f"{repo}@{rev}"] in (str(cache / f"models--{repo.replace('/', '--')}" / "snapshots" / sha),
+                                              "LocalEntryNotFoundError")
+    row = one(ctx_for(venv, FORK, offline, argv=["vllm", "serve", "org/newline"]), "hf-offline")
+    assert row.status == "fail" and "verbatim" in row.evidence and "LocalEntryNotFoundError" in row.evidence
+    assert f"--revision {sha}" in row.fix and f"printf %s {sha} >" in row.fix
+    assert "missing commit" in row.evidence            # scan_cache_dir's warning about the model's own repo
+    # serve falls back to the complete snapshot and says why; the clean repo resolves silently
+    p, note = resolve_hf_snapshot("org/newline", cache_dir=cache)
+    assert p.name == sha and "verbatim" in note
+    assert resolve_hf_snapshot("org/clean", cache_dir=cache) == (cache / "models--org--clean" / "snapshots" / sha, None)
+
+
 def test_hf_offline_model_missing_from_cache(venv):
     offline = venv.environ(HF_HUB_OFFLINE="true")
     r = one(ctx_for(venv, FORK, offline), "hf-offline")

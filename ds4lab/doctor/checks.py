@@ -348,27 +348,21 @@ def check_attention_backend(ctx: DoctorContext) -> CheckResult:
     return CheckResult(name, "warn", "forced: " + "; ".join(forced) + f" (profile {ctx.profile_name} is not Ada)", fix)
 
 
-def _read_refs(repo_dir: str) -> dict[str, str]:
-    refs, root = {}, os.path.join(repo_dir, "refs")
-    for dp, _, files in os.walk(root):
-        for fn in files:
-            p = os.path.join(dp, fn)
-            refs[os.path.relpath(p, root).replace(os.sep, "/")] = open(p).read().strip()
-    return refs
-
-
 def check_hf_offline(ctx: DoctorContext) -> CheckResult:
-    """``HF_HUB_OFFLINE=1`` with a ``refs/main`` pointing at a snapshot never downloaded.
+    """``HF_HUB_OFFLINE=1`` with a model huggingface_hub cannot resolve from the cache.
 
-    Why it bites: offline, huggingface_hub resolves ``main`` through ``refs/main`` and never asks
-    the Hub; if that commit's ``snapshots/<sha>`` folder is missing (an interrupted download, a
-    ref updated by a metadata-only call) the server fails to find config.json although another
-    complete snapshot sits next to it (seed recipe). Looks at the model's repo folder in the hub
-    cache (huggingface_hub's ``models--org--name`` layout) and at ``scan_cache_dir`` warnings
-    for every other repo. Fix: pin the existing snapshot (``--revision <sha>`` or write it into
-    ``refs/main``), or download once online."""
+    Why it bites: offline, vLLM resolves an HF repo id with ``huggingface_hub.snapshot_download(...,
+    local_files_only=True)`` (``get_model_path``), which reads ``refs/main`` verbatim and never asks
+    the Hub; if that commit's ``snapshots/<sha>`` folder is missing (an interrupted download, a ref
+    updated by a metadata-only call) or the ref ends in a newline (``echo $SHA > refs/main``), the
+    server raises ``LocalEntryNotFoundError`` although a complete snapshot sits next to it (seed
+    recipe). The verdict is huggingface_hub's own (:func:`ds4lab.hf_snapshot.hub_resolution`, the
+    same call), plus ``scan_cache_dir`` warnings for the model's repo and every other one. Fix: pin
+    the existing snapshot (``--revision <sha>`` or ``printf %s <sha> > refs/main``), or download
+    once online."""
     from huggingface_hub import scan_cache_dir
-    from huggingface_hub.file_download import repo_folder_name
+
+    from ds4lab.hf_snapshot import hub_resolution
     name = "hf-offline"
     offline = str(ctx.environ.get("HF_HUB_OFFLINE", "")).upper() in _TRUE
     cache = ctx.hf_cache
@@ -396,31 +390,29 @@ def check_hf_offline(ctx: DoctorContext) -> CheckResult:
         except Exception as e:  # CacheNotFound etc.
             others = [f"scan_cache_dir failed: {e!r}"]
     if local_model:
-        target = None
         ev = f"{mode}; model is a local path {model}"
     elif model:
-        repo_dir = os.path.join(cache, repo_folder_name(repo_id=model, repo_type="model"))
         revision = option_value(ctx.server_argv, "--revision") or "main"
-        snaps_dir = os.path.join(repo_dir, "snapshots")
-        snaps = sorted(os.listdir(snaps_dir)) if os.path.isdir(snaps_dir) else []
-        others = [w for w in others if repo_dir not in w]
-        if not os.path.isdir(repo_dir):
+        res = hub_resolution(model, revision, cache)
+        others = [w for w in others if str(res.repo_dir) not in w]
+        if not res.cached:
             if offline:
                 return CheckResult(name, "fail", f"{mode}; {model} is not in the cache {cache}",
                                    f"HF_HUB_OFFLINE=0 hf download {model}  # once, online")
             return CheckResult(name, "pass", f"online; {model} not cached yet (will download to {cache})")
-        refs = _read_refs(repo_dir)
-        sha = revision if revision in snaps else refs.get(revision)
-        if sha in snaps:
-            target = None
-            ev = f"{mode}; {model}@{revision} -> snapshot {sha[:12]} present"
+        own = ("; HF cache scan: " + " | ".join(res.scan_warnings)[:400]) if res.scan_warnings else ""
+        if res.ok:
+            ev = (f"{mode}; huggingface_hub resolves {model}@{revision} -> snapshot {res.snapshot.name[:12]} "
+                  f"present (as vLLM will){own}")   # another ref of it may dangle: evidence, not a fault
         else:
-            have = ", ".join(s[:12] for s in snaps) or "none"
-            ev = (f"{mode}; {repo_dir}/refs/{revision} -> {sha or '(no ref)'} but that snapshot is missing "
-                  f"(snapshots present: {have})")
-            if snaps:
-                fix = (f"pin the existing snapshot: add `--revision {snaps[-1]}` to the server command, or "
-                       f"`printf {snaps[-1]} > {repo_dir}/refs/{revision}`; or HF_HUB_OFFLINE=0 hf download {model}")
+            have = ", ".join(s[:12] for s in res.complete) or "none"
+            ev = (f"{mode}; huggingface_hub cannot resolve {model}@{revision} offline "
+                  f"({(res.error or '').split(':')[0] or 'no config.json'}): {res.diagnosis()} "
+                  f"[{res.repo_dir}; complete snapshots: {have}]{own}")
+            if res.complete:
+                pin = max(res.complete, key=lambda k: (res.complete[k] / "config.json").stat().st_mtime)
+                fix = (f"pin the existing snapshot: add `--revision {pin}` to the server command, or "
+                       f"`printf %s {pin} > {res.repo_dir}/refs/{revision}` (no newline); or HF_HUB_OFFLINE=0 hf download {model}")
             else:
                 fix = f"HF_HUB_OFFLINE=0 hf download {model}  # once, online"
             return CheckResult(name, "fail" if offline else "warn", ev, fix)
