@@ -222,6 +222,30 @@ def test_stale_vllm_triton_mla_sparse_exports(venv):
     assert r.status == "fail" and "TRITON_INTERPRET" in r.fix
 
 
+def test_stale_env_against_the_installed_vllm_registry():
+    """Every VLLM_* variable is checked against the real installed vLLM's env registry, read in the
+    checked interpreter: VLLM_USE_V1 (gone from 0.32: vLLM warns "Unknown vLLM environment variable")
+    and a build-time-only VLLM_USE_PRECOMPILED are flagged; a variable vLLM reads is not."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}
+    env = dict(base, VLLM_USE_V1="0", VLLM_USE_PRECOMPILED="1", VLLM_CPU_KVCACHE_SPACE="4", VLLM_PLUGINS="ds4lab")
+    ctx = DoctorContext("cpu", stack("cpu"), env, python=sys.executable, server_argv=[],
+                        probe_torch=False, probe_hash_moe=False)
+    r = one(ctx, "stale-env")
+    reg = ctx.facts["vllm_env"]
+    assert reg["unknown"] == ["VLLM_USE_V1"] and reg["unread"] == ["VLLM_USE_PRECOMPILED"], reg
+    assert reg["registry_size"] > 200
+    assert r.status == "warn" and "unknown to the installed vLLM: VLLM_USE_V1=0" in r.evidence
+    assert r.fix == "unset VLLM_USE_V1 VLLM_USE_PRECOMPILED" and "VLLM_CPU_KVCACHE_SPACE" not in r.evidence
+    # vLLM refuses an unknown variable with --fail-on-environ-validation: then it is a fail
+    hard = DoctorContext("cpu", stack("cpu"), env, python=sys.executable, facts=ctx.facts,
+                         server_argv=["vllm", "serve", "m", "--fail-on-environ-validation"])
+    assert one(hard, "stale-env").status == "fail"
+    clean = DoctorContext("cpu", stack("cpu"), dict(base, VLLM_CPU_KVCACHE_SPACE="4"), python=sys.executable,
+                          server_argv=[], facts=ctx.facts)   # the same probe: one vLLM import per test
+    r = one(clean, "stale-env")
+    assert r.status == "pass" and "registered variables" in r.evidence, r
+
+
 def test_profile_env_requires_triton_mla_sparse_and_plugin(venv):
     assert one(ctx_for(venv, FORK), "profile-env").status == "fail"
     assert one(ctx_for(venv, FORK, venv.environ(VLLM_TRITON_MLA_SPARSE="1")), "profile-env").status == "pass"
@@ -479,7 +503,7 @@ def test_probes_are_standalone_programs_run_by_path(venv):
         tree = ast.parse(open(path).read(), path)
         mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert "ds4lab" not in mods and mods <= set(sys.stdlib_module_names) | {"torch", "triton", "transformers"}, \
+        assert "ds4lab" not in mods and mods <= set(sys.stdlib_module_names) | {"torch", "triton", "transformers", "vllm"}, \
             (path, mods)
     env = venv.environ()
     assert subprocess.run([venv.python, "-c", "import ds4lab"], env=env, capture_output=True,

@@ -282,22 +282,52 @@ def check_forbidden_packages(ctx: DoctorContext) -> CheckResult:
 
 
 def check_stale_env(ctx: DoctorContext) -> CheckResult:
-    """Stale ``VLLM_TRITON_MLA_SPARSE_*`` exports (the profile's ``scrub_env_prefixes``).
+    """Stale ``VLLM_*`` exports: the profile's ``scrub_env_prefixes`` (``VLLM_TRITON_MLA_SPARSE_*``) and
+    every ``VLLM_*`` variable the checked interpreter's vLLM does not know or never reads.
 
-    Why it bites: the fork reads these tuning variables silently; one left over from an earlier
-    experiment changes the sparse-MLA path with no log line (seed recipe, SPEC.md §6). Also flags
-    ``TRITON_INTERPRET`` in a GPU server's environment (every Triton kernel would run on the CPU
-    interpreter). Fix: ``unset`` each one before starting the server."""
+    Why it bites: the fork reads the sparse-MLA tuning variables silently; one left over from an
+    earlier experiment changes the sparse-MLA path with no log line (seed recipe, SPEC.md §6). A
+    variable missing from the installed vLLM's registry (``vllm.envs.environment_variables``, e.g.
+    ``VLLM_USE_V1=0`` on 0.32) does nothing but a start-up warning "Unknown vLLM environment variable
+    detected" (``Platform.validate_environ``; a refusal with ``--fail-on-environ-validation``); one in
+    the registry that no vLLM module reads (build-time only, e.g. ``VLLM_USE_PRECOMPILED``) is ignored
+    by the server: the setting the user believes in is not in effect. The profile's own ``env``
+    (``profile-env`` row) is exempt. Also flags ``TRITON_INTERPRET`` in a GPU server's environment
+    (every Triton kernel would run on the CPU interpreter). Fix: ``unset`` each one before starting
+    the server."""
     name = "stale-env"
     prefixes = tuple(ctx.profile.get("scrub_env_prefixes", DEFAULT_SCRUB_PREFIXES))
     stale = sorted(k for k in ctx.environ if k.startswith(prefixes))
     if ctx.gpu_profile and ctx.environ.get("TRITON_INTERPRET"):
         stale.append("TRITON_INTERPRET")
-    if not stale:
-        return CheckResult(name, "pass", f"no {' / '.join(p + '*' for p in prefixes)} variables set")
-    ev = "set: " + ", ".join(f"{k}={ctx.environ[k]}" for k in stale)
-    status = "fail" if ctx.profile.get("vllm") else "warn"
-    return CheckResult(name, status, ev + " (read silently by the server)", "unset " + " ".join(stale))
+    facts = ctx.get_facts()
+    reg = (facts.get("vllm_env") or {}) if "error" not in facts else {}
+    wanted = set(ctx.profile.get("env", {})) | set(stale)
+    unknown = [k for k in reg.get("unknown", []) if k in ctx.environ and k not in wanted]
+    unread = [k for k in reg.get("unread", []) if k in ctx.environ and k not in wanted]
+    note = ""
+    if reg.get("error"):
+        note = f"; vLLM's env registry not readable in {ctx.python}: {reg['error']}"
+    elif reg:
+        note = f" (checked against the installed vLLM's {reg['registry_size']} registered variables)"
+    if not (stale or unknown or unread):
+        return CheckResult(name, "pass", f"no {' / '.join(p + '*' for p in prefixes)} variables set" + (
+            "; no other VLLM_* variable unknown to or unread by vLLM" + note if reg else note))
+    parts, status = [], "pass"
+    if stale:
+        parts.append("set: " + ", ".join(f"{k}={ctx.environ[k]}" for k in stale) + " (read silently by the server)")
+        status = "fail" if ctx.profile.get("vllm") else "warn"
+    if unknown:
+        hard = "--fail-on-environ-validation" in ctx.server_argv
+        parts.append("unknown to the installed vLLM: " + ", ".join(f"{k}={ctx.environ[k]}" for k in unknown)
+                     + (" (vLLM refuses to start: --fail-on-environ-validation)" if hard else
+                        " (no effect; vLLM only warns \"Unknown vLLM environment variable detected\")"))
+        status = "fail" if hard else ("warn" if status == "pass" else status)
+    if unread:
+        parts.append("registered but read by no vLLM module (build-time only, ignored by a server): "
+                     + ", ".join(f"{k}={ctx.environ[k]}" for k in unread))
+        status = "warn" if status == "pass" else status
+    return CheckResult(name, status, "; ".join(parts) + note, "unset " + " ".join(stale + unknown + unread))
 
 
 def check_profile_env(ctx: DoctorContext) -> CheckResult:

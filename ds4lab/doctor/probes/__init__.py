@@ -26,14 +26,17 @@ PROBE_MODULES = ("torch", "triton", "vllm", "flashinfer", "transformers", "deep_
 
 
 def probe_python(python: str, environ: dict[str, str], *, torch: bool = True, hash_moe: bool = True,
-                 timeout: float = 120) -> dict:
+                 vllm_env: bool = True, timeout: float = 120) -> dict:
     """Facts about the Python environment ``python`` sees under ``environ``: installed
     distributions (version, dist-info path, install mtime, REQUESTED marker), importable modules
     (``importlib.util.find_spec``, the same test vLLM's ``has_deep_gemm`` starts with), torch's
     CUDA runtime, devices, free memory and peer access, the driver's CUDA version (libcuda
-    ``cuDriverGetVersion``) and whether transformers' ``DeepseekV4Config`` accepts ``hash_moe``.
+    ``cuDriverGetVersion``), whether transformers' ``DeepseekV4Config`` accepts ``hash_moe``, and
+    (``vllm_env``, when any ``VLLM_*`` is set) which of those variables the installed vLLM's registry
+    ``vllm.envs.environment_variables`` does not know (``unknown``) or no vLLM module reads (``unread``).
     Returns ``{"error": ...}`` when the interpreter cannot run."""
-    args = json.dumps({"dists": PROBE_DISTS, "modules": PROBE_MODULES, "torch": torch, "hash_moe": hash_moe})
+    args = json.dumps({"dists": PROBE_DISTS, "modules": PROBE_MODULES, "torch": torch, "hash_moe": hash_moe,
+                       "vllm_env": vllm_env})
     try:
         r = subprocess.run([python, ENV_PROBE, args], env=environ, capture_output=True, text=True,
                            timeout=timeout, cwd=tempfile.gettempdir())

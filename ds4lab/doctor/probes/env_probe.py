@@ -1,5 +1,6 @@
 """Probe of a Python environment, run BY FILE PATH in the interpreter being checked (``python
-env_probe.py '{"dists": [...], "modules": [...], "torch": true, "hash_moe": true}'``), so it needs
+env_probe.py '{"dists": [...], "modules": [...], "torch": true, "hash_moe": true,
+"vllm_env": true}'``), so it needs
 only the standard library: the checked venv need not have ds4lab installed. Prints one line
 ``DS4LAB_PROBE{json}``. Called by :func:`ds4lab.doctor.probes.probe_python`, which documents the
 facts it gathers."""
@@ -85,4 +86,28 @@ if "transformers" in out["modules"] and ARGS.get("hash_moe", True):
             out["hash_moe"] = {"status": "accepted"}
         except Exception as e:
             out["hash_moe"] = {"status": "rejected", "detail": (type(e).__name__ + ": " + str(e))[:400]}
+# The VLLM_* variables of this environment against the installed vLLM's own registry
+# (vllm.envs.environment_variables: what Platform.validate_environ checks before warning "Unknown vLLM
+# environment variable detected"), and whether any vLLM module outside envs.py names them (a
+# registry entry nothing reads at run time, e.g. a build-time-only one, is ignored by a server).
+out["vllm_env"] = None
+names = sorted(k for k in os.environ if k.startswith("VLLM_"))
+if names and "vllm" in out["modules"] and ARGS.get("vllm_env", True):
+    try:
+        from vllm import envs as vllm_envs
+        registry = set(vllm_envs.environment_variables)
+        known = [n for n in names if n in registry]
+        read = set()
+        root = os.path.dirname(os.path.abspath(vllm_envs.__file__))
+        for dp, _, files in os.walk(root):
+            for fn in files:
+                if fn.endswith(".py") and not (dp == root and fn == "envs.py"):
+                    with open(os.path.join(dp, fn), errors="replace") as fh:
+                        text = fh.read()
+                    read.update(n for n in known if n in text)
+        out["vllm_env"] = {"registry_size": len(registry), "set": names,
+                           "unknown": [n for n in names if n not in registry],
+                           "unread": [n for n in known if n not in read]}
+    except Exception as e:
+        out["vllm_env"] = {"error": (type(e).__name__ + ": " + str(e))[:300]}
 print("DS4LAB_PROBE" + json.dumps(out))
