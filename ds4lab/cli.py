@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 # name -> (module, one-line help)
@@ -22,6 +23,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def plain(text: str) -> str:
+    """``text`` without reStructuredText inline markup (````literal````, ```ref```, ``:role:`x```), for
+    terminal help taken from a docstring."""
+    return re.sub(r"(?::[a-z]+:)?`{1,2}([^`]+)`{1,2}", r"\1", text)
+
+
 def _available() -> dict[str, tuple[str, str]]:
     out = {}
     for name, (mod, helptext) in COMMANDS.items():
@@ -32,7 +39,7 @@ def _available() -> dict[str, tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="ds4lab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ds4lab", description=plain(__doc__.splitlines()[0]))
     sub = parser.add_subparsers(dest="command", required=True)
     cmds = _available()
     chosen = next((a for a in argv if not a.startswith("-")), None)

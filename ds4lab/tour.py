@@ -293,7 +293,8 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
 
 def add_arguments(p) -> None:
     p.add_argument("only", nargs="*", help="notebook prefixes to run (e.g. 01 07); default all")
-    p.add_argument("--out", default=os.path.join(_ROOT, "build", "tour"))
+    p.add_argument("--out", default=os.path.join(_ROOT, "build", "tour"),
+                   help="folder for the executed notebooks, their HTML and index.html (default %(default)s)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per cell, > 0 (default 1200)")
 
 

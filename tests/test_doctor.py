@@ -580,6 +580,40 @@ def test_cli_json_on_this_cpu_box_passes():
         assert out.returncode == 0 and not fails, fails
 
 
+def test_cli_streams_each_row_as_it_finishes(tmp_path):
+    """`ds4lab doctor` prints each row when its check finishes, not all at the end: the checked
+    interpreter is a wrapper whose Triton compile probe waits for a gate file, and the rows before
+    triton-compile must be on stdout while the process still waits; opening the gate finishes it."""
+    gate = tmp_path / "gate"
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\ncase \"$1\" in *compile_probe.py)\n"
+                  f"  for i in $(seq 600); do [ -e {gate} ] && break; sleep 0.1; done;;\nesac\n"
+                  f"exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_HUB_OFFLINE"))}
+    cmd = [sys.executable, "-m", "ds4lab", "doctor", "--profile", "cpu", "--python", str(py),
+           "--only", "python", "--only", "stale-env", "--only", "triton-compile"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        lines = []
+        while not any(ln.startswith("PASS  stale-env") for ln in lines):
+            ln = proc.stdout.readline()
+            assert ln, (lines, proc.stderr.read())
+            lines.append(ln)
+        assert proc.poll() is None, "rows came only once the process ended"
+        assert lines[0].startswith("ds4lab doctor: profile cpu") and any(ln.startswith("PASS  python") for ln in lines)
+        assert not any("triton-compile" in ln for ln in lines)
+        gate.touch()
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=300) == 0
+    finally:
+        gate.touch()
+        proc.kill() if proc.poll() is None else None
+        proc.wait()
+    assert "PASS  triton-compile" in rest and "3 pass, 0 warn, 0 fail" in rest
+    assert "probing" in proc.stderr.read()
+
+
 def test_cli_exit_status_on_fail():
     env = dict(os.environ, VLLM_TRITON_MLA_SPARSE_TOPK="256")
     out = subprocess.run([sys.executable, "-m", "ds4lab", "doctor", "--profile", FORK, "--only", "stale-env"],

@@ -686,39 +686,52 @@ NEEDS_INTERPRETER = frozenset({
 })
 
 
-def run_checks(ctx: DoctorContext, only: list[str] | None = None) -> Report:
-    """Run the checks (all, or ``only`` these names) over ``ctx``. A check that raises becomes a
-    ``fail`` row naming the exception, so one broken probe never hides the others; checks in
-    :data:`NEEDS_INTERPRETER` fail (never pass) when the checked interpreter did not run."""
-    results = []
+def run_checks(ctx: DoctorContext, only: list[str] | None = None,
+               on_result: Callable[[CheckResult], None] | None = None) -> Report:
+    """Run the checks (all, or ``only`` these names) over ``ctx``, in :data:`CHECKS` order. A check
+    that raises becomes a ``fail`` row naming the exception, so one broken probe never hides the
+    others; checks in :data:`NEEDS_INTERPRETER` fail (never pass) when the checked interpreter did
+    not run. ``on_result`` is called with each row as soon as it is known (the CLI streams them)."""
     names = only or list(CHECKS)
     for n in names:
         if n not in CHECKS:
             raise ValueError(f"check {n!r}: known checks are {list(CHECKS)}")
+    results = []
+    for n in names:
         if n in NEEDS_INTERPRETER and "error" in ctx.get_facts():
-            results.append(CheckResult(n, "fail", f"not checked: interpreter {ctx.python} did not run "
-                                       "(see `python` row)", ""))
-            continue
-        try:
-            results.append(CHECKS[n](ctx))
-        except ServerCmdError as e:  # bad input, not a doctor bug: name the flag
-            results.append(CheckResult(n, "fail", f"not checked: {e}",
-                                       f"give {e.flag} {e.expected} in the server command (--server-cmd)"))
-        except Exception as e:  # noqa: BLE001 - reported, not hidden
-            results.append(CheckResult(n, "fail", f"check raised {type(e).__name__}: {e}", "report this as a ds4lab bug"))
+            r = CheckResult(n, "fail", f"not checked: interpreter {ctx.python} did not run (see `python` row)", "")
+        else:
+            try:
+                r = CHECKS[n](ctx)
+            except ServerCmdError as e:  # bad input, not a doctor bug: name the flag
+                r = CheckResult(n, "fail", f"not checked: {e}",
+                                f"give {e.flag} {e.expected} in the server command (--server-cmd)")
+            except Exception as e:  # noqa: BLE001 - reported, not hidden
+                r = CheckResult(n, "fail", f"check raised {type(e).__name__}: {e}", "report this as a ds4lab bug")
+        results.append(r)
+        if on_result is not None:
+            on_result(r)
     return Report(ctx.profile_name, ctx.python, results)
 
 
 def run_doctor(profile: str | None = None, python: str | None = None, environ: dict | None = None,
                hf_cache: str | None = None, server_argv: list[str] | str | None = None,
-               only: list[str] | None = None) -> Report:
+               only: list[str] | None = None, on_context: Callable[[DoctorContext], None] | None = None,
+               on_result: Callable[[CheckResult], None] | None = None) -> Report:
     """Gather the real context and run every check (what the CLI and the notebook call). The
-    Python probe and the Triton compile probe run concurrently."""
+    Triton compile probe runs in a thread while the other checks run (the ``triton-compile`` row
+    waits for it); ``on_context`` gets the context once gathered, ``on_result`` each row as it
+    finishes (:func:`run_checks`)."""
     ctx = gather_context(profile, python, environ, hf_cache, server_argv)
+    if on_context is not None:
+        on_context(ctx)
+    t = None
     if (only is None or "triton-compile" in only) and ctx.compile_facts is None:
         import threading
-        t = threading.Thread(target=ctx.get_compile_facts)
+        t = threading.Thread(target=ctx.get_compile_facts, daemon=True)
         t.start()
-        ctx.get_facts()
-        t.join()
-    return run_checks(ctx, only)
+    try:
+        return run_checks(ctx, only, on_result)
+    finally:
+        if t is not None:
+            t.join()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import threading
 from dataclasses import dataclass, field
 
 from ds4lab.config.stacks import option_value, stack, stacks
@@ -63,6 +64,7 @@ class DoctorContext:
     probe_hash_moe: bool = True
     #: True when ``hf_cache`` was given (``--hf-cache``), False when resolved from the environment
     hf_cache_given: bool = field(init=False, default=False)
+    _compile_lock: threading.Lock = field(init=False, repr=False, compare=False, default_factory=threading.Lock)
 
     def __post_init__(self):
         self.hf_cache_given = self.hf_cache is not None
@@ -75,8 +77,10 @@ class DoctorContext:
         return self.facts
 
     def get_compile_facts(self) -> dict:
-        if self.compile_facts is None:
-            self.compile_facts = probe_triton_compile(self.python, self.environ, self.target_arch())
+        """The Triton AOT probe, run once: a caller arriving while another thread runs it waits."""
+        with self._compile_lock:
+            if self.compile_facts is None:
+                self.compile_facts = probe_triton_compile(self.python, self.environ, self.target_arch())
         return self.compile_facts
 
     # ---- derived views -----------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-__all__ = ["STATUSES", "CheckResult", "Report"]
+__all__ = ["STATUSES", "CheckResult", "Report", "text_header", "text_row"]
 
 STATUSES = ("pass", "warn", "fail")
 
@@ -47,22 +47,14 @@ class Report:
 
     def to_text(self, width: int = 110) -> str:
         """A plain-text table (no terminal codes): status, check, evidence, fix."""
-        import textwrap
-        mark = {"pass": "PASS", "warn": "WARN", "fail": "FAIL"}
         w_name = max(len(r.name) for r in self.results)
-        body_w = max(40, width - w_name - 8)
-        lines = [f"ds4lab doctor: profile {self.profile}, python {self.python}", ""]
-        for r in self.results:
-            ev = textwrap.wrap(r.evidence, body_w) or [""]
-            lines.append(f"{mark[r.status]}  {r.name:<{w_name}}  {ev[0]}")
-            pad = " " * (w_name + 8)
-            lines += [pad + x for x in ev[1:]]
-            if r.fix:
-                fx = textwrap.wrap("fix: " + r.fix, body_w)
-                lines += [pad + x for x in fx]
+        lines = [text_header(self.profile, self.python), ""]
+        lines += [text_row(r, w_name, width) for r in self.results]
+        return "\n".join(lines + ["", self.text_footer()])
+
+    def text_footer(self) -> str:
         c = self.counts()
-        lines += ["", f"{c['pass']} pass, {c['warn']} warn, {c['fail']} fail" + ("" if self.ok else "  -> NOT READY")]
-        return "\n".join(lines)
+        return f"{c['pass']} pass, {c['warn']} warn, {c['fail']} fail" + ("" if self.ok else "  -> NOT READY")
 
     def to_html(self) -> str:
         import html
@@ -77,3 +69,20 @@ class Report:
     def _repr_html_(self) -> str:
         return self.to_html()
 
+
+def text_header(profile: str, python: str) -> str:
+    """The first line of the text report."""
+    return f"ds4lab doctor: profile {profile}, python {python}"
+
+
+def text_row(r: CheckResult, w_name: int, width: int = 110) -> str:
+    """One check as text lines: ``STATUS  name  evidence``, wrapped, then ``fix: ...`` (``w_name``: the
+    name column's width, so rows printed one by one as they finish line up)."""
+    import textwrap
+    body_w = max(40, width - w_name - 8)
+    ev = textwrap.wrap(r.evidence, body_w) or [""]
+    pad = " " * (w_name + 8)
+    lines = [f"{r.status.upper()}  {r.name:<{w_name}}  {ev[0]}"] + [pad + x for x in ev[1:]]
+    if r.fix:
+        lines += [pad + x for x in textwrap.wrap("fix: " + r.fix, body_w)]
+    return "\n".join(lines)
