@@ -65,9 +65,9 @@ def register() -> None:
     if _INSTALLED or not _wanted():
         return
     version = check_vllm_version()  # raises UnsupportedVllmError on an unknown vLLM
-    from ds4lab.vllm_plugin import c1a_fix, indexer_fix, metadata_ops
+    from ds4lab.vllm_plugin import c1a_fix, indexer_fix, metadata_ops, spec_decode_fix
 
-    done = metadata_ops.install() + c1a_fix.install() + indexer_fix.install()
+    done = metadata_ops.install() + c1a_fix.install() + indexer_fix.install() + spec_decode_fix.install()
     from vllm import ModelRegistry
 
     ModelRegistry.register_model(MTP_ARCH, MTP_CLASS)
