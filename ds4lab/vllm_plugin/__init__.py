@@ -21,6 +21,9 @@ __init__`` (sets ``use_flattening``)                       ``forward_cpu``'s one
                                                            MTP -> flattened rows (``indexer_fix``)
 model registry ``DeepSeekV4MTPModel``                      CPU stub raises NotImplementedError ->
                                                            ``cpu_mtp.DeepSeekV4CPUMTP``
+``spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.  depth >= 2 drafts read the verify batch's
+_update_positions_dependent_metadata``                     cached token->request map -> reset first
+                                                           (``spec_decode_fix``)
 =========================================================  =========================================
 
 Active only where needed: on a non-CPU platform, or with ``DS4LAB_VLLM_PLUGIN=0``, it does
