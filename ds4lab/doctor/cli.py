@@ -5,7 +5,7 @@ import sys
 
 from ds4lab.config.stacks import stacks
 from ds4lab.doctor.checks import CHECKS, run_doctor
-from ds4lab.doctor.context import _serve_profiles
+from ds4lab.doctor.context import _serve_profiles, split_server_cmd
 from ds4lab.doctor.report import text_header, text_row
 
 __all__ = ["add_arguments", "main"]
@@ -33,6 +33,8 @@ def main(args) -> int:
         rep = run_doctor(**kw)
         print(rep.to_json())
         return 0 if rep.ok else 1
+    if isinstance(args.server_cmd, str):
+        split_server_cmd(args.server_cmd)  # an input error names --server-cmd before anything is printed
     print(f"ds4lab doctor: probing {args.python or sys.executable} (packages, devices, an sm_89 Triton "
           "compile; 10-20 s) ...", file=sys.stderr, flush=True)
     w_name = max(len(n) for n in (args.only or CHECKS))
