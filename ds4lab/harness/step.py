@@ -681,7 +681,8 @@ def add_arguments(p) -> None:
     p.add_argument("--smoke", action="store_true", help="batch 1 and 16, ctx 8k and 32k (< 3 min on the H200)")
     p.add_argument("--replays", type=int, default=20, help="graph replays timed per point")
     p.add_argument("--checkpoint", help="load this checkpoint folder instead of random weights")
-    p.add_argument("--cpu", action="store_true", help="run on the CPU (Triton interpreter; needs --checkpoint)")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on the CPU (Triton interpreter; needs --checkpoint; default TP 1, batch 1, ctx 16, plain)")
     p.add_argument("--out", default="results", help="folder; rows are appended to OUT/decode_step.csv")
 
 
@@ -701,6 +702,9 @@ def main(args) -> int:
     if args.cpu:
         from ds4lab import interp
         interp.install()
+    if args.cpu:  # the tiny model on the interpreter: one small point unless asked otherwise
+        args.tp, args.batch = args.tp or [1], args.batch or [1]
+        args.ctx, args.mode = args.ctx or [16], args.mode or ["plain"]
     p = plan(args.smoke, args.tp, args.batch, args.ctx, args.mode, args.arch)
     p.replays = args.replays
     path = os.path.join(args.out, "decode_step.csv")
