@@ -20,6 +20,9 @@ from __future__ import annotations
 from typing import Callable
 
 from ds4lab.geometry import DEFAULT_CONFIG, FP8_BLOCK
+from ds4lab.geometry import FP8_DS_MLA_DATA_BYTES as MLA_DATA
+from ds4lab.geometry import FP8_DS_MLA_ENTRY_BYTES as MLA_ENTRY
+from ds4lab.geometry import FP8_DS_MLA_SCALE_BYTES as MLA_SCALE
 
 __all__ = ["FLOPS", "MIN_BYTES", "TOUCHED_BYTES", "flops", "min_bytes", "touched_bytes"]
 
@@ -29,9 +32,8 @@ ROPE_DIM = DEFAULT_CONFIG.qk_rope_head_dim      # 64
 HPG = DEFAULT_CONFIG.heads_per_o_group          # 8 heads per o-projection group
 IDX_D = DEFAULT_CONFIG.index_head_dim           # 128: indexer key / query dim
 HC = DEFAULT_CONFIG.hc_mult                     # 4 hyper-connection copies
-# fp8_ds_mla cache entry (SPEC.md §3): 576 data bytes (448 e4m3 + 64 bf16) + 8 scale bytes (7 UE8M0 + pad)
-MLA_DATA, MLA_SCALE = 576, 8
-MLA_ENTRY = MLA_DATA + MLA_SCALE                # 584
+# fp8_ds_mla cache entry (SPEC.md §3; sizes from ds4lab.geometry): 576 data bytes (448 e4m3 + 64 bf16)
+# + 8 scale bytes (7 UE8M0 + pad) = 584
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -38,8 +38,8 @@ def make_backend(backend):
         from ds4lab.model.backend_ref import ReferenceBackend
         return ReferenceBackend()
     if backend == "kernel":
-        from ds4lab.model.backend_kernel import KernelBackend
-        return KernelBackend()
+        raise NotImplementedError("backend='kernel': not built yet (issue 19 item 1 is open; the reference "
+                                  "twin runs: backend='reference')")
     raise ValueError(f"backend={backend!r}: expected 'kernel' or 'reference'")
 
 
@@ -67,8 +67,7 @@ class RankModel:
         """Benchmark fill: every request holds ``ctx`` tokens of random (unit-RMS) latents, written
         by the backend's own writers (SWA ring, compressed KV, indexer K; the compressor states are
         left as they are, zeros)."""
-        from ds4lab.model.fill import fill_caches
-        fill_caches(self, caches, ctx, seed)
+        raise NotImplementedError("fill_caches: not built yet (issue 19, open)")
 
     # ---- index maps (device, static shapes) --------------------------------------------------
     def _maps(self, pos, req, caches: Caches):

@@ -160,12 +160,14 @@ class Backend:
         """Indexer K insert of ``k (T, 128)`` bf16 (e4m3 + fp32 pow2 scale), in place."""
         raise NotImplementedError
 
-    def compressor(self, kv_score, positions, state, state_slots, ape, norm_weight, eps, ratio,
-                   cos_sin, name):
+    def compressor(self, kv_score, positions, state, state_slots, window_slots, window_valid, ape,
+                   norm_weight, eps, ratio, cos_sin, name):
         """The DeepSeek-V4 compressor (see :mod:`ds4lab.reference.compressor`): saves each
-        token's ``(kv, score + ape[pos % ratio])`` into ``state`` (in place, rows ``state_slots``),
-        then for every token returns the compressed, normed and rotated entry ``(T, hd)`` bf16
-        (meaningful where ``(pos + 1) % ratio == 0``; the caller writes only those)."""
+        token's ``(kv, score + ape[pos % ratio])`` (``kv_score (T, 2*coff*hd)`` fp32) into ``state``
+        (in place, rows ``state_slots (T,)``), then for every token compresses the state rows
+        ``window_slots (T, coff*ratio)`` (``window_valid`` masks positions < 0) and returns the
+        normed, rotated entry ``(T, hd)`` bf16 (meaningful where ``(pos + 1) % ratio == 0``; the
+        caller writes only those)."""
         raise NotImplementedError
 
     # ---- indexer ---------------------------------------------------------------------------

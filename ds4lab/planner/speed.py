@@ -39,7 +39,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from ds4lab.geometry import DEFAULT_CONFIG, LayerKind, ModelConfig, layer_counts, op_shapes
+from ds4lab.geometry import (DEFAULT_CONFIG, FP8_DS_MLA_ENTRY_BYTES, LayerKind, ModelConfig, layer_counts,
+                             op_shapes)
 from ds4lab.harness import costs
 
 __all__ = ["Card", "CARDS", "H200", "SEED_FIGURES", "Assumptions", "row_efficiency", "scale_row",
@@ -589,9 +590,9 @@ def bandwidth_ceiling(card: Card, tp: int, batch: int, mode: str = "plain", cfg:
         b += counts.get(LayerKind.C128A, 0) * 2 * cfg.head_dim * D * a.compressor_weight_bytes
         b += sum(counts.values()) * cfg.n_routed_experts * D * a.router_weight_bytes
         b += cfg.vocab_size // tp * D * a.lm_head_bytes
-        kv = sum(counts.values()) * cfg.sliding_window * 584
-        kv += counts.get(LayerKind.C4A, 0) * (L // 4 * 132 + min(cfg.index_topk, L // 4) * 584)
-        kv += counts.get(LayerKind.C128A, 0) * (L // 128) * 584
+        kv = sum(counts.values()) * cfg.sliding_window * FP8_DS_MLA_ENTRY_BYTES
+        kv += counts.get(LayerKind.C4A, 0) * (L // 4 * 132 + min(cfg.index_topk, L // 4) * FP8_DS_MLA_ENTRY_BYTES)
+        kv += counts.get(LayerKind.C128A, 0) * (L // 128) * FP8_DS_MLA_ENTRY_BYTES
         return b + batch * kv
 
     if mode == "plain":
