@@ -658,15 +658,8 @@ def local_step(batches=(1,), ctxs=(8192,), modes=("plain", "mtp"), tp: int = 4, 
 
 
 def _print_table(rows: list[dict]) -> None:
-    t = summary_table(rows)
-    if not t:
-        print("(no rows)")
-        return
-    cols = list(t[0])
-    w = {c: max(len(c), *(len(str(r[c])) for r in t)) for c in cols}
-    print("  ".join(c.ljust(w[c]) for c in cols))
-    for r in t:
-        print("  ".join(str(r[c]).ljust(w[c]) for c in cols))
+    from ds4lab.tables import format_table
+    print(format_table(summary_table(rows), digits=4))
 
 
 # ---- CLI -----------------------------------------------------------------------------------------

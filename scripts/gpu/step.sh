@@ -55,11 +55,8 @@ fi
 python3 - "$OUT/decode_step.csv" <<'PY'
 import sys
 from ds4lab.harness.step import load_rows, summary_table
-rows = summary_table(load_rows(sys.argv[1]))
-cols = ["build", "tp", "batch", "mode", "ctx", "status", "p50_us", "launches", "per_layer", "groups/p50", "top"]
-print("  ".join(cols))
-for r in rows:
-    print("  ".join(str(r[c]) for c in cols))
+from ds4lab.tables import format_table
+print(format_table(summary_table(load_rows(sys.argv[1])), digits=4))
 PY
 echo "total: $((SECONDS - t0)) s"
 exit $rc
