@@ -21,6 +21,9 @@ __init__`` (sets ``use_flattening``)                       ``forward_cpu``'s one
                                                            MTP -> flattened rows (``indexer_fix``)
 model registry ``DeepSeekV4MTPModel``                      CPU stub raises NotImplementedError ->
                                                            ``cpu_mtp.DeepSeekV4CPUMTP``
+``spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.  depth >= 2 drafts read the verify batch's
+_update_positions_dependent_metadata``                     cached token->request map -> reset first
+                                                           (``spec_decode_fix``)
 =========================================================  =========================================
 
 Active only where needed: on CPU (above), on a CUDA GPU of capability (8, 9) (``sm89.py``: the
@@ -78,9 +81,9 @@ def register() -> None:
             logger.info("ds4lab vLLM plugin active (vLLM %s, CUDA sm_89): %d patches", version, len(_INSTALLED))
         return
     version = check_vllm_version()  # raises UnsupportedVllmError on an unknown vLLM
-    from ds4lab.vllm_plugin import c1a_fix, indexer_fix, metadata_ops
+    from ds4lab.vllm_plugin import c1a_fix, indexer_fix, metadata_ops, spec_decode_fix
 
-    done = metadata_ops.install() + c1a_fix.install() + indexer_fix.install()
+    done = metadata_ops.install() + c1a_fix.install() + indexer_fix.install() + spec_decode_fix.install()
     from vllm import ModelRegistry
 
     ModelRegistry.register_model(MTP_ARCH, MTP_CLASS)
