@@ -235,3 +235,10 @@ def test_step_bytes_are_the_costs_formulas():
     want = ada.kernel_bytes("fp8_gemm_nt", {"op": "wq_b", "M": 1, "N": o.dims["N"], "K": o.dims["K"]})
     assert b["wq_b"] == pytest.approx(want * DEFAULT_CONFIG.num_hidden_layers)
     assert b["moe_w13+moe_w2"] > b["wq_b"]
+
+
+def test_scaled_rows_carry_the_max_method_too():
+    r = _row(min_bytes=20e6, flops=1e6, p50=10.0)
+    s = ada.scale_row(r, CARD, A0)
+    assert s["ada_max_us"] == pytest.approx(20e6 / (CARD.bw_tbps * 1e12) * 1e6)  # bandwidth-bound on the card
+    assert ada.scale_row(_row(min_bytes=1e3, p50=2.0), CARD)["ada_max_us"] == 2.0  # latency kept, not scaled

@@ -90,3 +90,13 @@ def test_check_paths_never_read_an_unassigned_reference_error():
     assert not ok and txt == "reference failed: boom"
     ok, txt = bench._check(_Spec([]), lambda x, config: 1 / 0, x, {}, torch.ones(2), None)
     assert not ok and txt.startswith("ZeroDivisionError")
+
+
+def test_input_sets_rotate_distinct_moe_inputs_on_the_touched_count():
+    spec = get("fused_moe_w4a16")
+    shape = {"T": 1, "E": 16, "D": 256, "I": 128, "topk": 2}
+    l2 = 4 * spec.touched_bytes(shape)                      # an L2 four calls' worth: 8 sets
+    sets = bench._input_sets(spec, shape, "cpu", int(l2))
+    assert len(sets) == bench.n_sets(spec.touched_bytes(shape), int(l2)) == 8
+    assert bench._tensor_bytes(sets[0]) > 7 * spec.touched_bytes(shape)   # all 16 experts are inputs, 2 touched
+    assert not torch.equal(sets[0]["w13_packed"], sets[1]["w13_packed"])  # independent weights per set

@@ -166,3 +166,25 @@ def test_recorder_ranges_reach_the_real_profiler_trace():
     outer, inner = ann["moe"], ann["moe.experts"]
     assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
     assert outer["tid"] == inner["tid"] and rec.kinds["moe.experts"] == "torch:mm"
+
+
+def test_reference_twin_step_on_the_real_composition():
+    """The whole CPU path over ds4lab.model's real composition (tiny checkpoint, reference twin, the
+    caches filled by a real prefill while the model has no benchmark fill): every layer's op groups
+    attributed, the groups summing to the step, MoE and attention groups present."""
+    missing = S.model_missing("reference")
+    if missing:
+        pytest.skip(missing)
+    from ds4lab.checkpoint.tiny import TINY_CONFIG, ensure_tiny_checkpoint
+    p = S.plan(tps=(1,), batches=(1,), ctxs=(8,), modes=("plain",), backend="reference")
+    p.replays = 1
+    rows = S.run_step(p, device="cpu", checkpoint=str(ensure_tiny_checkpoint()), log=lambda *a: None)
+    step = rows[0]
+    assert step["status"] == "OK", step.get("note")
+    by = {r["group"]: r for r in rows[1:]}
+    assert {"attn.sparse_mla", "attn.o_proj", "moe.experts", "mhc.pre_attn", "head.lm_head"} <= set(by)
+    assert all(r["kind"].startswith("torch:") for r in rows[1:] if r["kind"])   # the twin runs no kernel
+    assert step["launches"] == 0 and step["allreduce_copies"] == 0            # TP=1: no all-reduce point
+    assert 0.9 < step["sum_vs_p50"] <= 1.0 + 1e-6
+    assert by["attn.o_proj"]["bytes"] > 0 and "--backend reference" in step["repro"]
+    assert TINY_CONFIG.num_hidden_layers == 4 and step["launches_per_layer"] == 0

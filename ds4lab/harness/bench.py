@@ -213,8 +213,8 @@ def _input_sets(spec, shape: dict, dev, l2: int) -> list[dict]:
     first = spec.make_inputs(shape, spec.cases[0], 0, dev)
     size = _tensor_bytes(first)
     touched = spec.touched_bytes(shape) if spec.touched_bytes is not None else size
-    free, _ = torch.cuda.mem_get_info(dev)
-    n = n_sets(touched, l2, size, 0.5 * free)
+    budget = 0.5 * torch.cuda.mem_get_info(dev)[0] if torch.device(dev).type == "cuda" else None
+    n = n_sets(touched, l2, size, budget)
     return [first] + [spec.make_inputs(shape, spec.cases[0], i, dev) for i in range(1, n)]
 
 
@@ -241,11 +241,10 @@ def _check(spec, fn, inputs: dict, cfg: dict, want, ref_err: str | None) -> tupl
     return all(reps), "; ".join(r.summary() for r in reps)
 
 
-def _bench_configs(spec, sets, common, repro, run, rows, log, config_filter) -> None:
+def _bench_configs(spec, shape, sets, common, repro, run, rows, log, config_filter) -> None:
     """Check-then-time every config label of the spec at this shape."""
     fn = spec.launcher_fn()
     want, ref_err = _reference(spec, sets[0])
-    shape = json.loads(common["shape"])
     for label in spec.config_labels(run["arch"], shape):
         if config_filter and label != config_filter:
             continue
@@ -284,7 +283,7 @@ def _bench_shape(spec, tp, shape, build, base, run, rows, log, config_filter, ba
              f"--shape '{json.dumps(shape)}'")
     common = {**base, "kernel": spec.name, "tp": tp, "shape": json.dumps(shape), "flops": spec.flops(shape),
               "min_bytes": spec.min_bytes(shape), "n_sets": len(sets)}
-    _bench_configs(spec, sets, common, repro, run, rows, log, config_filter)
+    _bench_configs(spec, shape, sets, common, repro, run, rows, log, config_filter)
     if baselines:
         _bench_baselines(spec, sets, common, repro, run, rows, log)
     del sets

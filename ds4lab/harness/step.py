@@ -264,6 +264,7 @@ class StepPlan:
     profiled_replays: int = 3
     rank: int = 0
     smoke: bool = False
+    backend: str = "kernel"  # "reference": the reference twin (what runs without ds4lab's kernels)
     extra: dict = field(default_factory=dict)
 
     def points(self):
@@ -274,12 +275,15 @@ class StepPlan:
                         yield tp, ctx, batch, mode
 
 
-def plan(smoke: bool = False, tps=None, batches=None, ctxs=None, modes=None, build="native") -> StepPlan:
+def plan(smoke: bool = False, tps=None, batches=None, ctxs=None, modes=None, build="native",
+         backend: str = "kernel") -> StepPlan:
     """The default plan (``smoke``: batch 1 and 16, ctx 8k and 32k) with any field overridden."""
+    if backend not in ("kernel", "reference"):
+        raise ValueError(f"backend={backend!r}: expected 'kernel' or 'reference'")
     base = SMOKE if smoke else FULL
     return StepPlan(tps=tuple(tps or (4,)), batches=tuple(batches or base["batches"]),
                     ctxs=tuple(ctxs or base["ctxs"]), modes=tuple(modes or ("plain", "mtp")), build=build,
-                    smoke=smoke)
+                    smoke=smoke, backend=backend)
 
 
 def link_assumptions(tp: int, tokens: int, hidden: int, n_allreduce: int) -> list[dict]:
@@ -310,7 +314,7 @@ def _provenance(build: str, device) -> dict:
         sm, mem = _clocks()
         base.update(gpu=props.name, sm_clock_mhz=sm, mem_clock_mhz=mem, sms=props.multi_processor_count)
     else:
-        base.update(gpu="cpu (Triton interpreter)", sm_clock_mhz="", mem_clock_mhz="", sms="")
+        base.update(gpu="cpu", sm_clock_mhz="", mem_clock_mhz="", sms="")
     return base
 
 
@@ -334,15 +338,31 @@ def _decode_inputs(m, cfg, batch: int, next_n: int, ctx: int, device):
     return tokens, positions
 
 
-def _build(cfg, tp: int, rank: int, device, checkpoint: str | None):
-    """Rank ``rank`` of TP ``tp``: random weights at the real shapes, or the checkpoint's."""
+def _build(cfg, tp: int, rank: int, device, checkpoint: str | None, backend: str = "kernel"):
+    """Rank ``rank`` of TP ``tp`` on ``backend``: random weights at the real shapes, or the checkpoint's
+    (quantized on load for the kernel backend; as stored, bf16, for the reference twin)."""
     from ds4lab.model import build_rank
     from ds4lab.model import weights as W
     if checkpoint:  # quantized on load: FP8 128x128 blocks + UE8M0, packed INT4 experts, as the kernels read
-        w = W.load_tiny(checkpoint, cfg, tp, rank, quantize=True, device=device)
+        w = W.load_tiny(checkpoint, cfg, tp, rank, quantize=backend == "kernel", device=device)
     else:
         w = W.random_weights(cfg, tp, rank, device=device, seed=0)
-    return build_rank(cfg, tp, rank, w, device=device, backend="kernel")
+    return build_rank(cfg, tp, rank, w, device=device, backend=backend)
+
+
+def _fill(m, caches, batch: int, ctx: int, cfg) -> str:
+    """Fill every request's caches to ``ctx`` tokens: the model's benchmark fill, or, where the model
+    has none yet (NotImplementedError), a real chunked prefill of ``ctx`` random tokens per request
+    (exact, slow: small contexts only). Returns a note ('' for the benchmark fill)."""
+    import torch
+    try:
+        m.fill_caches(caches, ctx)
+        return ""
+    except NotImplementedError:
+        g = torch.Generator().manual_seed(ctx)
+        for b in range(batch):
+            m.prefill(torch.randint(0, cfg.vocab_size, (ctx,), generator=g), caches, req=b)
+        return "caches filled by prefill (the model has no benchmark fill yet)"
 
 
 def _time_gpu(fn, rec: GroupRecorder, replays: int, profiled: int):
@@ -414,22 +434,28 @@ def _time_gpu(fn, rec: GroupRecorder, replays: int, profiled: int):
     return (p20, p50, p80), timing, stats, note, ar_copies
 
 
-def _time_cpu(fn, rec: GroupRecorder, replays: int):
-    """Eager runs on the interpreter: wall time per group and interpreter launches (last run)."""
+def _time_cpu(fn, rec: GroupRecorder, replays: int, timing: str = "wall (interpreter)"):
+    """Eager runs on the CPU: wall time per group (exclusive) and interpreter launches per group,
+    taken from the run whose wall time is the median (so the groups add up to that p50 run, less
+    the time outside any group)."""
     rec.wall = True
-    times = []
+    runs = []
     with _hooked(rec), rec.counting_interpreter_launches():
-        fn()  # warm-up (imports, first-call work)
+        if replays > 1:
+            fn()  # warm-up (imports, first-call work); the interpreter compiles nothing, so one run may skip it
         for _ in range(max(1, replays)):
             rec.reset_counts()
             t0 = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - t0) * 1e6)
+            dt = (time.perf_counter() - t0) * 1e6
+            runs.append((dt, dict(rec.us), dict(rec.launches), rec.allreduce_copies))
     from ds4lab.harness.bench import _quantiles
-    stats = {g: {"us": rec.us.get(g, 0.0), "launches": rec.launches.get(g, 0)} for g in rec.order}
-    for g, n in rec.launches.items():
+    q = _quantiles([r[0] for r in runs])
+    _, us, launches, copies = min(runs, key=lambda r: abs(r[0] - q[1]))
+    stats = {g: {"us": us.get(g, 0.0), "launches": launches.get(g, 0)} for g in rec.order}
+    for g, n in launches.items():
         stats.setdefault(g, {"us": 0.0, "launches": n})
-    return _quantiles(times), "wall (interpreter)", stats, "", rec.allreduce_copies
+    return q, timing, stats, "", copies
 
 
 def _config_rows(base, cfg, tp, rank, batch, mode, ctx, q, timing, stats, kinds, note, roofs, ar_copies,
@@ -462,7 +488,8 @@ def _config_rows(base, cfg, tp, rank, batch, mode, ctx, q, timing, stats, kinds,
 def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log) -> list[dict]:
     """One (tp, ctx, batch, mode) point: its rows, or one ERROR row naming what failed."""
     next_n = 2 if mode == "mtp" else 1
-    repro = f"python3 -m ds4lab.harness.step --tp {tp} --batch {batch} --ctx {ctx} --mode {mode} --arch {p.build}"
+    repro = (f"python3 -m ds4lab.harness.step --tp {tp} --batch {batch} --ctx {ctx} --mode {mode} --arch {p.build}"
+             + ("" if p.backend == "kernel" else f" --backend {p.backend}"))
     try:
         if fill_err:
             raise RuntimeError(fill_err)
@@ -474,7 +501,8 @@ def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, 
         if gpu:
             q, timing, stats, note, ar = _time_gpu(fn, rec, p.replays, p.profiled_replays)
         else:
-            q, timing, stats, note, ar = _time_cpu(fn, rec, p.replays)
+            q, timing, stats, note, ar = _time_cpu(fn, rec, p.replays, "wall (interpreter)" if p.backend == "kernel"
+                                                   else "wall (CPU, torch eager)")
         new = _config_rows(base, cfg, tp, p.rank, batch, mode, ctx, q, timing, stats, rec.kinds, note, roofs, ar,
                            repro)
         log(f"TP={tp} ctx={ctx} B={batch} {mode}: p50 {new[0]['p50_us']:.1f} us, {new[0]['launches']} launches "
@@ -528,18 +556,21 @@ def run_step(p: StepPlan, device=None, checkpoint: str | None = None, cfg=None, 
         m = model
         if m is None:
             t0 = time.perf_counter()
-            m = _build(cfg, tp, p.rank, device, checkpoint)
+            m = _build(cfg, tp, p.rank, device, checkpoint, p.backend)
             log(f"built rank {p.rank} of TP={tp} in {time.perf_counter() - t0:.1f} s")
         for ctx in p.ctxs:
             for batch in p.batches:
-                caches, fill_err = None, None
+                caches, fill_err, fill_note = None, None, ""
                 try:  # one fill per (ctx, batch), shared by the modes (a step writes only positions >= ctx)
                     caches = m.new_caches(batch, ctx + 8)
-                    m.fill_caches(caches, ctx)
+                    fill_note = _fill(m, caches, batch, ctx, cfg)
                 except Exception as e:
                     fill_err = f"cache fill: {type(e).__name__}: {e}"
                 for mode in p.modes:
-                    emit(_point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log))
+                    new = _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log)
+                    if fill_note:
+                        new[0]["note"] = "; ".join(x for x in (new[0].get("note"), fill_note) if x)
+                    emit(new)
                 del caches
                 if gpu:
                     torch.cuda.empty_cache()
@@ -624,16 +655,20 @@ def launches_table(rows: list[dict]) -> list[dict]:
     return [{c: r.get(c) for c in cols} for r in configs(rows)]
 
 
-def model_missing() -> str | None:
-    """Why :func:`run_step` cannot build a kernel-backend rank here (None: it can): the parts of
-    :mod:`ds4lab.model` it needs (composition, weights, cache fill, kernel backend)."""
+def model_missing(backend: str = "kernel") -> str | None:
+    """Why :func:`run_step` cannot build a ``backend`` rank here (None: it can): the parts of
+    :mod:`ds4lab.model` it needs (composition, weights, that backend; the benchmark cache fill for
+    the kernel backend's real-shape runs)."""
     import importlib.util
-    need = ("ds4lab.model.model", "ds4lab.model.weights", "ds4lab.model.fill", "ds4lab.model.backend_kernel")
+    need = ["ds4lab.model.model", "ds4lab.model.weights",
+            "ds4lab.model.backend_kernel" if backend == "kernel" else "ds4lab.model.backend_ref"]
+    if backend == "kernel":
+        need.append("ds4lab.model.fill")
     gone = [m for m in need if importlib.util.find_spec(m) is None]
     return f"ds4lab.model lacks {', '.join(gone)} in this tree" if gone else None
 
 
-def local_step(batches=(1,), ctxs=(8192,), modes=("plain", "mtp"), tp: int = 4, cpu_ctx: int = 16,
+def local_step(batches=(1,), ctxs=(8192,), modes=("plain", "mtp"), tp: int = 4, cpu_ctx: int = 8,
                checkpoint: str | None = None, replays: int = 10, log=print) -> tuple[list[dict], str]:
     """The step on this machine, as notebook 10 runs it: on a GPU, rank 0 of TP ``tp`` with random
     weights at the real shapes at a small context (``ctxs``); on a CPU, the tiny checkpoint's model
@@ -642,31 +677,27 @@ def local_step(batches=(1,), ctxs=(8192,), modes=("plain", "mtp"), tp: int = 4, 
     package cannot build a rank yet, ``([], reason)``."""
     import torch
     gpu = torch.cuda.is_available()
-    missing = model_missing()
-    if missing:
-        return [], f"not run: {missing}"
+    backend = "kernel" if model_missing("kernel") is None else "reference"
+    missing = model_missing(backend)
+    if missing or (gpu and backend != "kernel"):
+        return [], f"not run: {missing or model_missing('kernel')}"
     if gpu:
         p = plan(tps=(tp,), batches=batches, ctxs=ctxs, modes=modes)
         p.replays = replays
         return run_step(p, device="cuda", log=log), f"GPU live: TP={tp} rank 0, random weights, ctx {list(ctxs)}"
     from ds4lab.checkpoint.tiny import ensure_tiny_checkpoint
     ck = str(checkpoint or ensure_tiny_checkpoint())
-    p = plan(tps=(1,), batches=batches[:1], ctxs=(cpu_ctx,), modes=("plain",))
+    p = plan(tps=(1,), batches=batches[:1], ctxs=(cpu_ctx,), modes=("plain",), backend=backend)
     p.replays = 1
-    return (run_step(p, device="cpu", checkpoint=ck, log=log),
-            f"CPU: the tiny checkpoint's model on the Triton interpreter (eager, wall time), ctx {cpu_ctx}")
+    what = ("CPU: the tiny checkpoint's model on the Triton interpreter (eager, wall time)" if backend == "kernel" else
+            f"CPU: the tiny checkpoint's reference twin (torch; {model_missing('kernel')}: no kernels yet), eager, "
+            "wall time")
+    return run_step(p, device="cpu", checkpoint=ck, log=log), f"{what}, ctx {cpu_ctx}"
 
 
 def _print_table(rows: list[dict]) -> None:
-    t = summary_table(rows)
-    if not t:
-        print("(no rows)")
-        return
-    cols = list(t[0])
-    w = {c: max(len(c), *(len(str(r[c])) for r in t)) for c in cols}
-    print("  ".join(c.ljust(w[c]) for c in cols))
-    for r in t:
-        print("  ".join(str(r[c]).ljust(w[c]) for c in cols))
+    from ds4lab.tables import format_table
+    print(format_table(summary_table(rows), digits=4))
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
@@ -679,9 +710,12 @@ def add_arguments(p) -> None:
     p.add_argument("--arch", default="native", choices=["native", "sm89"],
                    help="native build, or the sm_89 build assembled for this GPU (as ds4lab bench)")
     p.add_argument("--smoke", action="store_true", help="batch 1 and 16, ctx 8k and 32k (< 3 min on the H200)")
-    p.add_argument("--replays", type=int, default=20, help="graph replays timed per point")
+    p.add_argument("--replays", type=int, help="graph replays timed per point (default 20; --cpu: 3 runs)")
     p.add_argument("--checkpoint", help="load this checkpoint folder instead of random weights")
-    p.add_argument("--cpu", action="store_true", help="run on the CPU (Triton interpreter; needs --checkpoint)")
+    p.add_argument("--backend", default="kernel", choices=["kernel", "reference"],
+                   help="ds4lab's kernels (default) or the reference twin (torch only)")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on the CPU (Triton interpreter; needs --checkpoint; default TP 1, batch 1, ctx 16, plain)")
     p.add_argument("--out", default="results", help="folder; rows are appended to OUT/decode_step.csv")
 
 
@@ -701,8 +735,11 @@ def main(args) -> int:
     if args.cpu:
         from ds4lab import interp
         interp.install()
-    p = plan(args.smoke, args.tp, args.batch, args.ctx, args.mode, args.arch)
-    p.replays = args.replays
+    if args.cpu:  # the tiny model on the interpreter: one small point unless asked otherwise
+        args.tp, args.batch = args.tp or [1], args.batch or [1]
+        args.ctx, args.mode = args.ctx or [16], args.mode or ["plain"]
+    p = plan(args.smoke, args.tp, args.batch, args.ctx, args.mode, args.arch, args.backend)
+    p.replays = args.replays or (3 if args.cpu else 20)
     path = os.path.join(args.out, "decode_step.csv")
     rows = run_step(p, device="cpu" if args.cpu else "cuda", checkpoint=args.checkpoint, csv_path=path)
     _print_table(rows)

@@ -178,18 +178,21 @@ def _h200_of(row: dict) -> Card:
 
 
 def scale_row(row: dict, card: Card, a: Assumptions = Assumptions()) -> dict:
-    """One benchmark row scaled to ``card``: efficiency, H200 time, Ada time (method + additive)."""
+    """One benchmark row scaled to ``card``: efficiency, H200 time, Ada time by the efficiency-carry
+    method (``ada_us``, issue 15), by the decode model's per-op method (``ada_max_us``:
+    ``max(H200 time, card roofline)``, issue 19) and the additive bracket."""
     e = row_efficiency(row)
     b, f = row.get("min_bytes") or 0.0, row.get("flops") or 0.0
     out = {"kernel": row["kernel"], "build": row["build"], "tp": row["tp"], "shape": row["shape"],
            "h200_us": row["p50_us"], "e": e, "card": card.name}
     if e is None:
-        out.update(ada_us=None, ada_additive_us=None, bound=None, ratio=None)
+        out.update(ada_us=None, ada_max_us=None, ada_additive_us=None, bound=None, ratio=None)
         return out
     h = _h200_of(row)
     mem = b / (h.bw_tbps * 1e12) >= f / (h.fp8_tflops * 1e12)
     out["bound"] = "memory" if mem else "compute"
     out["ada_us"] = eff_time(b, f, e, card, a.launch_floor_us)
+    out["ada_max_us"] = max(row["p50_us"], roof_us(b, f, card))  # the decode model's per-op method (issue 19)
     out["ada_additive_us"] = additive_time(b, f, row["p50_us"], card, a, h)
     out["ratio"] = out["ada_us"] / row["p50_us"]
     return out
@@ -221,6 +224,7 @@ def ada_scaled_table(rows: list[dict], cards=None, a: Assumptions = Assumptions(
                 t = {"kernel": r["kernel"], "tp": r["tp"], "shape": r["shape"], "bound": s["bound"],
                      "h200_sm89_us": r["p50_us"], "e": s["e"]}
             t[f"{c.name} us"] = s["ada_us"]
+            t[f"{c.name} max-method us"] = s["ada_max_us"]
             t[f"{c.name} additive us"] = s["ada_additive_us"]
         out.append(t)
     return out

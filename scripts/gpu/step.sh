@@ -9,6 +9,7 @@
 #   MODE=smoke (default: batch 1 and 16, ctx 8k and 32k, plain + MTP, TP=4; ~2-3 min a build)
 #   MODE=full  (batch 1/4/8/16, ctx 8k/32k/128k; one build per 10-minute run: BUILDS=sm89 MODE=full)
 #   BUILDS="native sm89" (default), TPS="4" (e.g. "4 8"), STEP_TIMEOUT (s, per build)
+#   RETIME_MOE=1: also re-time fused_moe_w4a16 at TP4 with the cold-L2 set count (rows -> $OUT/bench.csv)
 # Fail-soft: a failing check or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
 OUT=${OUT:-${1:-results}}
@@ -42,15 +43,20 @@ for build in $BUILDS; do
   grep -E "roofs|built|p50|ERROR|Traceback|Error|rows ->" "$OUT/step_$build.log" | tail -40
   echo "step $build: $((SECONDS - tb)) s"
 done
+# optional: re-time the MoE rows with the cold-L2 rotation of issue 19 item 4 (bench.n_sets)
+if [ "${RETIME_MOE:-0}" = 1 ]; then
+  for build in $BUILDS; do
+    timeout ${MOE_TIMEOUT:-120} python3 -m ds4lab.harness.bench fused_moe_w4a16 --tp 4 --arch $build --out "$OUT" \
+      > "$OUT/moe_$build.log" 2>&1 || { echo "MOE $build: exit $?"; rc=1; }
+    grep -E "fused_moe|FAIL|Error" "$OUT/moe_$build.log" | tail -12
+  done
+fi
 # 3. the table
 python3 - "$OUT/decode_step.csv" <<'PY'
 import sys
 from ds4lab.harness.step import load_rows, summary_table
-rows = summary_table(load_rows(sys.argv[1]))
-cols = ["build", "tp", "batch", "mode", "ctx", "status", "p50_us", "launches", "per_layer", "groups/p50", "top"]
-print("  ".join(cols))
-for r in rows:
-    print("  ".join(str(r[c]) for c in cols))
+from ds4lab.tables import format_table
+print(format_table(summary_table(load_rows(sys.argv[1])), digits=4))
 PY
 echo "total: $((SECONDS - t0)) s"
 exit $rc
