@@ -303,16 +303,36 @@ def _splits(n_tiles_m: int, n_blocks_k: int, device, cfg) -> int:
     return max(1, min(want, n_blocks_k // cfg["MIN_K_BLOCKS"], 128))
 
 
-def _prenorm_partials(x2d, fn, num_splits, precision, cfg):
+def _prenorm_out(out, T, N, num_splits, device):
+    """Check a caller's ``(mixes (S, T, N), sqrsum (S, T))`` float32 buffers (inner dims unit-stride); return S."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2 or not all(isinstance(t, torch.Tensor) for t in out):
+        raise TypeError(f"out: expected a (mixes, sqrsum) pair of tensors, got {type(out).__name__}")
+    mixes, sqrsum = out
+    S = mixes.shape[0] if mixes.dim() == 3 else 0
+    for name, t, want in (("out[0] (mixes)", mixes, (S, T, N)), ("out[1] (sqrsum)", sqrsum, (S, T))):
+        if t.dtype != torch.float32 or tuple(t.shape) != want or S < 1 or t.device != device:
+            raise ValueError(f"{name}: expected a float32 {want} tensor with S >= 1 on {device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous, got strides {tuple(t.stride())}")
+    if num_splits is not None and num_splits != S:
+        raise ValueError(f"num_splits={num_splits}: out holds {S} splits")
+    return S
+
+
+def _prenorm_partials(x2d, fn, num_splits, precision, cfg, out=None):
     T, K = x2d.shape
     N = fn.shape[0]
     BM, BK = cfg["GEMM_BLOCK_M"], cfg["GEMM_BLOCK_K"]
     n_kb = triton.cdiv(K, BK)
     S = num_splits or _splits(triton.cdiv(T, BM), n_kb, x2d.device, cfg)
     kps = triton.cdiv(n_kb, S) * BK
-    S = triton.cdiv(K, kps)
-    mixes = torch.empty((S, T, N), dtype=torch.float32, device=x2d.device)
-    sqrsum = torch.empty((S, T), dtype=torch.float32, device=x2d.device)
+    if out is not None:  # all S programs run; those whose K range starts past K write zeros
+        mixes, sqrsum = out
+    else:
+        S = triton.cdiv(K, kps)
+        mixes = torch.empty((S, T, N), dtype=torch.float32, device=x2d.device)
+        sqrsum = torch.empty((S, T), dtype=torch.float32, device=x2d.device)
     if T == 0:
         return mixes, sqrsum
     _hc_prenorm_gemm_kernel[(triton.cdiv(T, BM), S)](
@@ -394,7 +414,7 @@ def _check_post_inputs(x, residual, post_mix, comb_mix):
 
 # ---- public launchers ----------------------------------------------------------------------------
 def hc_prenorm_gemm(x: torch.Tensor, fn: torch.Tensor, num_splits: int | None = None, precision: str = "tf32",
-                    config: dict | None = None):
+                    config: dict | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Split-K pre-norm GEMM of mHC: partial mixes and partial sums of squares.
 
     Semantics: DeepGEMM ``tf32_hc_prenorm_gemm(x, fn, out, sqrsum, num_splits)``:
@@ -409,10 +429,14 @@ def hc_prenorm_gemm(x: torch.Tensor, fn: torch.Tensor, num_splits: int | None = 
         precision: ``"tf32"`` (tensor cores, DeepGEMM's choice; ~1e-3 relative per product) or ``"ieee"``
             (fp32 FMA). The CPU interpreter computes fp32 either way.
         config: a row of ``CONFIGS`` (keys ``GEMM_*``, ``WAVES``, ``MIN_K_BLOCKS``).
+        out: optional ``(mixes, sqrsum)`` float32 buffers ``(S, num_tokens, N)`` / ``(S, num_tokens)``
+            (last dim contiguous; DeepGEMM's ``d`` / ``sqr_sum``) written in place, no copy; ``S`` is
+            their first dim (``num_splits`` must be None or equal). Every one of the S slices is written:
+            a split whose K range starts past ``K`` (S above the K block count) holds zeros.
 
     Returns:
         ``(mixes, sqrsum)``: ``(S, num_tokens, N)`` and ``(S, num_tokens)`` float32 partials over contiguous
-        K ranges; callers sum over the first axis.
+        K ranges (``out`` itself when given); callers sum over the first axis.
 
     Raises:
         TypeError: wrong dtypes. ValueError: shapes, strides, devices, ``K % 16``, precision, num_splits < 1.
@@ -430,7 +454,9 @@ def hc_prenorm_gemm(x: torch.Tensor, fn: torch.Tensor, num_splits: int | None = 
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r}: expected a positive int or None")
     cfg = config or pick_config(T, x.device)
-    return _prenorm_partials(x, fn, num_splits, precision, cfg)
+    if out is not None:
+        num_splits = _prenorm_out(out, T, fn.shape[0], num_splits, x.device)
+    return _prenorm_partials(x, fn, num_splits, precision, cfg, out)
 
 
 def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,

@@ -15,6 +15,11 @@ def test_dry_run_every_case_passes_and_writes_csv(tmp_path):
     assert kernels == {"flash_mla_with_kvcache", "flash_mla_sparse_fwd", "fp8_gemm_nt", "fp8_einsum",
                        "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "tf32_hc_prenorm_gemm"}
     assert all(r["numerics"] == "PASS" for r in rows), [(r["kernel"], r["status"]) for r in rows]
+    # TP=4: the FlashMLA calls at the rank's real 16 heads (the sm_89 plugin's unpadded q), the decode
+    # also at vLLM's stock padding to 64 (the H200 row the fix is measured against)
+    shapes = {(r["kernel"], r["shape"].split(",")[1]) for r in rows if r["kernel"].startswith("flash_mla")}
+    assert shapes == {("flash_mla_with_kvcache", "h_q=16(real 16)"), ("flash_mla_with_kvcache", "h_q=64(real 16)"),
+                      ("flash_mla_sparse_fwd", "h_q=16")}, shapes
     with open(tmp_path / "compat.csv") as f:
         got = list(csv.DictReader(f))
     assert len(got) == len(rows) and set(got[0]) >= {"gpu", "git_sha", "build", "kernel", "impl", "tp", "repro"}

@@ -117,7 +117,8 @@ def test_fp8_fp4_paged_mqa_logits_next_n_and_2d_context_lens(next_n, case):
                                     inp["max_context_len"], indices=torch.zeros(3, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("num_splits", [None, 4])
+# 4: 8 K blocks of 128 over 4 splits; 11: more splits than K blocks, the surplus slices must be zeros
+@pytest.mark.parametrize("num_splits", [None, 4, 11])
 def test_tf32_hc_prenorm_gemm(num_splits):
     inp = mhc_spec.make_inputs({"T": 3, "D": 256, "hc": 4}, seed=_seed(), device=DEVICE, kind="gemm")
     x, fn = inp["x"], inp["fn"]
@@ -128,8 +129,13 @@ def test_tf32_hc_prenorm_gemm(num_splits):
     assert dg.tf32_hc_prenorm_gemm(x, fn, d, sq, num_splits) is None
     d3, s2 = (d[None], sq[None]) if num_splits is None else (d, sq)
     assert all(mhc_spec.check_gemm((d3, s2), R_mhc.hc_prenorm_gemm(x, fn, S), inp))
+    assert not d.isnan().any() and not sq.isnan().any()            # every slice written in place
+    if S > 8:
+        assert (d3[8:] == 0).all() and (s2[8:] == 0).all()
     with pytest.raises(ValueError, match="sqr_sum"):
         dg.tf32_hc_prenorm_gemm(x, fn, d, sq[..., :1], num_splits)
+    with pytest.raises(ValueError, match="d: must be N-major"):    # DeepGEMM's layout: no silent copy
+        dg.tf32_hc_prenorm_gemm(x, fn, d.transpose(-1, -2).contiguous().transpose(-1, -2), sq, num_splits)
 
 
 def test_sm_count_helpers():

@@ -80,7 +80,8 @@ def _assert_matches(d, out, lse):
 
 
 # extra-cache block sizes of FlashMLA's decode tests x h_q x s_q (one case each; a cross product is 24 runs)
-@pytest.mark.parametrize("ebs,h,s_q", [(2, 64, 1), (53, 128, 3), (61, 64, 3), (64, 128, 1), (69, 64, 1), (576, 64, 1)])
+@pytest.mark.parametrize("ebs,h,s_q", [(2, 64, 1), (53, 128, 3), (61, 64, 3), (64, 128, 1), (69, 64, 1), (576, 64, 1),
+                                       (64, 16, 1)])   # 16: a TP=4 rank's real heads (the sm_89 plugin unpads)
 def test_decode_extra_cache_block_sizes(ebs, h, s_q):
     d = _case(_gen(), 2, s_q, h, 16, ebs, 24)
     out, lse = _call(d)
@@ -148,15 +149,29 @@ def test_decode_sched_meta_reuse_and_refusals():
         fm.flash_mla_with_kvcache(torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16), kc, None, None, 512, fresh(), **args)
     with pytest.raises(NotImplementedError, match="k_cache: 656"):
         fm.flash_mla_with_kvcache(q, torch.zeros(4, 64, 1, 656, dtype=torch.uint8), None, None, 512, fresh(), **args)
-    with pytest.raises(ValueError, match="num_heads_q=16"):
-        fm.flash_mla_with_kvcache(q[:, :, :16], kc, None, None, 512, fresh(), **args)
+    with pytest.raises(ValueError, match="num_heads_q=129"):
+        fm.flash_mla_with_kvcache(torch.zeros(1, 1, 129, 512, dtype=torch.bfloat16), kc, None, None, 512, fresh(), **args)
     with pytest.raises(ValueError, match="causal"):
         fm.flash_mla_with_kvcache(q, kc, None, None, 512, fresh(), causal=True, **args)
     with pytest.raises(TypeError, match="topk_length"):
         fm.flash_mla_with_kvcache(q, kc, None, None, 512, fresh(), **{**args, "topk_length": d["tl"].long()})
 
 
-@pytest.mark.parametrize("h,sink", [(64, "on"), (128, "off")])
+def test_decode_real_heads_equal_the_live_heads_of_vllms_padded_call():
+    """vLLM 0.32 pads a 16-head rank to h_q=64 (zero q, -inf sinks) and slices the 48 padded heads off
+    (``DeepseekV4Attention.forward``: ``attn_out[:, : self.n_local_heads]``). Under the sm_89 plugin it
+    passes the 16 real heads instead: their out and LSE must be the live heads of the padded call."""
+    d16 = _case(_gen(), 2, 2, 16, 32, 64, 32)
+    pad = 64 - 16
+    d64 = dict(d16, q=torch.cat([d16["q"], torch.zeros(2, 2, pad, 512, dtype=torch.bfloat16)], 2),
+               sink=torch.cat([d16["sink"], torch.full((pad,), float("-inf"))]))
+    o16, l16 = _call(d16)
+    o64, l64 = _call(d64)
+    _assert_matches(d16, o16, l16)
+    _assert_matches(d16, o64[:, :, :16], l64[:, :16])
+
+
+@pytest.mark.parametrize("h,sink", [(64, "on"), (128, "off"), (16, "on")])
 def test_sparse_prefill_out_max_logits_lse(h, sink):
     g = _gen()
     sq, skv, topk = 5, 300, 64

@@ -152,6 +152,26 @@ def test_prenorm_gemm_splits(num_splits):
     _assert_all(S.check_gemm((m, s), R.hc_prenorm_gemm(**inp), inp), seed)
 
 
+def test_prenorm_gemm_out_buffers_written_in_place():
+    """``out=``: the caller's (S, T, N) / (S, T) buffers (DeepGEMM's d / sqr_sum) take the partials directly;
+    splits past the K block count (K = 512: 4 blocks of 128 here) are zeros; bad buffers name ``out``."""
+    inp, seed = _inputs("gemm", 5, D=128)
+    mix = torch.full((6, 5, 24), float("nan"), device=DEVICE)
+    sq = torch.full((6, 5), float("nan"), device=DEVICE)
+    m, s = K.hc_prenorm_gemm(**inp, out=(mix, sq))
+    assert m is mix and s is sq and not mix.isnan().any() and not sq.isnan().any()
+    assert (mix[4:] == 0).all() and (sq[4:] == 0).all()
+    _assert_all(S.check_gemm((m, s), R.hc_prenorm_gemm(**inp), inp), seed)
+    with pytest.raises(ValueError, match="num_splits=3"):
+        K.hc_prenorm_gemm(**inp, num_splits=3, out=(mix, sq))
+    with pytest.raises(ValueError, match=r"out\[1\] \(sqrsum\)"):
+        K.hc_prenorm_gemm(**inp, out=(mix, sq[:, :4]))
+    with pytest.raises(ValueError, match=r"out\[0\] \(mixes\): last dim"):
+        K.hc_prenorm_gemm(**inp, out=(torch.zeros(6, 24, 5, device=DEVICE).transpose(1, 2), sq))
+    with pytest.raises(TypeError, match="out"):
+        K.hc_prenorm_gemm(**inp, out=mix)
+
+
 def test_empty_batch():
     for kind, fn in (("pre", K.mhc_pre), ("fused", K.mhc_fused_post_pre), ("head", K.hc_head),
                      ("post", K.mhc_post), ("broadcast", K.mhc_pre_broadcast)):

@@ -7,6 +7,8 @@ call site vLLM makes into the compat APIs (parsed from vLLM's source) binds to t
 signature; ``_lazy_init``'s ``getattr(_dg, name)`` names cover the compat DeepGEMM functions; the
 BF16 drafter's o-projection branch is in the source; then the real routing runs behind a platform
 reporting (8, 9) at the gate and the bound symbols are ds4lab's; an unknown vLLM is refused."""
+import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+from ds4lab.vllm_plugin import sm89
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,6 +139,14 @@ assert not sm.DeepseekV4SparseMLABackend.supports_compute_capability(DeviceCapab
 class Cfg:
     class attention_config: backend = None
 assert nvm._select_dsv4_attn_cls(Cfg) is nvm.DeepseekV4FlashMLAAttention
+# unpadded q heads: DeepSeek-V4-Flash's 64 heads at TP 1/2/4/8 keep their real count (vLLM: 64/64/64/64)
+pad = nvf.DeepseekV4FlashMLAAttention.get_padded_num_q_heads
+assert [pad(h) for h in (64, 32, 16, 8, 12, 1)] == [64, 32, 16, 8, 16, 8], [pad(h) for h in (64, 32, 16, 8)]
+try:
+    pad(129)
+    raise SystemExit("get_padded_num_q_heads(129) accepted")
+except ValueError as e:
+    assert "129" in str(e)
 assert "VLLM_TRITON_MLA_SPARSE" not in os.environ
 
 # 6. an unknown vLLM is refused on the sm_89 path too
@@ -153,6 +163,7 @@ print("SM89_OK")
 ''')
 
 
+@pytest.mark.vllm
 def test_sm89_routing_against_installed_vllm_source():
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("VLLM_TRITON_MLA_SPARSE", None)
@@ -160,3 +171,71 @@ def test_sm89_routing_against_installed_vllm_source():
     assert r.returncode == 0 and "SM89_OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
     bound = int(r.stdout.split("CALL_SITES_BOUND", 1)[1].split()[0])
     assert bound >= 12, f"only {bound} vLLM call sites bound to the compat signatures"  # 12 call targets, each >= 1 site
+
+
+# ---- unpadded q heads: vLLM 0.32's uses of the padded count, from its source (no vLLM import, ~0.2 s) ----
+def _dsv4_root() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations, "vLLM is not installed"
+    return Path(list(spec.submodule_search_locations)[0]) / "models" / "deepseek_v4"
+
+
+def _padded_uses(root: Path) -> set:
+    """(file, enclosing function) of every ``.padded_heads`` / ``get_padded_num_q_heads(...)`` on the CUDA
+    FlashMLA path (the other platforms' folders and the FlashInfer classes, refused on sm_89, excluded)."""
+    uses = set()
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        if rel.split("/")[0] in ("amd", "cpu", "xpu") or rel == "nvidia/flashinfer_sparse.py":
+            continue
+
+        def walk(node, fn):
+            for c in ast.iter_child_nodes(node):
+                name = c.name if isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
+                if isinstance(c, ast.Attribute) and c.attr == "padded_heads":
+                    uses.add((rel, fn))
+                if isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "get_padded_num_q_heads":
+                    uses.add((rel, fn))
+                walk(c, name)
+        walk(ast.parse(f.read_text()), "<module>")
+    return uses
+
+
+def _fn(tree: ast.AST, cls: str, name: str) -> str:
+    for c in ast.walk(tree):
+        if isinstance(c, ast.ClassDef) and c.name == cls:
+            for f in c.body:
+                if isinstance(f, ast.FunctionDef) and f.name == name:
+                    return ast.unparse(f)
+    raise AssertionError(f"{cls}.{name} not in vLLM's source: the head-padding site moved (re-review sm89.py)")
+
+
+def test_unpadded_q_heads_match_every_padded_count_use_in_vllm_source():
+    root = _dsv4_root()
+    got = _padded_uses(root)
+    assert got == sm89.PADDED_HEADS_USES, (
+        f"vLLM's uses of padded_heads changed (new: {sorted(got - sm89.PADDED_HEADS_USES)}, gone: "
+        f"{sorted(sm89.PADDED_HEADS_USES - got)}): re-review the unpadded-heads patch in sm89.py")
+    att = ast.parse((root / "attention.py").read_text())
+    init = _fn(att, "DeepseekV4Attention", "__init__")
+    assert "self.padded_heads = self.get_padded_num_q_heads(self.n_local_heads)" in init
+    assert "torch.full((self.padded_heads,), -float('inf')" in init             # attn_sink, -inf padding
+    assert "attn_out = attn_out[:, :self.n_local_heads, :]" in _fn(att, "DeepseekV4Attention", "forward")
+    ins = _fn(att, "DeepseekV4Attention", "_fused_qnorm_rope_kv_insert")
+    assert "if self.n_local_heads < self.padded_heads:" in ins                  # profile-run pad is guarded
+    assert "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, swa_kv_cache_2d, swa_metadata.slot_mapping, " \
+           "positions, cos_sin_cache, self.padded_heads," in ins.replace("\n", " ").replace("  ", "")
+    assert "(num_tokens, self.padded_heads, self.head_dim)" in _fn(att, "DeepseekV4Attention", "_alloc_attn_out")
+    nvf = ast.parse((root / "nvidia/flashmla.py").read_text())
+    assert "return 64 if num_heads <= 64 else 128" in _fn(nvf, "DeepseekV4FlashMLAAttention", "get_padded_num_q_heads")
+    assert "assert output.shape == q.shape" in _fn(nvf, "DeepseekV4FlashMLAAttention", "forward_mqa")
+    dec = _fn(nvf, "DeepseekV4FlashMLAAttention", "_forward_decode")
+    assert "q = q.unsqueeze(1)" in dec and "attn_sink=self.attn_sink" in dec and "out=output.unsqueeze(1)" in dec
+    for rel in ("nvidia/model.py", "nvidia/mtp.py"):                           # sink loaders fill [:n_local]
+        assert "params_dict[name][:n].copy_(narrow_weight)" in ast.unparse(ast.parse((root / rel).read_text())), rel
+    # vLLM's ROCm class already runs the same fused op unpadded (its padded count = num_heads, base insert)
+    rocm = ast.parse((root / "amd/rocm.py").read_text())
+    assert "return num_heads" in _fn(rocm, "DeepseekV4ROCMAiterMLAAttention", "get_padded_num_q_heads")
+    with pytest.raises(AssertionError):
+        _fn(rocm, "DeepseekV4ROCMAiterMLAAttention", "_fused_qnorm_rope_kv_insert")
+    assert [sm89.q_heads(64 // tp) for tp in (1, 2, 4, 8)] == [64, 32, 16, 8]

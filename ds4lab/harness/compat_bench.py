@@ -2,7 +2,9 @@
 
 ``python3 -m ds4lab.harness.compat_bench --out $OUT [--arch native|sm89] [--tp 1 4]`` (the H200
 image: torch + triton only). Every ``ds4lab_kernels.compat`` function at DeepSeek-V4-Flash shapes
-(per TP rank; the FlashMLA calls at vLLM's padded 64 heads) is checked against ds4lab's reference,
+(per TP rank; the FlashMLA calls at the h_q vLLM passes under the sm_89 plugin, ``sm89.q_heads``: the
+rank's real heads, and the decode also at vLLM's stock 64-head padding, ``h_q=64(real 16)``, for
+comparison) is checked against ds4lab's reference,
 then the compat call and the native launcher on the same inputs are timed with
 ``bench.time_calls`` (CUDA graph replay over enough input sets to defeat L2, the timer of
 ``ds4lab bench``). Rows go to ``$OUT/compat.csv`` with ``bench.FIELDS`` (impl ``compat`` / ``native``);
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 import traceback
@@ -24,6 +27,7 @@ def _cases(tp: int, tiny: bool):
 
     from ds4lab.harness.specs import fp8_gemm as gs, indexer as ix, mhc as hs, o_proj as os_, sparse_mla as ss
     from ds4lab.reference import fp8_gemm as Rg, indexer as Ri, mhc as Rh, o_proj as Ro, sparse_mla as Rs
+    from ds4lab.vllm_plugin.sm89 import q_heads
     from ds4lab_kernels import fp8_gemm, indexer, mhc, o_proj, sparse_mla
     from ds4lab_kernels.compat import deep_gemm as dg, flash_mla as fm
 
@@ -31,8 +35,8 @@ def _cases(tp: int, tiny: bool):
     T = 2 if tiny else 32
     heads = 64 // tp
 
-    def mla_decode():
-        s = {"T": T, "H": 64, "W": 16 if tiny else 128, "Kc": 32 if tiny else 512, "comp_bs": 64}
+    def mla_decode(h_q):
+        s = {"T": T, "H": h_q, "W": 16 if tiny else 128, "Kc": 32 if tiny else 512, "comp_bs": 64}
         inp = ss.make_decode_inputs(s, seed=1, device=dev)
         inp["q"][:, heads:] = 0                                     # vLLM pads a TP rank's heads with zero q
         inp["attn_sink"][heads:] = float("-inf")                   # and -inf sinks (get_padded_num_q_heads)
@@ -40,7 +44,7 @@ def _cases(tp: int, tiny: bool):
         kc = torch.as_strided(sw, (sw.shape[0], 64, 1, 584), (sw.stride(0), 584, 584, 1))
         ec = torch.as_strided(cc, (cc.shape[0], 64, 1, 584), (cc.stride(0), 584, 584, 1))
         meta = fm.get_mla_metadata()[0]
-        out = torch.empty(T, 1, 64, 512, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(T, 1, h_q, 512, dtype=torch.bfloat16, device=dev)
 
         def compat():
             return fm.flash_mla_with_kvcache(inp["q"].unsqueeze(1), kc, None, None, 512, meta, is_fp8_kvcache=True,
@@ -57,10 +61,10 @@ def _cases(tp: int, tiny: bool):
             o = compat()[:, 0]
             r = Rs.sparse_mla_decode(**inp)
             return all(ss.check(o, r, inp))
-        return compat, native, check, f"T={T},h_q=64(real {heads}),W={s['W']},Kc={s['Kc']}"
+        return compat, native, check, f"T={T},h_q={h_q}(real {heads}),W={s['W']},Kc={s['Kc']}"
 
     def mla_prefill():
-        s = {"Tq": T * 2, "H": 64, "N": 256 if tiny else 4096, "Kc": 32 if tiny else 640}
+        s = {"Tq": T * 2, "H": q_heads(heads), "N": 256 if tiny else 4096, "Kc": 32 if tiny else 640}
         inp = ss.make_prefill_inputs(s, seed=2, device=dev)
         out = torch.empty_like(inp["q"])
         kv3, idx3 = inp["kv"].unsqueeze(1), inp["indices"].unsqueeze(1)
@@ -74,7 +78,7 @@ def _cases(tp: int, tiny: bool):
 
         def check():
             return all(ss.check(compat(), Rs.sparse_mla_prefill(**inp), inp))
-        return compat, native, check, f"Tq={s['Tq']},h_q=64,N={s['N']},Kc={s['Kc']}"
+        return compat, native, check, f"Tq={s['Tq']},h_q={s['H']},N={s['N']},Kc={s['Kc']}"
 
     def gemm():
         N, K = (256, 512) if tiny else (32768 // tp, 1024)            # wq_b
@@ -163,7 +167,9 @@ def _cases(tp: int, tiny: bool):
             return all(hs.check_gemm(compat(), Rh.hc_prenorm_gemm(inp["x"], inp["fn"], S), inp))
         return compat, native, check, f"T={T},K={4 * s['D']},splits={S}"
 
-    return [("flash_mla_with_kvcache", mla_decode), ("flash_mla_sparse_fwd", mla_prefill),
+    # the h_q vLLM passes under the sm_89 plugin, then (TP > 1) vLLM's stock padding to 64
+    decode = [("flash_mla_with_kvcache", functools.partial(mla_decode, h)) for h in dict.fromkeys((q_heads(heads), 64))]
+    return decode + [("flash_mla_sparse_fwd", mla_prefill),
             ("fp8_gemm_nt", gemm), ("fp8_einsum", einsum), ("fp8_fp4_mqa_logits", mqa),
             ("fp8_fp4_paged_mqa_logits", paged(1)), ("fp8_fp4_paged_mqa_logits", paged(2)),
             ("tf32_hc_prenorm_gemm", prenorm)]

@@ -35,7 +35,29 @@ symbol                                                      replacement / why
                                                             ``DeepseekV4FlashMLAAttention`` (what the
                                                             compat FlashMLA serves); a FlashInfer sparse
                                                             backend asked for on sm_89 is refused clearly
+``models.deepseek_v4.nvidia.flashmla.DeepseekV4FlashMLA     :func:`q_heads`: a rank's real head count
+Attention.get_padded_num_q_heads``                          (FlashMLA needs 64/128, so vLLM pads a TP=4
+                                                            rank's 16 heads to 64: 4x the decode work;
+                                                            ds4lab's kernels take any count; see below)
 ==========================================================  ==============================================
+
+Unpadded heads, and why vLLM 0.32 tolerates them (every use of the padded count; the test parses
+each one, :data:`PADDED_HEADS_USES`, and fails if one moves or a new one appears):
+
+- ``DeepseekV4Attention.__init__``: ``padded_heads = get_padded_num_q_heads(n_local_heads)`` (read once,
+  at layer build, after ``register()``); ``attn_sink`` has ``padded_heads`` slots, of which the weight
+  loaders fill ``[:n_local_heads]`` (the rest stay ``-inf``): with no padding they fill all.
+- ``_fused_qnorm_rope_kv_insert``: the profile-run pad is guarded by ``n_local_heads < padded_heads``;
+  the fp8_ds_mla path's fused op ``torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``
+  allocates q at ``padded_heads`` and zero-fills slots ``n_local_heads..padded_heads`` (none here). It
+  dispatches padded counts 8/16/32/64/128 (:data:`FUSED_Q_HEADS`); vLLM's own ROCm class
+  (``DeepseekV4ROCMAiterMLAAttention.get_padded_num_q_heads`` returns ``num_heads``) already calls it unpadded.
+- ``_alloc_attn_out``: the ``(N, padded_heads, 512)`` output; ``forward`` keeps ``[:, :n_local_heads]``
+  for ``_o_proj`` (padded heads are discarded; unpadded, the slice is the whole buffer).
+- ``nvidia/flashmla.py``: ``forward_mqa`` asserts output and q shapes agree; ``_forward_decode`` /
+  ``_forward_prefill`` hand q (h_q = ``padded_heads``) and ``attn_sink`` to the compat FlashMLA, which
+  takes 1..128 heads; no tile-scheduler input carries h_q (``get_mla_metadata()`` takes no arguments).
+- ``nvidia/dspark.py::_insert_context_kv``: a dummy q of ``n_local_heads`` through the same op, discarded.
 
 Left as vLLM has it, on purpose:
 - the routed W4A16 experts stay on Marlin (vLLM's compressed-tensors choice on sm_89): ds4lab's
@@ -75,7 +97,22 @@ SYMBOLS: tuple[tuple[str, str], ...] = (
     ("vllm.v1.attention.backends.mla.sparse_swa", "FlashMLASchedMeta"),
     ("vllm.models.deepseek_v4.sparse_mla", "DeepseekV4SparseMLABackend.supports_compute_capability"),
     ("vllm.models.deepseek_v4.nvidia.model", "_select_dsv4_attn_cls"),
+    ("vllm.models.deepseek_v4.nvidia.flashmla", "DeepseekV4FlashMLAAttention.get_padded_num_q_heads"),
 )
+
+#: Padded q head counts vLLM's fused q-norm/RoPE/KV-insert op (which writes the q FlashMLA reads) is
+#: compiled for (its ``launchFusedDeepseekV4QNormRopeKVRopeQuantInsert`` dispatch).
+FUSED_Q_HEADS = (8, 16, 32, 64, 128)
+
+#: Every read of ``padded_heads`` / call of ``get_padded_num_q_heads`` on vLLM 0.32's DeepSeek-V4 CUDA
+#: FlashMLA path, as (file under ``vllm/models/deepseek_v4/``, enclosing function): the sites the
+#: module docstring reviews for unpadded heads. tests/test_plugin_sm89.py parses the source against it.
+PADDED_HEADS_USES = frozenset({
+    ("attention.py", "__init__"),
+    ("attention.py", "_alloc_attn_out"),
+    ("attention.py", "_fused_qnorm_rope_kv_insert"),
+    ("nvidia/dspark.py", "_insert_context_kv"),
+})
 
 #: ``vllm.utils.deep_gemm`` globals that cache bindings from ``_import_deep_gemm``.
 _IMPL_GLOBALS = ("_cublaslt_gemm_nt_impl", "_fp8_gemm_nt_impl", "_fp8_einsum_impl", "_grouped_impl",
@@ -101,6 +138,25 @@ def wanted(platform=None) -> bool:
     if platform is None:
         from vllm.platforms import current_platform as platform
     return bool(platform.is_cuda()) and is_ada(platform.get_device_capability())
+
+
+def q_heads(num_heads: int) -> int:
+    """Per-rank q head count vLLM allocates under the sm_89 routing (replaces FlashMLA's 64/128 padding).
+
+    Args:
+        num_heads: the rank's real heads (``n_local_heads`` = 64 / TP for DeepSeek-V4-Flash).
+
+    Returns:
+        The smallest of :data:`FUSED_Q_HEADS` >= ``num_heads``: the real count for every DeepSeek-V4-Flash
+        TP size (64, 32, 16, 8); padding remains only for a count vLLM's fused q op has no instantiation of.
+
+    Raises:
+        ValueError: more than 128 heads (as vLLM's own helper).
+    """
+    for h in FUSED_Q_HEADS:
+        if num_heads <= h:
+            return h
+    raise ValueError(f"num_heads={num_heads}: DeepseekV4 FlashMLA supports at most {FUSED_Q_HEADS[-1]} q heads per rank")
 
 
 def _set(module: str, attr: str, value) -> str:
@@ -132,6 +188,9 @@ def install(skip_modules: tuple[str, ...] = ()) -> list[str]:
     def import_deep_gemm():
         """sm_89: the ds4lab compat module, never a real ``deep_gemm`` package."""
         return dg_compat
+
+    def get_padded_num_q_heads(cls, num_heads: int) -> int:  # noqa: ARG001 - classmethod shape
+        return q_heads(num_heads)
 
     def flashmla_available():
         return True, None
@@ -169,6 +228,7 @@ def install(skip_modules: tuple[str, ...] = ()) -> list[str]:
         "FlashMLASchedMeta": fm_compat.FlashMLASchedMeta,
         "DeepseekV4SparseMLABackend.supports_compute_capability": classmethod(supports_compute_capability),
         "_select_dsv4_attn_cls": select_dsv4_attn_cls,
+        "DeepseekV4FlashMLAAttention.get_padded_num_q_heads": classmethod(get_padded_num_q_heads),
     }
     done = [_set(m, a, values[a]) for m, a in SYMBOLS if m not in skip_modules]
     dgm = importlib.import_module("vllm.utils.deep_gemm")

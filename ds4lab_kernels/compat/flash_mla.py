@@ -21,7 +21,11 @@ from ..sparse_mla import HEAD_DIM, sparse_mla_decode, sparse_mla_prefill
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"]
 
 ENTRY_BYTES = 584           # fp8_ds_mla: 448 e4m3 + 64 bf16 + 7 UE8M0 + 1 pad (SPEC.md §3)
-HEADS_Q = (64, 128)         # FlashMLA sparse decode/prefill kernels: h_q 64 or 128 (vLLM pads to these)
+# FlashMLA's sparse kernels take h_q 64 or 128 only, so vLLM pads a TP rank's heads up to them
+# (DeepseekV4FlashMLAAttention.get_padded_num_q_heads). ds4lab's kernels mask the head block and take
+# any count: these accept 1..128 (128: FlashMLA's and vLLM's cap), and on sm_89 the plugin lets vLLM
+# pass a rank's real heads (ds4lab/vllm_plugin/sm89.py), so a 16-head rank does 16 heads of work, not 64.
+MAX_HEADS_Q = 128
 
 
 @dataclasses.dataclass
@@ -137,8 +141,9 @@ def flash_mla_with_kvcache(
     """FlashMLA sparse FP8 decode (MODEL1 / fp8_ds_mla), on :func:`ds4lab_kernels.sparse_mla.sparse_mla_decode`.
 
     Args:
-        q: ``(batch_size, seq_len_q, num_heads_q, 512)`` bfloat16, num_heads_q 64 or 128 (vLLM pads a
-            TP rank's 16/32 heads up with ``-inf`` sinks), seq_len_q >= 1 (MTP: 1-3), last dim contiguous.
+        q: ``(batch_size, seq_len_q, num_heads_q, 512)`` bfloat16, num_heads_q 1..128 (FlashMLA: 64 or
+            128, vLLM padding a TP rank's heads with zero q and ``-inf`` sinks; under the sm_89 plugin
+            vLLM passes the rank's real heads), seq_len_q >= 1 (MTP: 1-3), last dim contiguous.
         k_cache: uint8 (or float8_e4m3fn) ``(num_blocks, page_block_size, 1, 584)`` fp8_ds_mla cache
             (per block: ``page_block_size`` 576-byte entries, then 8 scale bytes each; block stride free,
             bytes within a block contiguous). Any page_block_size >= 1.
@@ -191,9 +196,8 @@ def flash_mla_with_kvcache(
     b, s_q, h_q, d_qk = q.shape
     if d_qk != HEAD_DIM:
         raise NotImplementedError(f"q: d_qk={d_qk}; only DeepSeek-V4's 512 (MODEL1) is supported")
-    if h_q not in HEADS_Q:
-        raise ValueError(f"q: num_heads_q={h_q}; FlashMLA's sparse decode takes 64 or 128 (pad the heads, "
-                         "as vLLM's get_padded_num_q_heads does)")
+    if not 1 <= h_q <= MAX_HEADS_Q:
+        raise ValueError(f"q: num_heads_q={h_q}; expected 1..{MAX_HEADS_Q} (FlashMLA's cap)")
     kc = _cache_3d("k_cache", k_cache)
     ec = None if extra_k_cache is None else _cache_3d("extra_k_cache", extra_k_cache)
     if (ec is None) != (extra_indices_in_kvcache is None):
@@ -245,7 +249,8 @@ def flash_mla_sparse_fwd(
     """FlashMLA sparse prefill, on :func:`ds4lab_kernels.sparse_mla.sparse_mla_prefill`.
 
     Args:
-        q: ``(s_q, h_q, 512)`` bfloat16, h_q 64 or 128, last dim contiguous.
+        q: ``(s_q, h_q, 512)`` bfloat16, h_q 1..128 (FlashMLA: 64 or 128; see ``MAX_HEADS_Q``), last
+            dim contiguous.
         kv: ``(s_kv, 1, 512)`` bfloat16 gathered workspace (K = V; h_kv 1), last dim contiguous.
         indices: ``(s_q, 1, topk)`` int32 rows of ``kv``; ``-1`` or ``>= s_kv`` skipped.
         sm_scale: scale on ``q.k``.
@@ -269,8 +274,8 @@ def flash_mla_sparse_fwd(
         raise ValueError(f"q: expected (s_q, h_q, 512), got {tuple(getattr(q, 'shape', ()))}")
     if q.shape[2] != HEAD_DIM:
         raise NotImplementedError(f"q: d_qk={q.shape[2]}; only DeepSeek-V4's 512 is supported")
-    if q.shape[1] not in HEADS_Q:
-        raise ValueError(f"q: h_q={q.shape[1]}; FlashMLA's sparse prefill takes 64 or 128")
+    if not 1 <= q.shape[1] <= MAX_HEADS_Q:
+        raise ValueError(f"q: h_q={q.shape[1]}; expected 1..{MAX_HEADS_Q} (FlashMLA's cap)")
     if not isinstance(kv, torch.Tensor) or kv.dim() != 3:
         raise ValueError(f"kv: expected (s_kv, 1, 512), got {tuple(getattr(kv, 'shape', ()))}")
     if kv.shape[1] != 1:
