@@ -161,9 +161,9 @@ def test_decode_real_heads_equal_the_live_heads_of_vllms_padded_call():
     """vLLM 0.32 pads a 16-head rank to h_q=64 (zero q, -inf sinks) and slices the 48 padded heads off
     (``DeepseekV4Attention.forward``: ``attn_out[:, : self.n_local_heads]``). Under the sm_89 plugin it
     passes the 16 real heads instead: their out and LSE must be the live heads of the padded call."""
-    d16 = _case(_gen(), 2, 2, 16, 32, 64, 32)
+    d16 = _case(_gen(), 2, 1, 16, 16, 64, 16)
     pad = 64 - 16
-    d64 = dict(d16, q=torch.cat([d16["q"], torch.zeros(2, 2, pad, 512, dtype=torch.bfloat16)], 2),
+    d64 = dict(d16, q=torch.cat([d16["q"], torch.zeros(2, 1, pad, 512, dtype=torch.bfloat16)], 2),
                sink=torch.cat([d16["sink"], torch.full((pad,), float("-inf"))]))
     o16, l16 = _call(d16)
     o64, l64 = _call(d64)
