@@ -4,8 +4,9 @@ reference twin's check (issue 19, correctness (a)).
 ``python -m ds4lab.model.vllm_oracle --model DIR [DIR2] --prompts IN.json [IN2.json] --out OUT.json
 [OUT2.json] [--steps 32]``
 runs vLLM's offline ``LLM`` (in this process; run it as a subprocess: vLLM installs signal
-handlers and keeps memory; several checkpoints run in turn in one process) with ``logprobs_mode="raw_logits"`` and ``logprobs = vocab_size``, so
-every generated step returns the model's full raw logits (before any sampling processor).
+handlers and keeps memory; several checkpoints run in turn in one process, importing vLLM once)
+with ``logprobs_mode="raw_logits"`` and ``logprobs = vocab_size``, so every generated step returns
+the model's full raw logits (before any sampling processor).
 ``IN.json`` is a list of token-id lists (fed as ``TokensPrompt``, no BOS added); ``OUT.json`` holds
 per prompt ``{"prompt": ids, "tokens": [greedy ids], "logits": [[vocab floats] per step],
 "router_logits": {layer: [[n_routed_experts floats] per step]}}``. ``router_logits`` are vLLM's own
