@@ -61,7 +61,8 @@ def _budget(logits: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-    """``{"random": (ckpt, results), "agree": (ckpt, results)}`` from ONE vLLM subprocess."""
+    """Start ONE vLLM subprocess for both checkpoints and return at once (the twin prefills while it
+    runs): ``(ckpts {name: dir}, prompts {name: [ids]}, wait() -> {name: results})``."""
     tmp = tmp_path_factory.mktemp("model-oracle")
     ckpts = {"random": tiny.write_tiny_checkpoint(tmp / "tiny"),
              "agree": tiny.write_tiny_checkpoint(tmp / "tiny-agree", agree_heads=True)}
@@ -73,12 +74,27 @@ def oracle(tmp_path_factory):
         (tmp / f"prompts-{k}.json").write_text(json.dumps(p))
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-m", "ds4lab.model.vllm_oracle", "--model", *map(str, ckpts.values()),
-                        "--prompts", *(str(tmp / f"prompts-{k}.json") for k in ckpts),
-                        "--out", *(str(tmp / f"out-{k}.json") for k in ckpts), "--steps", str(STEPS)],
-                       env=env, capture_output=True, text=True, timeout=900, start_new_session=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return {k: (c, json.loads((tmp / f"out-{k}.json").read_text())) for k, c in ckpts.items()}
+    log = open(tmp / "vllm.log", "w")   # a file, not a pipe: vLLM must not block on a full pipe meanwhile
+    proc = subprocess.Popen([sys.executable, "-m", "ds4lab.model.vllm_oracle", "--model", *map(str, ckpts.values()),
+                             "--prompts", *(str(tmp / f"prompts-{k}.json") for k in ckpts),
+                             "--out", *(str(tmp / f"out-{k}.json") for k in ckpts), "--steps", str(STEPS)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait():
+        try:
+            proc.wait(timeout=900)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            log.close()
+        assert proc.returncode == 0, (tmp / "vllm.log").read_text()[-4000:]
+        return {k: json.loads((tmp / f"out-{k}.json").read_text()) for k in ckpts}
+    yield ckpts, sets, wait
+    if proc.poll() is None:   # a failure before wait(): no orphan vLLM
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    log.close()
 
 
 def _scores(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -91,27 +107,39 @@ def _choice(scores: torch.Tensor, k: int) -> frozenset:
     return frozenset(torch.topk(scores, k).indices.tolist())
 
 
-def judge(ckpt, res) -> dict:
-    """Run the twin over the oracle's prompts and steps; collect every check instead of stopping.
+class Twin:
+    """The reference twin of one checkpoint, its selection-score spy and its prefilled prompts."""
+
+    def __init__(self, ckpt, prompts):
+        from ds4lab.model import build_rank
+        from ds4lab.model.weights import load_tiny
+        torch.set_num_threads(1)  # a loaded 2-core box: OpenMP's 2 threads run fp64 GEMMs ~50x slower
+        self.m = build_rank(tiny.TINY_CONFIG, 1, 0, load_tiny(ckpt), backend="reference")
+        self.seen: list[torch.Tensor] = []   # the twin's scores of the step's token, per bias-routed layer
+        route = self.m.ops.route
+
+        def spy(logits, bias, topk, scaling, ids, tid2eid, name="moe.route"):
+            if bias is not None:
+                self.seen.append(_scores(logits[-1], bias))
+            return route(logits, bias, topk, scaling, ids, tid2eid, name)
+        self.m.ops.route = spy
+        self.prefilled = []   # (prompt, last logits, caches, the last chunk's scores)
+        for p in prompts:
+            C = self.m.new_caches(1, 4096)
+            self.seen.clear()
+            lg, _ = self.m.prefill(p, C)
+            self.prefilled.append((p, lg, C, list(self.seen)))
+
+
+def judge(tw: Twin, res) -> dict:
+    """Continue the twin over the oracle's steps; collect every check instead of stopping.
 
     Forward k (prefill = step 0, decode of token k-1 = step k) gives the step's logits and, per
     bias-routed layer in order, the twin's selection scores of the step's token; they are compared
     with those from vLLM's gate logits of its forward k (``router_logits``) up to and including the
     first layer whose top-6 differs (a split)."""
-    from ds4lab.model import build_rank
-    from ds4lab.model.weights import load_tiny
-    torch.set_num_threads(1)  # a loaded 2-core box: OpenMP's 2 threads run fp64 GEMMs ~50x slower
-    cfg = tiny.TINY_CONFIG
-    k_top = cfg.num_experts_per_tok
-    m = build_rank(cfg, 1, 0, load_tiny(ckpt), backend="reference")
-    route = m.ops.route
-    seen: list[torch.Tensor] = []   # the twin's scores of the step's token, one per bias-routed layer
-
-    def spy(logits, bias, topk, scaling, ids, tid2eid, name="moe.route"):
-        if bias is not None:
-            seen.append(_scores(logits[-1], bias))
-        return route(logits, bias, topk, scaling, ids, tid2eid, name)
-    m.ops.route = spy
+    m, seen = tw.m, tw.seen
+    k_top = tiny.TINY_CONFIG.num_experts_per_tok
     layers = sorted(int(i) for i in res[0]["router_logits"])
     bias = {i: m.layers[i]["bias"] for i in layers}
     out = {"report": [], "judged_prompts": 0, "total_judged": 0, "steps": 0, "first_fail": [],
@@ -132,11 +160,10 @@ def judge(ckpt, res) -> dict:
         seen.clear()
         return sp, dev
 
-    for r in res:
+    assert [r["prompt"] for r in res] == [p for p, *_ in tw.prefilled]
+    for r, (_, lg, C, pre_seen) in zip(res, tw.prefilled):
         L = len(r["prompt"])
-        C = m.new_caches(1, 4096)
-        seen.clear()
-        lg, _ = m.prefill(r["prompt"], C)
+        seen[:] = pre_seen
         v = torch.tensor(r["logits"][0])
         cos = torch.nn.functional.cosine_similarity(lg.double(), v.double(), 0).item()
         bud = _budget(v)
@@ -182,7 +209,10 @@ def judge(ckpt, res) -> dict:
 
 @pytest.fixture(scope="module")
 def twin(oracle):
-    res = {k: judge(*v) for k, v in oracle.items()}
+    ckpts, prompts, wait = oracle
+    twins = {k: Twin(c, prompts[k]) for k, c in ckpts.items()}   # while vLLM runs
+    results = wait()
+    res = {k: judge(twins[k], results[k]) for k in ckpts}
     for k, o in res.items():
         print(f"\n[{k} checkpoint]\n" + "\n".join(o["report"] + o["splits"] + o["route_fail"] + o["first_fail"]
                                                  + o["greedy_fail"]))
