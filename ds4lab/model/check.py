@@ -63,6 +63,146 @@ def _rel(a: torch.Tensor, b: torch.Tensor, ref_in: torch.Tensor):
     return rel, per.max().item(), cos
 
 
+#: per-op budgets of the op shadow (relative L2 on identical inputs): both sides quantize the same
+#: inputs identically, so float outputs differ only by fp32-vs-fp64 accumulation rounded to bf16
+#: (one bf16 ulp, 2^-8 relative, on some elements; 2 ulps allowed) or, for mHC on a GPU, by the
+#: tf32 pre-norm GEMM (10-bit mantissa, ~1e-3 on the mixes, 1e-2 allowed); index outputs (routing
+#: ids, top-512) must agree on >= 98% of their entries (ties broken apart by that ulp); cache
+#: bytes written by the writers must agree on >= 99.9% of the written bytes.
+OP_BUDGET = {"float": 2 ** -7, "mhc": 1e-2, "index": 0.98, "bytes": 0.999}
+
+_SHADOWED = ("rmsnorm", "linear", "q_norm_rope", "rope", "mla_cache_write", "indexer_cache_write", "compressor",
+             "indexer_q", "indexer_topk", "sparse_mla", "o_proj", "mhc_pre", "mhc_post", "mhc_post_pre", "hc_head",
+             "route", "experts", "swiglu", "add")
+
+
+def _pairs(a, b, out):
+    """Identity map of every tensor / Linear / Experts of weights ``a`` to its twin in ``b``."""
+    from ds4lab.model.ops import Experts, Linear
+    if isinstance(a, torch.Tensor):
+        out[id(a)] = b
+    elif isinstance(a, dict):
+        for k in a:
+            _pairs(a[k], b[k], out)
+    elif isinstance(a, list):
+        for x, y in zip(a, b):
+            _pairs(x, y, out)
+    elif isinstance(a, (Linear, Experts)):
+        out[id(a)] = b
+    return out
+
+
+class OpShadow:
+    """Runs every op of a kernel backend also on the reference backend, on the same inputs (CPU
+    copies; weights and caches mapped to their CPU twins by identity), and records per-op errors
+    (:data:`OP_BUDGET`). Install with :meth:`install`, read :attr:`rows`, then :meth:`uninstall`."""
+
+    def __init__(self, kernel_ops, ref_ops, mapping: dict):
+        self.k, self.r, self.map = kernel_ops, ref_ops, mapping
+        self.rows: list[dict] = []
+
+    def _cpu(self, x):
+        if isinstance(x, (tuple, list)):
+            return type(x)(self._cpu(v) for v in x)
+        m = self.map.get(id(x))
+        if m is not None:
+            return m
+        if isinstance(x, torch.Tensor):
+            return x.detach().cpu().clone()
+        return x
+
+    def install(self):
+        for meth in _SHADOWED:
+            setattr(self.k, meth, self._wrap(meth, getattr(self.k, meth), getattr(self.r, meth)))
+        return self
+
+    def uninstall(self):
+        for meth in _SHADOWED:
+            self.k.__dict__.pop(meth, None)
+
+    def _wrap(self, meth, kf, rf):
+        def run(*a, **kw):
+            ra, rk = [self._cpu(x) for x in a], {k: self._cpu(v) for k, v in kw.items()}
+            r = rf(*ra, **rk)
+            o = kf(*a, **kw)
+            name = kw.get("name") or next((x for x in reversed(a) if isinstance(x, str)), meth)
+            self._compare(meth, name, a, ra, o, r)
+            return o
+        return run
+
+    def _compare(self, meth, name, a, ra, o, r):
+        if meth in ("mla_cache_write", "indexer_cache_write"):
+            ci = 2
+            kc, rc = a[ci].detach().cpu(), ra[ci]
+            slots = a[1].detach().cpu().long()
+            agree = self._written_bytes_agree(meth, kc, rc, slots, a)
+            self._row(meth, name, "bytes", agree, agree >= OP_BUDGET["bytes"])
+            return
+        oo = o if isinstance(o, tuple) else (o,)
+        rr = r if isinstance(r, tuple) else (r,)
+        for j, (x, y) in enumerate(zip(oo, rr)):
+            x = x.detach().cpu()
+            if x.is_floating_point():
+                x, y = x.double(), y.double()
+                e = ((x.double() - y).norm() / y.norm().clamp_min(1e-30)).item() if y.numel() else 0.0
+                cls = "mhc" if meth.startswith("mhc") or meth == "hc_head" else "float"
+                ok = e <= OP_BUDGET[cls] and bool(torch.isfinite(x).all())
+                self._row(meth, f"{name}[{j}]" if len(oo) > 1 else name, cls, e, ok)
+            else:
+                if meth == "indexer_topk":
+                    agree = _set_agree(x, y.cpu())
+                else:
+                    agree = (x.long() == y.cpu().long()).float().mean().item() if y.numel() else 1.0
+                self._row(meth, f"{name}[{j}]" if len(oo) > 1 else name, "index", agree,
+                          agree >= OP_BUDGET["index"])
+
+    @staticmethod
+    def _written_bytes_agree(meth, kc, rc, slots, a):
+        """Fraction of equal bytes over the entries the call wrote (fp8_ds_mla: 584 B per entry;
+        indexer K: 132 B), read back through the caches' own layouts."""
+        from ds4lab.model.cache import ENTRY
+        ok = slots >= 0
+        s = slots[ok]
+        if not s.numel():
+            return 1.0
+        if meth == "mla_cache_write":
+            bs = a[3]
+            kb, rb = kc.reshape(kc.shape[0], -1), rc.reshape(rc.shape[0], -1)
+            blk, pos = s // bs, s % bs
+            ar = torch.arange(576)
+            ent = (kb[blk[:, None], pos[:, None] * 576 + ar] == rb[blk[:, None], pos[:, None] * 576 + ar])
+            sc = torch.arange(8)
+            sce = (kb[blk[:, None], bs * 576 + pos[:, None] * 8 + sc] == rb[blk[:, None], bs * 576 + pos[:, None] * 8 + sc])
+            assert ENTRY == 584
+            return torch.cat([ent.reshape(-1), sce.reshape(-1)]).float().mean().item()
+        bs = kc.shape[1]
+        kb = torch.as_strided(kc, (kc.shape[0], bs * 132), (kc.stride(0), 1)) if kc.dim() == 3 else kc
+        rb = torch.as_strided(rc, (rc.shape[0], bs * 132), (rc.stride(0), 1)) if rc.dim() == 3 else rc
+        blk, pos = s // bs, s % bs
+        v = torch.arange(128)
+        sc = torch.arange(4)
+        e1 = kb[blk[:, None], pos[:, None] * 128 + v] == rb[blk[:, None], pos[:, None] * 128 + v]
+        e2 = kb[blk[:, None], bs * 128 + pos[:, None] * 4 + sc] == rb[blk[:, None], bs * 128 + pos[:, None] * 4 + sc]
+        return torch.cat([e1.reshape(-1), e2.reshape(-1)]).float().mean().item()
+
+    def _row(self, meth, name, cls, value, ok):
+        self.rows.append({"op": meth, "group": name, "class": cls, "value": value,
+                          "budget": OP_BUDGET[cls], "ok": bool(ok)})
+
+    def failures(self) -> list[dict]:
+        return [r for r in self.rows if not r["ok"]]
+
+
+def _set_agree(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean over rows of |x_row & y_row| / |y_row| over the valid (>= 0) indices (1.0 if both empty)."""
+    tot, n = 0.0, 0
+    for a, b in zip(x.long(), y.long()):
+        sa, sb = set(a[a >= 0].tolist()), set(b[b >= 0].tolist())
+        tot += len(sa & sb) / len(sb) if sb else float(not sa)
+        n += 1
+    return tot / max(n, 1)
+
+
 def check_layers(tp: int = 4, layers=(0, 2, 3), device="cuda", cfg=None, batch: int = 2, next_n: int = 2,
                  ctx: int | None = None, seed: int = 0, budget: float = BUDGET, log=print,
                  raise_on_fail: bool = True) -> list[dict]:
@@ -129,6 +269,12 @@ def check_layers(tp: int = 4, layers=(0, 2, 3), device="cuda", cfg=None, batch: 
         gen = torch.Generator(device=device).manual_seed(seed + 100 + i)
         fill_layer(mk.ops, cfg, Lk, batch, ctx, swa_ring, gen)
         Lr = _cpu_copy_layer_cache(cfg, Lk, batch, max_ctx, swa_ring, mk.chunk)
+        Ls = _cpu_copy_layer_cache(cfg, Lk, batch, max_ctx, swa_ring, mk.chunk)   # the op shadow's
+        mapping = _pairs(W, Wc, {})
+        for f in ("swa", "comp", "idx", "idx_block_table", "state", "idx_state"):
+            if getattr(Lk, f) is not None:
+                mapping[id(getattr(Lk, f))] = getattr(Ls, f)
+        shadow = OpShadow(mk.ops, mr.ops, mapping)
         Ck = Caches(batch=batch, max_ctx=max_ctx, swa_ring=swa_ring, layers=[Lk])
         Cr = Caches(batch=batch, max_ctx=max_ctx, swa_ring=swa_ring, layers=[Lr])
         routes = {}
@@ -145,6 +291,8 @@ def check_layers(tp: int = 4, layers=(0, 2, 3), device="cuda", cfg=None, batch: 
         outs, secs = {}, {}
         for key, m, dev in (("kernel", mk, device), ("reference", mr, torch.device("cpu"))):
             C = Ck if key == "kernel" else Cr
+            if key == "kernel":
+                shadow.install()
             tap = _Tap(m.ops, key)
             m.ops.route = tap
             try:
@@ -158,16 +306,27 @@ def check_layers(tp: int = 4, layers=(0, 2, 3), device="cuda", cfg=None, batch: 
                 outs[key] = out.detach().cpu()
             finally:
                 del m.ops.route
+                if key == "kernel":
+                    shadow.uninstall()
         rel, worst, cos = _rel(outs["kernel"], outs["reference"], resid)
         ra = (routes["kernel"].long() == routes["reference"].long()).float().mean().item() if len(routes) == 2 else None
         finite = bool(torch.isfinite(outs["kernel"].float()).all())
-        ok = finite and rel <= budget
+        bad_ops = shadow.failures()
+        ok = finite and rel <= budget and not bad_ops
+        worst_op = max(shadow.rows, key=lambda r: r["value"] / r["budget"] if r["class"] in ("float", "mhc")
+                       else (1 - r["value"]) / (1 - r["budget"]))
         rows.append({"layer": i, "kind": kind, "tokens": T, "rel_l2": rel, "worst_token": worst, "cos": cos,
-                     "route_agree": ra, "budget": budget, "status": "OK" if ok else "FAIL",
+                     "route_agree": ra, "budget": budget, "ops": len(shadow.rows), "ops_failed": len(bad_ops),
+                     "worst_op": f"{worst_op['group']}={worst_op['value']:.3g}", "status": "OK" if ok else "FAIL",
                      "kernel_s": round(secs["kernel"], 3), "ref_s": round(secs["reference"], 3)})
+        for r in bad_ops:
+            log(f"  op FAIL {r['group']} ({r['op']}): {r['class']} {r['value']:.4g} vs budget {r['budget']}")
         log(f"layer {i} ({kind}): rel_l2 {rel:.3e} (worst token {worst:.3e}), cos {cos:.6f}, routing agree "
-            f"{ra:.3f}, budget {budget}: {rows[-1]['status']}" + ("" if finite else " (non-finite output)"))
-        del Lk, Lr, Ck, Cr
+            f"{ra:.3f}, budget {budget}; ops {len(shadow.rows)} shadowed, {len(bad_ops)} outside their budget, "
+            f"worst {rows[-1]['worst_op']}: {rows[-1]['status']}" + ("" if finite else " (non-finite output)"))
+        self_rows = shadow.rows
+        rows[-1]["op_rows"] = self_rows
+        del Lk, Lr, Ls, Ck, Cr
     failed = [r["layer"] for r in rows if r["status"] != "OK"]
     if failed and raise_on_fail:
         raise AssertionError(f"layers {failed}: kernel vs reference outside the budget {budget} (rows: {rows})")
@@ -195,7 +354,7 @@ def main(argv=None) -> int:
     from ds4lab.tables import format_table
     rows = check_layers(tp=1 if a.cpu and a.tp == 4 else a.tp, layers=a.layers, device="cpu" if a.cpu else "cuda",
                         batch=a.batch, next_n=a.next_n, ctx=a.ctx, seed=a.seed, raise_on_fail=False)
-    print(format_table(rows, digits=4))
+    print(format_table(rows, columns=[c for c in rows[0] if c != "op_rows"], digits=4))
     bad = [r for r in rows if r["status"] != "OK"]
     print("MODEL CHECK " + ("FAILED: layers " + ", ".join(str(r["layer"]) for r in bad) if bad else "PASSED"))
     return 1 if bad else 0
