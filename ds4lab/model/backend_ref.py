@@ -105,7 +105,7 @@ class ReferenceBackend(Backend):
             w = weights.to(F64) * s * D ** -0.5 * H ** -0.5
             return qf, w.float()
 
-    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name):
+    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None):
         with op_group(name, _k("indexer.fp8_mqa_logits+topk")):
             T = q_fp8.shape[0]
             out = torch.full((T, topk), -1, dtype=torch.int32)

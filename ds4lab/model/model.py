@@ -38,8 +38,8 @@ def make_backend(backend):
         from ds4lab.model.backend_ref import ReferenceBackend
         return ReferenceBackend()
     if backend == "kernel":
-        raise NotImplementedError("backend='kernel': not built yet (issue 19 item 1 is open; the reference "
-                                  "twin runs: backend='reference')")
+        from ds4lab.model.backend_kernel import KernelBackend
+        return KernelBackend()
     raise ValueError(f"backend={backend!r}: expected 'kernel' or 'reference'")
 
 
@@ -64,10 +64,11 @@ class RankModel:
         return new_caches(self.cfg, batch, max_ctx, self.chunk, self.device)
 
     def fill_caches(self, caches: Caches, ctx: int, seed: int = 0):
-        """Benchmark fill: every request holds ``ctx`` tokens of random (unit-RMS) latents, written
-        by the backend's own writers (SWA ring, compressed KV, indexer K; the compressor states are
-        left as they are, zeros)."""
-        raise NotImplementedError("fill_caches: not built yet (issue 19, open)")
+        """Benchmark fill: every request holds ``ctx`` tokens of random latents in every layer's
+        SWA ring, compressed KV and indexer K cache, written by this backend's own cache writers
+        (compressor states: the last window of random rows). See :func:`ds4lab.model.fill.fill_caches`."""
+        from ds4lab.model.fill import fill_caches
+        return fill_caches(self, caches, ctx, seed)
 
     # ---- index maps (device, static shapes) --------------------------------------------------
     def _maps(self, pos, req, caches: Caches):
@@ -81,7 +82,7 @@ class RankModel:
         return {"swa_slots": (req * R + pos % R), "swa_idx": swa_idx, "swa_lens": swa_lens}
 
     # ---- the step ----------------------------------------------------------------------------
-    def _attention(self, i, L, x, pos, req, C, maps, ids):
+    def _attention(self, i, L, x, pos, req, C, maps, ids, next_n=None):
         o, cfg = self.ops, self.cfg
         T = x.shape[0]
         ratio = L["ratio"]
@@ -110,7 +111,7 @@ class RankModel:
                 iq = o.linear(qr, I["wq_b"], "indexer.wq_b").reshape(T, cfg.index_n_heads, cfg.index_head_dim)
                 qf, wf = o.indexer_q(iq, pos, cs, iw)
                 top = o.indexer_topk(qf, wf, C.idx, C.idx_block_table, req, ncomp.to(torch.int32), C.n_comp,
-                                     cfg.index_topk, "indexer.logits_topk")
+                                     cfg.index_topk, "indexer.logits_topk", next_n=next_n)
                 with op_group("indexer.slots", "torch:where"):
                     comp_slots = torch.where(top >= 0, req[:, None].to(torch.int32) * C.n_comp + top,
                                              torch.full_like(top, -1))
@@ -145,26 +146,38 @@ class RankModel:
         s = o.linear(h, L["shared_w2"], "moe.shared_w2")
         return o.add(r, s, "moe.add")
 
-    def _block(self, i, L, resid, ids, pos, req, C, maps):
+    def _block(self, i, L, resid, ids, pos, req, C, maps, next_n=None, pre=None, nxt=None):
+        """One decoder block. ``pre``: this block's ``mhc_pre`` result when the previous block's
+        seam already computed it; ``nxt``: the next block's weights (its ``mhc_pre`` is fused into
+        this block's last ``mhc_post``). Returns ``(residual, next block's pre or None)``."""
         o, cfg = self.ops, self.cfg
-        post, comb, x = o.mhc_pre(resid, L["hc_attn_fn"], L["hc_attn_scale"], L["hc_attn_base"], L["attn_norm"],
-                                  cfg, "mhc.pre_attn")
-        a = self._attention(i, L, x, pos, req, C, maps, ids)
-        resid = o.mhc_post(a, resid, post, comb, "mhc.post_attn")
-        post, comb, x = o.mhc_pre(resid, L["hc_ffn_fn"], L["hc_ffn_scale"], L["hc_ffn_base"], L["ffn_norm"],
-                                  cfg, "mhc.pre_ffn")
+        if pre is None:
+            pre = o.mhc_pre(resid, L["hc_attn_fn"], L["hc_attn_scale"], L["hc_attn_base"], L["attn_norm"], cfg,
+                            "mhc.pre_attn")
+        post, comb, x = pre
+        a = self._attention(i, L, x, pos, req, C, maps, ids, next_n)
+        resid, post, comb, x = o.mhc_post_pre(a, resid, post, comb, L["hc_ffn_fn"], L["hc_ffn_scale"],
+                                              L["hc_ffn_base"], L["ffn_norm"], cfg, "mhc.post_attn+pre_ffn")
         f = self._moe(L, x, ids)
-        return o.mhc_post(f, resid, post, comb, "mhc.post_ffn")
+        if nxt is None:
+            return o.mhc_post(f, resid, post, comb, "mhc.post_ffn"), None
+        resid, post, comb, x = o.mhc_post_pre(f, resid, post, comb, nxt["hc_attn_fn"], nxt["hc_attn_scale"],
+                                              nxt["hc_attn_base"], nxt["attn_norm"], cfg, "mhc.post_ffn+pre_attn")
+        return resid, (post, comb, x)
 
-    def forward(self, ids, pos, req, caches: Caches):
-        """``ids, pos, req (T,)`` -> the pre-hc_head residual ``(T, 4, D)`` bf16 after the last layer."""
+    def forward(self, ids, pos, req, caches: Caches, next_n=None):
+        """``ids, pos, req (T,)`` -> the pre-hc_head residual ``(T, 4, D)`` bf16 after the last layer.
+        ``next_n``: decode rows grouped ``(B, next_n)`` by request (see ``Backend.indexer_topk``)."""
         o = self.ops
         ids, pos, req = (t.to(self.device).long() for t in (ids, pos, req))
         maps = self._maps(pos, req, caches)
         x = o.embed(ids, self.W["embed"])
-        resid = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        with op_group("embed.broadcast", "torch:expand"):
+            resid = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        pre, n = None, len(self.layers)
         for i, L in enumerate(self.layers):
-            resid = self._block(i, L, resid, ids, pos, req, caches.layers[i], maps)
+            nxt = self.layers[i + 1] if i + 1 < n else None
+            resid, pre = self._block(i, L, resid, ids, pos, req, caches.layers[i], maps, next_n, pre, nxt)
             if self.hidden is not None:
                 self.hidden.append(resid)
         return resid
@@ -194,7 +207,7 @@ class RankModel:
         positions = torch.as_tensor(positions, device=self.device).long()
         B, n = tokens.shape
         req = torch.arange(B, device=self.device)[:, None].expand(B, n).reshape(-1)
-        resid = self.forward(tokens.reshape(-1), positions.reshape(-1), req, caches)
+        resid = self.forward(tokens.reshape(-1), positions.reshape(-1), req, caches, next_n=n)
         lg = self.logits(resid).reshape(B, n, -1)
         return (lg, resid) if return_hidden else lg
 
@@ -214,5 +227,5 @@ class RankModel:
         hp = o.linear(h.reshape(-1, cfg.hidden_size), M["h_proj"], "mtp.h_proj").reshape(h.shape)
         ep = o.linear(e, M["e_proj"], "mtp.e_proj")
         resid = o.add(hp, ep[:, None, :].expand_as(hp), "mtp.add")
-        resid = self._block(cfg.num_hidden_layers, M, resid, ids, pos, req, caches.mtp, maps)
+        resid, _ = self._block(cfg.num_hidden_layers, M, resid, ids, pos, req, caches.mtp, maps)
         return self.logits(resid, W=M)

@@ -176,9 +176,11 @@ class Backend:
         round, per-(token, head) pow2 scale folded into ``w`` with ``128^-0.5 * 64^-0.5``."""
         raise NotImplementedError
 
-    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name):
+    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None):
         """Indexer logits over request ``req[t]``'s compressed entries ``j < limits[t]`` and the
-        top-``topk`` local indices ``(T, topk)`` int32 (ascending, -1 padded)."""
+        top-``topk`` local indices ``(T, topk)`` int32 (ascending, -1 padded). ``next_n`` (decode
+        only): the rows are ``(B, next_n)`` with row ``b*next_n + i`` of request ``b`` (a kernel may
+        read each request's cache once for its rows); None: any ``req``."""
         raise NotImplementedError
 
     # ---- attention -------------------------------------------------------------------------
@@ -199,6 +201,12 @@ class Backend:
     def mhc_post(self, x, residual, post, comb, name):
         """``new residual (T, 4, D)`` bf16."""
         raise NotImplementedError
+
+    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name):
+        """The seam between two sublayers: ``mhc_post`` then ``mhc_pre`` (a backend may fuse them)
+        -> ``(new residual (T, 4, D) bf16, post, comb, layer_input)``."""
+        r = self.mhc_post(x, residual, post, comb, name + ".post")
+        return (r, *self.mhc_pre(r, fn, scale, base, norm_weight, cfg, name + ".pre"))
 
     def hc_head(self, residual, fn, scale, base, cfg, name="head.hc_head"):
         """``(T, D)`` bf16 collapse of the 4 streams."""

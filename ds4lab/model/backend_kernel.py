@@ -1,0 +1,295 @@
+"""The kernel backend: every op of :class:`ds4lab.model.ops.Backend` through a ds4lab Triton launcher
+where one exists, else a torch op whose op-group kind says so (``torch:<what>``).
+
+Op group -> what runs it (the kind each call reports; ``launches`` = kernel launches per call on a
+GPU, torch glue counted as the CUDA kernels it issues, approximately):
+
+==========================  =============================================================  ========
+op (Backend method)         kind                                                           launches
+==========================  =============================================================  ========
+linear, FP8 weight          ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2-3
+linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
+mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
+indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``                          1
+indexer_q                   ``kernel:fp8_quant.per_token_group_quant_fp8(pow2)`` + torch RoPE  ~8
+indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
+sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
+o_proj                      ``kernel:o_proj.o_proj`` (inv-RoPE+quant, einsum, quant, wo_b)     4-6
+mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
+mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                                  2
+hc_head                     ``kernel:mhc.hc_head``                                             2
+route                       ``kernel:moe_routing.sqrtsoftplus_topk``                           1
+experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
+rmsnorm / q_norm_rope /     ``torch:rmsnorm`` / ``torch:q_norm+rope`` / ``torch:rope`` /
+rope / compressor /         ``torch:compressor`` / ``torch:embedding`` / ``torch:swiglu_clamp``
+embed / swiglu / add        / ``torch:add``
+==========================  =============================================================  ========
+
+Decode is CUDA-graph capturable: no op here reads a device value back to the host for T <= 64
+tokens (``compress`` switches to a boundary-only ``nonzero`` path above that, for prefill chunks),
+every shape depends only on the step's tensor shapes and the caches' static sizes, and the o_proj
+position check (a host sync) is off.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ds4lab.model.ops import Backend, Experts, Linear, op_group
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+
+#: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
+#: (one ``nonzero``, a host sync that a decode step never takes)
+DECODE_MAX_T = 64
+
+K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
+
+
+def _interp_gemm_config(M: int) -> dict:
+    """The Triton CPU interpreter runs programs one by one in Python: fewest, widest tiles, no split
+    (the GPU path keeps the launchers' own tables)."""
+    return {"BLOCK_M": min(64, max(16, 1 << (max(M, 1) - 1).bit_length())), "BLOCK_N": 256, "GROUP_M": 1,
+            "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
+
+
+def _rope_f32(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Forward GPT-J RoPE on the last ``r`` dims of ``x (T, ..., d)`` (fp32 math) -> fp32 copy."""
+    R = cos_sin.shape[1]
+    y = x.float().clone()
+    cs = cos_sin[positions.long()]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (R // 2,)
+    cos, sin = cs[:, : R // 2].reshape(shape), cs[:, R // 2:].reshape(shape)
+    ev, od = y[..., -R::2].clone(), y[..., -R + 1::2].clone()
+    y[..., -R::2] = ev * cos - od * sin
+    y[..., -R + 1::2] = od * cos + ev * sin
+    return y
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+
+
+class KernelBackend(Backend):
+    """Every op through ``ds4lab_kernels`` where a launcher exists (see the module table).
+
+    ``mhc_precision``: ``"tf32"`` (DeepGEMM's and vLLM's choice, default) or ``"ieee"`` for the
+    mHC pre-norm GEMM."""
+
+    name = "kernel"
+
+    def __init__(self, mhc_precision: str = "tf32"):
+        import ds4lab_kernels.fp8_gemm as gemm
+        import ds4lab_kernels.fp8_quant as quant
+        import ds4lab_kernels.indexer as idx
+        import ds4lab_kernels.mhc as mhc
+        import ds4lab_kernels.mla_cache as mla
+        import ds4lab_kernels.moe_routing as route
+        import ds4lab_kernels.moe_w4a16 as moe
+        import ds4lab_kernels.o_proj as oproj
+        import ds4lab_kernels.sparse_mla as smla
+        import ds4lab_kernels.topk as topk
+        self.k = dict(gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe, oproj=oproj,
+                      smla=smla, topk=topk)
+        self.mhc_precision = mhc_precision
+
+    # ---- dense glue ------------------------------------------------------------------------
+    def embed(self, ids, table, name="embed"):
+        with op_group(name, "torch:embedding"):
+            return F.embedding(ids.long(), table)
+
+    def rmsnorm(self, x, weight, eps, name):
+        with op_group(name, "torch:rmsnorm"):
+            return (_rms(x, eps) * weight.float()).to(BF16)
+
+    def linear(self, x, lin: Linear, name, out_dtype=BF16):
+        x2 = x.reshape(-1, x.shape[-1])
+        if lin.fp8:
+            with op_group(name, K_LINEAR_FP8):
+                q, s = self.k["quant"].per_token_group_quant_fp8(x2.contiguous(), 128, scale_fmt="ue8m0")
+                cfg = None if x2.is_cuda else _interp_gemm_config(x2.shape[0])
+                y = self.k["gemm"].fp8_gemm_nt(q, s, lin.weight, lin.scale, config=cfg)
+                if out_dtype != BF16:
+                    y = y.to(out_dtype)
+        elif out_dtype == F32:
+            with op_group(name, "torch:matmul(fp32)"):
+                y = F.linear(x2.float(), lin.weight.float())
+        else:
+            with op_group(name, "torch:matmul(bf16)"):
+                y = F.linear(x2.to(lin.weight.dtype), lin.weight).to(out_dtype)
+        return y.reshape(*x.shape[:-1], -1)
+
+    def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
+        with op_group(name, "torch:q_norm+rope"):
+            return _rope_f32(_rms(q, eps), positions, cos_sin).to(BF16).contiguous()
+
+    def rope(self, x, positions, cos_sin, name):
+        with op_group(name, "torch:rope"):
+            return _rope_f32(x, positions, cos_sin).to(BF16).contiguous()
+
+    # ---- caches ----------------------------------------------------------------------------
+    def mla_cache_write(self, kv, slots, cache, block_size, name):
+        with op_group(name, "kernel:mla_cache.fp8_ds_mla_insert"):
+            self.k["mla"].fp8_ds_mla_insert(kv.contiguous(), slots, cache, block_size)
+
+    def indexer_cache_write(self, k, slots, cache, name):
+        with op_group(name, "kernel:indexer.indexer_k_cache_insert"):
+            self.k["idx"].indexer_k_cache_insert(k.contiguous(), cache, slots)
+
+    def compressor(self, kv_score, positions, state, state_slots, window_slots, window_valid, ape,
+                   norm_weight, eps, ratio, cos_sin, name):
+        with op_group(name, "torch:compressor"):
+            return compress(kv_score, positions, state, state_slots, window_slots, window_valid, ape,
+                            norm_weight, eps, ratio, cos_sin)
+
+    # ---- indexer ---------------------------------------------------------------------------
+    def indexer_q(self, q, positions, cos_sin, weights, name="indexer.q_quant"):
+        with op_group(name, "kernel:fp8_quant.per_token_group_quant_fp8(pow2)+torch:rope"):
+            T, H, D = q.shape
+            x = _rope_f32(q, positions, cos_sin).to(BF16)
+            qf, s = self.k["quant"].per_token_group_quant_fp8(x.reshape(T * H, D), D, scale_fmt="pow2", eps=1e-4)
+            w = weights.float() * s.reshape(T, H) * (D ** -0.5 * H ** -0.5)
+            return qf.reshape(T, H, D), w.contiguous()
+
+    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None):
+        """``next_n`` given (decode: rows ``b*next_n + i`` belong to request ``b``): one paged-logits
+        row group per request reads its blocks once; else one row per token (prefill chunks)."""
+        with op_group(name, "kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices"):
+            T, H, D = q_fp8.shape
+            lim = limits.to(torch.int32)
+            if next_n:
+                B = T // next_n
+                q4 = q_fp8.reshape(B, next_n, H, D)
+                bt, cl = block_table[:B], lim.reshape(B, next_n).contiguous()
+            else:
+                q4 = q_fp8.reshape(T, 1, H, D)
+                bt, cl = block_table[req.long()].contiguous(), lim.reshape(T, 1).contiguous()
+            lg = self.k["idx"].fp8_paged_mqa_logits(q4, cache, w, cl, bt, int(max_len))
+            return self.k["topk"].topk_indices(lg, topk, lengths=lim.contiguous())
+
+    # ---- attention -------------------------------------------------------------------------
+    def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
+                   swa_block, comp_block, scale, name="attn.sparse_mla"):
+        with op_group(name, "kernel:sparse_mla.sparse_mla_decode"):
+            return self.k["smla"].sparse_mla_decode(
+                q.contiguous(), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
+                sink, comp_cache, None if comp_slots is None else comp_slots.to(torch.int32).contiguous(),
+                None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale)
+
+    def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
+        with op_group(name, "kernel:o_proj.o_proj"):
+            H = o.shape[1]
+            return self.k["oproj"].o_proj(o.contiguous(), positions, cos_sin, wo_a.weight, wo_b.weight, wo_a.scale,
+                                          wo_b.scale, heads_per_group=H // n_groups, scale_fmt="ue8m0",
+                                          check_positions=False,
+                                          config=None if o.is_cuda else {"wo_b_fp8": _interp_gemm_config(o.shape[0])})
+
+    # ---- mHC -------------------------------------------------------------------------------
+    def _hc_args(self, cfg):
+        return dict(rms_eps=cfg.rms_norm_eps, hc_pre_eps=cfg.hc_eps, hc_sinkhorn_eps=cfg.hc_eps, hc_post_mult=2.0,
+                    sinkhorn_iters=cfg.hc_sinkhorn_iters, norm_eps=cfg.rms_norm_eps, precision=self.mhc_precision)
+
+    def mhc_pre(self, residual, fn, scale, base, norm_weight, cfg, name):
+        with op_group(name, "kernel:mhc.mhc_pre"):
+            return self.k["mhc"].mhc_pre(residual.contiguous(), fn, scale, base, norm_weight, **self._hc_args(cfg))
+
+    def mhc_post(self, x, residual, post, comb, name):
+        with op_group(name, "kernel:mhc.mhc_post"):
+            return self.k["mhc"].mhc_post(x.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous())
+
+    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name):
+        with op_group(name, "kernel:mhc.mhc_fused_post_pre"):
+            return self.k["mhc"].mhc_fused_post_pre(x.contiguous(), residual.contiguous(), post.contiguous(),
+                                                    comb.contiguous(), fn, scale, base, norm_weight,
+                                                    **self._hc_args(cfg))
+
+    def hc_head(self, residual, fn, scale, base, cfg, name="head.hc_head"):
+        with op_group(name, "kernel:mhc.hc_head"):
+            return self.k["mhc"].hc_head(residual.contiguous(), fn, scale, base, rms_eps=cfg.rms_norm_eps,
+                                         hc_eps=cfg.hc_eps, precision=self.mhc_precision)
+
+    # ---- MoE -------------------------------------------------------------------------------
+    def route(self, logits, bias, topk, scaling, ids, tid2eid, name="moe.route"):
+        with op_group(name, "kernel:moe_routing.sqrtsoftplus_topk"):
+            hashed = tid2eid is not None
+            return self.k["route"].sqrtsoftplus_topk(logits.float().contiguous(), bias, topk, scaling,
+                                                     ids if hashed else None, tid2eid if hashed else None)
+
+    def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts"):
+        if ex.int4:
+            with op_group(name, "kernel:moe_w4a16.fused_moe_w4a16"):
+                return self.k["moe"].fused_moe_w4a16(x.contiguous(), ex.w13_packed, ex.w13_scale, ex.w2_packed,
+                                                     ex.w2_scale, weights.contiguous(), ids.contiguous(), limit)
+        with op_group(name, "torch:bf16_experts(gather)"):
+            # bf16 experts (the tiny checkpoint unquantized): per (token, slot) gathered weights, no sync
+            T, D = x.shape
+            k = ids.shape[1]
+            I = ex.w13.shape[1] // 2
+            e = ids.long().clamp(0, ex.w13.shape[0] - 1).reshape(-1)
+            xs = x.float().repeat_interleave(k, 0)
+            gu = torch.bmm(ex.w13[e].float(), xs[:, :, None])[..., 0].to(BF16).float()
+            h = _swiglu(gu[:, :I], gu[:, I:], limit).to(BF16).float()
+            y = torch.bmm(ex.w2[e].float(), h[:, :, None])[..., 0]
+            wt = torch.where(ids.reshape(-1) >= 0, weights.reshape(-1), torch.zeros_like(weights.reshape(-1)))
+            return (y * wt[:, None]).reshape(T, k, D).sum(1).to(BF16)
+
+    def swiglu(self, gu, limit, name):
+        with op_group(name, "torch:swiglu_clamp"):
+            I = gu.shape[1] // 2
+            g = gu.float()
+            return _swiglu(g[:, :I], g[:, I:], limit).to(BF16)
+
+    def add(self, a, b, name):
+        with op_group(name, "torch:add"):
+            return (a.float() + b.float()).to(BF16)
+
+
+def _swiglu(g, u, limit):
+    return F.silu(torch.clamp(g, max=limit)) * torch.clamp(u, -limit, limit)
+
+
+def compress(kv_score, positions, state, state_slots, window_slots, window_valid, ape, norm_weight, eps, ratio,
+             cos_sin):
+    """The DeepSeek-V4 compressor in torch fp32 (semantics: :mod:`ds4lab.reference.compressor`).
+
+    Saves every token's state row ``kv || score + ape[pos % ratio]`` into ``state[state_slots]``
+    (in place), then compresses each row's window ``window_slots (T, coff*ratio)`` (softmax over
+    the window per dim, masked by ``window_valid``), RMSNorm, RoPE at ``(pos // ratio) * ratio``.
+    Returns ``(T, hd)`` bf16 (rows off a ratio boundary are zeros). Up to :data:`DECODE_MAX_T`
+    tokens every row is computed (static shapes, no sync); above, only the boundary rows."""
+    T, width2 = kv_score.shape
+    coff = 2 if ratio == 4 else 1
+    width = width2 // 2
+    hd = width // coff
+    a = ape.float()[positions.long() % ratio]
+    rows = torch.cat([kv_score[:, :width].float(), kv_score[:, width:].float() + a], dim=-1)
+    state[state_slots.long()] = rows.to(state.dtype)
+    out = torch.zeros(T, hd, dtype=BF16, device=kv_score.device)
+    boundary = (positions + 1) % ratio == 0
+    if T <= DECODE_MAX_T:
+        b = None
+        ws, wv, pos = window_slots, window_valid, positions
+    else:
+        b = boundary.nonzero().squeeze(1)
+        if not len(b):
+            return out
+        ws, wv, pos = window_slots[b], window_valid[b], positions[b]
+    st = state[ws.long().clamp_min(0)].float()                    # (n, W, 2*coff*hd)
+    W = coff * ratio
+    second = (torch.arange(W, device=st.device) >= ratio)[None, :, None]
+    if coff == 2:
+        kv = torch.where(second, st[..., hd:2 * hd], st[..., :hd])
+        sc = torch.where(second, st[..., width + hd:width + 2 * hd], st[..., width:width + hd])
+    else:
+        kv, sc = st[..., :hd], st[..., width:width + hd]
+    sc = sc.masked_fill(~wv[..., None], float("-inf"))
+    p = torch.softmax(sc, dim=1)
+    c = (p * kv.masked_fill(~wv[..., None], 0.0)).sum(1)
+    n = _rms(c, eps) * norm_weight.float()
+    y = _rope_f32(n, (pos.long() // ratio) * ratio, cos_sin).to(BF16)
+    if b is None:
+        return torch.where(boundary[:, None], y, out)
+    out[b] = y
+    return out
