@@ -48,11 +48,15 @@ def numerics_sweep(kernel: str, shapes: list[dict] | None = None, cases: Iterabl
 
 
 def load_results(kernel: str | None = None, results_dir: str = RESULTS_DIR, status: str | None = "OK") -> list[dict]:
-    """Rows of every ``results/*.csv`` (written by ``ds4lab bench``), optionally one kernel's."""
+    """Rows of every ``results/*.csv`` written by ``ds4lab bench`` (files with a ``kernel`` column;
+    ``decode_step.csv`` has its own loader, :func:`ds4lab.harness.step.load_rows`), optionally one kernel's."""
     rows = []
     for path in sorted(glob.glob(os.path.join(results_dir, "*.csv"))):
         with open(path, newline="") as f:
-            for r in csv.DictReader(f):
+            reader = csv.DictReader(f)
+            if "kernel" not in (reader.fieldnames or ()):
+                continue
+            for r in reader:
                 if kernel and r.get("kernel") != kernel:
                     continue
                 if status and r.get("status") != status:
