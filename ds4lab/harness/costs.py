@@ -245,6 +245,20 @@ def sparse_prefill_min_bytes(s: dict) -> float:
     return min(s["N"], s["Tq"] * s["Kc"]) * HEAD_DIM * 2 + s["Tq"] * (s["Kc"] * 4 + 2 * s["H"] * HEAD_DIM * 2)
 
 
+# ---- norm / rope / swiglu glue ---------------------------------------------------------------------
+
+def rmsnorm_rope_min_bytes(s: dict) -> float:
+    """bf16 rows in and out, the gain once, per token a position and one cos/sin row."""
+    n = s["T"] * max(1, s.get("H", 0)) * s["D"]
+    w = s["D"] * 2 if s.get("mode") in ("rmsnorm", "rmsnorm_rope") else 0
+    rope = s.get("mode") != "rmsnorm"
+    return 4 * n + w + (s["T"] * (4 + s.get("R", ROPE_DIM) * 4) if rope else 0)
+
+
+def swiglu_min_bytes(s: dict) -> float:
+    return s["T"] * s["I"] * (4 + 2)
+
+
 def _zero(s: dict) -> float:
     return 0.0
 
@@ -271,6 +285,8 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "sparse_mla_decode": sparse_decode_flops,
     "sparse_mla_prefill": sparse_prefill_flops,
     "topk_indices": _zero,
+    "rmsnorm_rope": _zero,
+    "swiglu_clamp": _zero,
 }
 
 MIN_BYTES: dict[str, Callable[[dict], float]] = {
@@ -295,6 +311,8 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "sparse_mla_decode": sparse_decode_min_bytes,
     "sparse_mla_prefill": sparse_prefill_min_bytes,
     "topk_indices": topk_min_bytes,
+    "rmsnorm_rope": rmsnorm_rope_min_bytes,
+    "swiglu_clamp": swiglu_min_bytes,
 }
 
 # the selected experts' weights + the activations: what a MoE call brings through L2

@@ -1,0 +1,235 @@
+"""Fused attention/MLP glue: per-row RMSNorm + GPT-J RoPE (``rmsnorm_rope``) and the clamped SwiGLU
+of the shared expert (``swiglu_clamp``), one launch each.
+
+Semantics (vLLM 0.32 ``models/deepseek_v4``; ds4lab twin ``ds4lab/model/backend_ref.py``):
+
+* ``rmsnorm_rope``: for every row ``x_r`` (the last dim ``D`` of ``x``), in float32,
+  ``y = x * rsqrt(mean(x^2) + eps)`` (times ``weight`` where given; ``norm=False`` skips the norm),
+  then, where ``positions`` is given, GPT-J interleaved RoPE on the LAST ``R = cos_sin.shape[1]``
+  dims: pairs ``(2i, 2i+1)``, ``y0' = y0 cos - y1 sin``, ``y1' = y1 cos + y0 sin``, ``cos/sin``
+  from row ``positions[t]`` of the float32 ``cos || sin`` table (:mod:`ds4lab.reference.rope`).
+  One bfloat16 rounding at the end. This covers the q head norm (``(T, H, 512)``, no weight, norm
+  + rope), ``q_norm`` / ``kv_norm`` (weight, no rope) and the kv latent RoPE (no norm, rope).
+* ``swiglu_clamp``: ``gu (T, 2I)`` -> ``silu(min(g, limit)) * clamp(u, -limit, limit)`` with
+  ``g = gu[:, :I]``, ``u = gu[:, I:]`` (float32 math, bf16 out).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._arch import arch_of
+
+__all__ = ["rmsnorm_rope", "swiglu_clamp", "CONFIGS"]
+
+
+@triton.jit
+def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_token, D, max_pos, eps,
+                         HAS_W: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
+                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    half = tl.arange(0, R // 2)
+    dmask = cols < D
+    if ROPE:
+        body = cols < D - R                      # the rope tail is written by the pair path below
+    else:
+        body = dmask
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=dmask, other=0.0).to(tl.float32)
+    for i in tl.static_range(ROWS):
+        r = pid * ROWS + i
+        if r < n_rows:
+            row = r.to(tl.int64) * D
+            x = tl.load(x_ptr + row + cols, mask=dmask, other=0.0).to(tl.float32)
+            if NORM:
+                rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            else:
+                rstd = 1.0
+            y = x * rstd
+            if HAS_W:
+                y = y * w
+            tl.store(y_ptr + row + cols, y.to(tl.bfloat16), mask=body)
+            if ROPE:
+                e_off = D - R + 2 * half
+                ev = tl.load(x_ptr + row + e_off).to(tl.float32) * rstd
+                od = tl.load(x_ptr + row + e_off + 1).to(tl.float32) * rstd
+                if HAS_W:
+                    ev = ev * tl.load(w_ptr + e_off).to(tl.float32)
+                    od = od * tl.load(w_ptr + e_off + 1).to(tl.float32)
+                p = tl.load(pos_ptr + r // rows_per_token).to(tl.int64)
+                ok = (p >= 0) & (p < max_pos)            # out-of-table position: NaN, never a wrong angle
+                pc = tl.where(ok, p, 0)
+                c = tl.load(cs_ptr + pc * R + half)
+                s = tl.load(cs_ptr + pc * R + R // 2 + half)
+                nan = float("nan")
+                c = tl.where(ok, c, nan)
+                s = tl.where(ok, s, nan)
+                tl.store(y_ptr + row + e_off, (ev * c - od * s).to(tl.bfloat16))
+                tl.store(y_ptr + row + e_off + 1, (od * c + ev * s).to(tl.bfloat16))
+
+
+@triton.jit
+def _swiglu_clamp_kernel(gu_ptr, y_ptr, I, stride_gu, limit, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < I
+    row = gu_ptr + t.to(tl.int64) * stride_gu
+    g = tl.load(row + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(row + I + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.where(g > limit, limit, g)
+    u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+    y = g * tl.sigmoid(g) * u
+    tl.store(y_ptr + t.to(tl.int64) * I + cols, y.to(tl.bfloat16), mask=m)
+
+
+def _check_tensor(name, t, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
+
+
+def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
+                 norm: bool = True, config: dict | None = None) -> torch.Tensor:
+    """Per-row RMSNorm (optional weight) then GPT-J RoPE on the last ``R`` dims, one launch.
+
+    Grid: ``(cdiv(N, ROWS),)`` over the ``N = x.numel() // D`` rows; a program owns ``ROWS``
+    whole rows (``BLOCK_D = next_pow2(D)`` lanes, the rope tail as ``R/2`` even/odd pairs).
+
+    Args:
+        x: bfloat16 ``(T, D)`` or ``(T, H, D)``, contiguous (a ``(T, H, D)`` row belongs to token
+            ``row // H``). ``D <= 16384``.
+        weight: None, or ``(D,)`` bfloat16/float32 norm gain.
+        eps: RMSNorm epsilon (``rms_norm_eps``).
+        positions: None (no RoPE) or ``(T,)`` int32/int64 token positions in ``[0, cos_sin.shape[0])``;
+            a position outside the table gives NaN in that row's rope dims (no host sync to check).
+        cos_sin: float32 ``(max_pos, R)`` ``cos || sin`` table (:func:`ds4lab.reference.rope.cos_sin_cache`),
+            ``R`` even, ``R <= D``, a power of two; required with ``positions``.
+        norm: False skips the RMSNorm (plain RoPE, ``weight`` must then be None).
+        config: a row of ``CONFIGS["rmsnorm_rope"][arch]`` to force; default picks by arch and rows.
+
+    Returns:
+        bfloat16 tensor of ``x``'s shape (one rounding of the float32 result).
+
+    Raises:
+        TypeError: wrong dtypes. ValueError: wrong shapes, non-contiguous ``x``, missing ``cos_sin``,
+        devices that differ.
+
+    Semantics: DeepSeek-V4 q/kv RMSNorm and RoPE (vLLM 0.32 ``models/deepseek_v4``,
+    :mod:`ds4lab.reference.norm_rope`).
+    """
+    _check_tensor("x", x, (torch.bfloat16,))
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected (T, D) or (T, H, D), got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"x: must be contiguous, got strides {tuple(x.stride())}")
+    T, D = x.shape[0], x.shape[-1]
+    if not 1 <= D <= 16384:
+        raise ValueError(f"x: last dim {D} outside 1..16384")
+    if weight is not None:
+        _check_tensor("weight", weight, (torch.bfloat16, torch.float32))
+        if tuple(weight.shape) != (D,):
+            raise ValueError(f"weight: expected shape ({D},), got {tuple(weight.shape)}")
+        if not norm:
+            raise ValueError("weight: given with norm=False (a gain without the norm is not this op)")
+        weight = weight.contiguous()
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps: {eps!r} must be a non-negative float")
+    rope = positions is not None
+    R = 2
+    if rope:
+        _check_tensor("positions", positions, (torch.int32, torch.int64))
+        if positions.dim() != 1 or positions.shape[0] != T:
+            raise ValueError(f"positions: expected shape ({T},), got {tuple(positions.shape)}")
+        if cos_sin is None:
+            raise ValueError("cos_sin: required when positions is given")
+        _check_tensor("cos_sin", cos_sin, (torch.float32,))
+        if cos_sin.dim() != 2 or cos_sin.shape[1] % 2 or cos_sin.shape[1] > D or \
+                cos_sin.shape[1] & (cos_sin.shape[1] - 1) or cos_sin.shape[1] < 2:
+            raise ValueError(f"cos_sin: expected (max_pos, R) with R even, a power of two, <= D={D}; "
+                             f"got {tuple(cos_sin.shape)}")
+        R = cos_sin.shape[1]
+        cos_sin = cos_sin.contiguous()
+        positions = positions.contiguous()
+    elif not norm:
+        raise ValueError("positions: None with norm=False leaves nothing to do")
+    for n, t in (("weight", weight), ("positions", positions), ("cos_sin", cos_sin)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{n}: device {t.device} != x device {x.device}")
+    y = torch.empty_like(x)
+    n_rows = x.numel() // D if D else 0
+    if n_rows == 0:
+        return y
+    cfg = config or pick_config("rmsnorm_rope", n_rows, x.device)
+    rows = cfg["ROWS"]
+    dummy = x
+    _rmsnorm_rope_kernel[(triton.cdiv(n_rows, rows),)](
+        x, weight if weight is not None else dummy, positions if rope else dummy,
+        cos_sin if rope else dummy, y, n_rows, n_rows // T, D, cos_sin.shape[0] if rope else 0, float(eps),
+        HAS_W=weight is not None, NORM=bool(norm), ROPE=rope, R=R, BLOCK_D=triton.next_power_of_2(D),
+        ROWS=rows, num_warps=cfg["num_warps"], num_stages=1)
+    return y
+
+
+def swiglu_clamp(gu: torch.Tensor, limit: float, config: dict | None = None) -> torch.Tensor:
+    """Clamped SwiGLU of the fused gate/up projection, one launch.
+
+    Grid: ``(T, cdiv(I, BLOCK))``; a program owns ``BLOCK`` output columns of one token.
+
+    Args:
+        gu: bfloat16 ``(T, 2I)`` (gate ``[:, :I]`` then up ``[:, I:]``), last dim contiguous.
+        limit: ``swiglu_limit`` (10.0): gate clamped above at ``limit``, up to ``[-limit, limit]``.
+        config: a row of ``CONFIGS["swiglu_clamp"][arch]`` to force.
+
+    Returns:
+        bfloat16 ``(T, I)``: ``silu(min(g, limit)) * clamp(u, -limit, limit)`` in float32, rounded once.
+
+    Raises:
+        TypeError: wrong dtype. ValueError: odd width, non-contiguous last dim, bad ``limit``.
+
+    Semantics: vLLM 0.32 DeepSeek-V4 shared-expert activation (``swiglu_limit``),
+    :func:`ds4lab.reference.moe.swiglu_clamp`.
+    """
+    _check_tensor("gu", gu, (torch.bfloat16,))
+    if gu.dim() != 2 or gu.shape[1] % 2:
+        raise ValueError(f"gu: expected (T, 2I), got shape {tuple(gu.shape)}")
+    if gu.shape[0] and gu.stride(1) != 1:
+        raise ValueError(f"gu: last dim must be contiguous, got strides {tuple(gu.stride())}")
+    if not isinstance(limit, (int, float)) or not limit > 0:
+        raise ValueError(f"limit: {limit!r} must be a positive float")
+    T, I = gu.shape[0], gu.shape[1] // 2
+    y = torch.empty(T, I, dtype=torch.bfloat16, device=gu.device)
+    if T == 0 or I == 0:
+        return y
+    cfg = config or pick_config("swiglu_clamp", T, gu.device)
+    _swiglu_clamp_kernel[(T, triton.cdiv(I, cfg["BLOCK"]))](gu, y, I, gu.stride(0), float(limit),
+                                                           BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
+                                                           num_stages=1)
+    return y
+
+
+# ---- config tables ------------------------------------------------------------------------------
+# Both ops are pure bandwidth (one read, one write of a row), no shared memory beyond the row sum.
+# Decode rows are few (T*H = 16..1024 at TP=4), one row per program keeps the grid wide; large
+# batches take 4 rows per program. The CPU interpreter takes 8 rows (fewer Python programs).
+CONFIGS = {
+    "rmsnorm_rope": {
+        "sm_89": {"row1": {"ROWS": 1, "num_warps": 4}, "row4": {"ROWS": 4, "num_warps": 4}},
+        "sm_90": {"row1": {"ROWS": 1, "num_warps": 4}, "row4": {"ROWS": 4, "num_warps": 4}},
+    },
+    "swiglu_clamp": {
+        "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b256": {"BLOCK": 256, "num_warps": 2}},
+        "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b256": {"BLOCK": 256, "num_warps": 2}},
+    },
+}
+
+
+def pick_config(op: str, rows: int, device: torch.device) -> dict:
+    """The default config of ``op`` (``"rmsnorm_rope"`` / ``"swiglu_clamp"``) for ``rows`` rows."""
+    if device.type != "cuda":
+        return {"ROWS": 8, "num_warps": 4} if op == "rmsnorm_rope" else {"BLOCK": 1024, "num_warps": 4}
+    table = CONFIGS[op][arch_of(device)]
+    if op == "rmsnorm_rope":
+        return table["row4"] if rows >= 4096 else table["row1"]
+    return table["b1024"] if rows >= 64 else table["b256"]
