@@ -20,9 +20,9 @@ mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                   
 hc_head                     ``kernel:mhc.hc_head``                                             2
 route                       ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
-rmsnorm / q_norm_rope /     ``torch:rmsnorm`` / ``torch:q_norm+rope`` / ``torch:rope`` /
-rope / compressor /         ``torch:compressor`` / ``torch:embedding`` / ``torch:swiglu_clamp``
-embed / swiglu / add        / ``torch:add``
+rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)``             1 each
+rope / swiglu               / ``kernel:norm_rope.swiglu_clamp``                                 1
+compressor / embed / add    ``torch:compressor`` / ``torch:embedding`` / ``torch:add``
 ==========================  =============================================================  ========
 
 Decode is CUDA-graph capturable: no op here reads a device value back to the host for T <= 64
@@ -45,6 +45,9 @@ F32 = torch.float32
 DECODE_MAX_T = 64
 
 K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
+K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
+K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
+K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -88,11 +91,12 @@ class KernelBackend(Backend):
         import ds4lab_kernels.mla_cache as mla
         import ds4lab_kernels.moe_routing as route
         import ds4lab_kernels.moe_w4a16 as moe
+        import ds4lab_kernels.norm_rope as nr
         import ds4lab_kernels.o_proj as oproj
         import ds4lab_kernels.sparse_mla as smla
         import ds4lab_kernels.topk as topk
         self.k = dict(gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe, oproj=oproj,
-                      smla=smla, topk=topk)
+                      smla=smla, topk=topk, nr=nr)
         self.mhc_precision = mhc_precision
 
     # ---- dense glue ------------------------------------------------------------------------
@@ -101,8 +105,9 @@ class KernelBackend(Backend):
             return F.embedding(ids.long(), table)
 
     def rmsnorm(self, x, weight, eps, name):
-        with op_group(name, "torch:rmsnorm"):
-            return (_rms(x, eps) * weight.float()).to(BF16)
+        with op_group(name, K_NORM):
+            x2 = x.reshape(-1, x.shape[-1]).contiguous().to(BF16)
+            return self.k["nr"].rmsnorm_rope(x2, weight, eps).reshape(x.shape)
 
     def linear(self, x, lin: Linear, name, out_dtype=BF16):
         x2 = x.reshape(-1, x.shape[-1])
@@ -122,12 +127,12 @@ class KernelBackend(Backend):
         return y.reshape(*x.shape[:-1], -1)
 
     def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
-        with op_group(name, "torch:q_norm+rope"):
-            return _rope_f32(_rms(q, eps), positions, cos_sin).to(BF16).contiguous()
+        with op_group(name, K_NORM_ROPE):
+            return self.k["nr"].rmsnorm_rope(q.contiguous().to(BF16), None, eps, positions, cos_sin)
 
     def rope(self, x, positions, cos_sin, name):
-        with op_group(name, "torch:rope"):
-            return _rope_f32(x, positions, cos_sin).to(BF16).contiguous()
+        with op_group(name, K_ROPE):
+            return self.k["nr"].rmsnorm_rope(x.contiguous().to(BF16), None, 0.0, positions, cos_sin, norm=False)
 
     # ---- caches ----------------------------------------------------------------------------
     def mla_cache_write(self, kv, slots, cache, block_size, name):
@@ -236,10 +241,8 @@ class KernelBackend(Backend):
             return (y * wt[:, None]).reshape(T, k, D).sum(1).to(BF16)
 
     def swiglu(self, gu, limit, name):
-        with op_group(name, "torch:swiglu_clamp"):
-            I = gu.shape[1] // 2
-            g = gu.float()
-            return _swiglu(g[:, :I], g[:, I:], limit).to(BF16)
+        with op_group(name, "kernel:norm_rope.swiglu_clamp"):
+            return self.k["nr"].swiglu_clamp(gu.to(BF16), float(limit))
 
     def add(self, a, b, name):
         with op_group(name, "torch:add"):
