@@ -10,6 +10,7 @@
 #   MODE=full  (batch 1/4/8/16, ctx 8k/32k/128k; one build per 10-minute run: BUILDS=sm89 MODE=full)
 #   BUILDS="native sm89" (default), TPS="4" (e.g. "4 8"), STEP_TIMEOUT (s, per build)
 #   RETIME_MOE=1: also re-time fused_moe_w4a16 at TP4 with the cold-L2 set count (rows -> $OUT/bench.csv)
+#   BENCH_GLUE=1: also check + time the norm_rope family (rmsnorm_rope, swiglu_clamp) at TP4 (~1 min a build)
 # Fail-soft: a failing check or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
 OUT=${OUT:-${1:-results}}
@@ -49,6 +50,14 @@ if [ "${RETIME_MOE:-0}" = 1 ]; then
     timeout ${MOE_TIMEOUT:-120} python3 -m ds4lab.harness.bench fused_moe_w4a16 --tp 4 --arch $build --out "$OUT" \
       > "$OUT/moe_$build.log" 2>&1 || { echo "MOE $build: exit $?"; rc=1; }
     grep -E "fused_moe|FAIL|Error" "$OUT/moe_$build.log" | tail -12
+  done
+fi
+# optional: the norm_rope glue kernels against the torch glue they replaced (issue 19, `glue`)
+if [ "${BENCH_GLUE:-0}" = 1 ]; then
+  for build in $BUILDS; do
+    timeout ${GLUE_TIMEOUT:-120} python3 -m ds4lab.harness.bench norm_rope --tp 4 --arch $build --out "$OUT" \
+      > "$OUT/glue_$build.log" 2>&1 || { echo "GLUE $build: exit $?"; rc=1; }
+    grep -E "rmsnorm_rope|swiglu_clamp|FAIL|Error" "$OUT/glue_$build.log" | tail -30
   done
 fi
 # 3. the table
