@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("ds4lab.harness.bench", "check-then-time registered kernels on a CUDA GPU; append rows to results/"),
     "tiny": ("ds4lab.checkpoint.tiny", "write the tiny DeepSeek-V4 checkpoint used as the embedded default"),
     "plan": ("ds4lab.planner.memory", "plan GPU memory: gpu-memory-utilization against KV headroom"),
-    "serve": ("ds4lab.serve", "launch the OpenAI-compatible vLLM server (MTP speculative decoding)"),
+    "serve": ("ds4lab.serve.cli", "launch the OpenAI-compatible vLLM server (MTP speculative decoding)"),
     "doctor": ("ds4lab.doctor", "check the serving stack for the known traps"),
     "tour": ("ds4lab.tour", "run the notebook tour headless and write build/tour/index.html"),
 }

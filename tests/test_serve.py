@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ds4lab.serve import artifacts, measure, profiles, startup
-from ds4lab.serve.profiles import Launch, SnapshotError, build_launch, resolve_hf_snapshot
+from ds4lab.config import profiles
+from ds4lab.serve import artifacts, logs, measure, startup
+from ds4lab.serve.launch import Launch, build_launch, free_port, option_value
 from ds4lab.serve.server import Server, ServerError
-from ds4lab.vllm_plugin.server import free_port
+from ds4lab.serve.snapshot import SnapshotError, resolve_hf_snapshot
 
 ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root")}
 
@@ -38,11 +39,11 @@ def test_tiny_launch_argv_and_env():
     L = build_launch("tiny-cpu", base_env=ENV, port=1234)
     a = L.argv
     assert a[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert profiles.option_value(a, "--port") == "1234"
-    assert Path(profiles.option_value(a, "--model"), "config.json").is_file()
-    assert json.loads(profiles.option_value(a, "--speculative-config")) == {
+    assert option_value(a, "--port") == "1234"
+    assert Path(option_value(a, "--model"), "config.json").is_file()
+    assert json.loads(option_value(a, "--speculative-config")) == {
         "method": "mtp", "num_speculative_tokens": 1}
-    assert profiles.option_value(a, "--max-num-batched-tokens") == "4096"
+    assert option_value(a, "--max-num-batched-tokens") == "4096"
     assert L.env["VLLM_PLUGINS"] == "ds4lab" and L.env["HF_HUB_OFFLINE"] == "1"
     off = build_launch("tiny-cpu", {"num_speculative_tokens": 0}, base_env=ENV, port=1)
     assert "--speculative-config" not in off.argv
@@ -54,11 +55,11 @@ def test_community_recipe_corner_and_scrub():
     env = dict(ENV, VLLM_TRITON_MLA_SPARSE_BLOCK_N="64", VLLM_TRITON_MLA_SPARSE_TOPK="1024")
     L = build_launch("community-sm89-fork", base_env=env, port=8000, resolve_model=False)
     a = L.argv
-    assert profiles.option_value(a, "--max-num-seqs") == "1"
-    assert profiles.option_value(a, "--max-model-len") == "98304"
-    assert profiles.option_value(a, "--gpu-memory-utilization") == "0.95"
-    assert profiles.option_value(a, "--kv-cache-dtype") == "fp8_ds_mla"
-    assert profiles.option_value(a, "--block-size") == "256"
+    assert option_value(a, "--max-num-seqs") == "1"
+    assert option_value(a, "--max-model-len") == "98304"
+    assert option_value(a, "--gpu-memory-utilization") == "0.95"
+    assert option_value(a, "--kv-cache-dtype") == "fp8_ds_mla"
+    assert option_value(a, "--block-size") == "256"
     assert a.count("--speculative-config") == 1 and a.count("--tokenizer-mode") == 1
     assert L.env["VLLM_TRITON_MLA_SPARSE"] == "1"
     assert not [k for k in L.env if k.startswith("VLLM_TRITON_MLA_SPARSE_")]
@@ -66,7 +67,7 @@ def test_community_recipe_corner_and_scrub():
     assert any("scrubbed" in n for n in L.notes)
     watched = build_launch("community-sm89-fork", {"gpu_memory_utilization": 0.97}, base_env=ENV,
                            port=8000, resolve_model=False)
-    assert profiles.option_value(watched.argv, "--gpu-memory-utilization") == "0.97"
+    assert option_value(watched.argv, "--gpu-memory-utilization") == "0.97"
     with pytest.raises(ValueError, match="--attention-backend"):
         build_launch("ada-upstream", {"extra_args": ["--attention-backend", "FLASHMLA"]}, base_env=ENV,
                      port=8000, resolve_model=False)
@@ -103,8 +104,8 @@ def test_snapshot_resolution_distrusts_dangling_refs_main(tmp_path):
     # build_launch uses it when offline
     L = build_launch("ada-upstream", base_env=dict(ENV, HF_HUB_OFFLINE="1"), port=8000,
                      hf_cache=tmp_path, overrides={"model": "org/stale"})
-    assert profiles.option_value(L.argv, "--model").endswith("snapshots/old2")
-    assert profiles.option_value(L.argv, "--served-model-name") == "deepseek-v4-flash"
+    assert option_value(L.argv, "--model").endswith("snapshots/old2")
+    assert option_value(L.argv, "--served-model-name") == "deepseek-v4-flash"
 
 
 # ---- start-up log -----------------------------------------------------------------------------
@@ -457,7 +458,7 @@ def test_print_is_pasteable_bash(tmp_path):
 def test_log_paths_are_unique_per_run(tmp_path):
     """Two runs of the same profile never share a log file (a fixed name let a concurrent run
     truncate the file and the start-up parser read the other server's lines)."""
-    a, b = (measure.new_log_path("tiny-cpu", "mtp1", tmp_path) for _ in range(2))
+    a, b = (logs.new_log_path("tiny-cpu", "mtp1", tmp_path) for _ in range(2))
     assert a != b and os.path.isfile(a) and os.path.getsize(a) == 0
     assert os.path.basename(a).startswith("ds4lab-serve-tiny-cpu-mtp1-") and a.endswith(".log")
     L = _fake_launch(DIES)

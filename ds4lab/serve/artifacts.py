@@ -3,7 +3,7 @@
 :func:`write_artifacts` writes into one folder:
 
 - ``serve.sh``: scrubs the stack's stale variables (``VLLM_TRITON_MLA_SPARSE_*``), exports the
-  profile/stack environment and ``exec`` s the exact argv :func:`~ds4lab.serve.profiles.build_launch`
+  profile/stack environment and ``exec`` s the exact argv :func:`~ds4lab.serve.launch.build_launch`
   built (``HOST``/``PORT``/``PYTHON`` overridable from the environment; ``PYTHON`` defaults to the
   interpreter that wrote the files - the venv with vLLM and the ds4lab plugin - not whatever
   ``python3`` a systemd unit finds on its bare PATH);
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from ds4lab.serve.measure import CANARY_PROMPT, WARMUP_TOKEN_ID
-from ds4lab.serve.profiles import SERVER_MODULE, Launch, shell_word
+from ds4lab.serve.launch import SERVER_MODULE, Launch, shell_word
 
 __all__ = ["render_serve_sh", "render_warmup_sh", "render_canary_sh", "render_unit", "write_artifacts"]
 
