@@ -30,11 +30,11 @@ from ds4lab.serve.measure import (BenchResult, Comparison, SpecStats, acanary, a
 from ds4lab.serve.plan import plan_cards
 from ds4lab.serve.server import InProcessServer, Server, ServerError, SubprocessServer
 from ds4lab.serve.snapshot import SnapshotError, resolve_hf_snapshot
-from ds4lab.serve.startup import StartupInfo, parse_log, print_progress
+from ds4lab.serve.startup import StartupInfo, parse_log, print_progress, stage_rows
 
 __all__ = ["Launch", "build_launch", "cpu_env", "free_port", "profile", "load_profiles", "resolve_hf_snapshot",
            "SnapshotError", "fit_to_machine", "Server", "SubprocessServer", "InProcessServer", "ServerError",
            "StartupInfo", "parse_log", "print_progress", "write_artifacts",
            "awarmup", "acanary", "abenchmark", "acompare", "canary", "benchmark", "compare",
            "comparison_rows", "startup_rows", "new_log_path", "parse_setting", "plan_cards", "acceptance_rows",
-           "format_table", "make_prompts", "BenchResult", "Comparison", "SpecStats"]
+           "format_table", "make_prompts", "stage_rows", "BenchResult", "Comparison", "SpecStats"]

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from ds4lab.config.profiles import SETTINGS, check_setting, profile
 from ds4lab.config.stacks import option_value
 from ds4lab.config.stacks import stack as _stack
+from ds4lab.serve.apikey import API_KEY_FILE, is_loopback
 from ds4lab.serve.snapshot import SnapshotError, resolve_hf_snapshot
 
 __all__ = ["SERVER_MODULE", "Launch", "build_launch", "scrub_env", "drop_option", "option_value",
@@ -122,7 +123,10 @@ class Launch:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Where a client on this machine connects (all interfaces, 0.0.0.0 / ::, via loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(self.host, self.host)
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return f"http://{host}:{self.port}"
 
     @property
     def server_args(self) -> list[str]:
@@ -141,6 +145,10 @@ class Launch:
         lines += [f"# note: {n}" for n in self.notes]
         head = ["env"] + [f"-u {shell_word(k)}" for k in self.unset]
         head += [f"{k}={shell_word(v)}" for k, v in sorted(self.env_overlay.items())]
+        if self.settings.get("api_key_file"):   # read when the command runs: the key is never printed
+            import shlex
+
+            head.append(f'VLLM_API_KEY="$(cat {shlex.quote(os.path.expanduser(str(self.settings["api_key_file"])))})"')
         cmd = [" ".join(head), " ".join(shell_word(a) for a in self.argv[:3])]
         for a in self.argv[3:]:   # one flag (with its value) per line
             if a.startswith("--"):
@@ -222,6 +230,13 @@ def build_launch(name: str = "tiny-cpu", overrides: Mapping[str, Any] | None = N
     served = str(s.get("served_model_name") or s.get("model", "tiny"))
     model = _model_path(s, env, resolve_model, hf_cache, notes)
     host = str(s.get("host", "127.0.0.1"))
+    if not is_loopback(host) and not s.get("api_key_file"):
+        raise ValueError(f"host={host!r} is not a loopback address: anyone who reaches it could use the API, so "
+                         "an API key is required: set api_key_file=PATH (a mode-0600 file; `ds4lab serve "
+                         f"--artifacts DIR` writes DIR/{API_KEY_FILE}), e.g. --set api_key_file=DIR/{API_KEY_FILE}")
+    if s.get("api_key_file"):
+        notes.append(f"API key: from {s['api_key_file']} (mode 0600), given to vLLM as VLLM_API_KEY in the "
+                     "environment (never argv); it guards /v1/*, not /health or /metrics")
     port = port if port is not None else s.get("port")
     port = free_port() if port is None else port
     args = _server_args(s, st, stack_name, model, served)
