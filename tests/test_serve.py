@@ -708,3 +708,26 @@ def test_serve_sh_needs_the_key_beyond_loopback_and_scripts_send_it(tmp_path):
     files["api-key"].unlink()
     r = subprocess.run(["bash", str(files["serve.sh"])], env=dict(env, HOST="0.0.0.0"), capture_output=True, text=True)
     assert r.returncode == 1 and "an API key is required" in r.stderr
+
+
+def test_inprocess_routes_vllm_records_before_vllm_configures_logging(tmp_path, capsys):
+    """vLLM 0.32 logs at import ("Triton is installed, but doesn't include CPU backend") and in
+    run_server ("Found ulimit ... Too many open files") before it configures its logger; those records
+    went to logging.lastResort, i.e. the notebook cell's stderr. In-process they go to the log file."""
+    import logging
+
+    from ds4lab.serve.server import InProcessServer
+
+    srv = InProcessServer(_fake_launch(DIES), log_path=tmp_path / "log", on_progress=None)
+    lg = logging.getLogger("vllm")
+    before = list(lg.handlers)
+    if before:
+        pytest.skip("vLLM's logger is already configured in this process")
+    with open(tmp_path / "log", "ab", buffering=0) as log:
+        srv._redirect_vllm_logging(log)
+        logging.getLogger("vllm.triton_utils.importing").warning("Triton is installed, but doesn't include CPU backend.")
+        while srv._restore:
+            srv._restore.pop()()
+    assert "doesn't include CPU backend" in (tmp_path / "log").read_text()
+    assert "CPU backend" not in capsys.readouterr().err
+    assert lg.handlers == before

@@ -523,11 +523,11 @@ class InProcessServer(Server):
                 signal.signal(s, h)
         self._restore_now = [restore_fds, restore_signals]
         self._children_before = {p.pid for p in _children()}
+        self._redirect_vllm_logging(log)   # before vLLM is imported: its import-time warnings too
         from vllm.entrypoints.launchers.api_server.entry import run_server
         from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        self._redirect_vllm_logging(log)
         argv = list(self.launch.server_args)
         if self.uni_executor and "--distributed-executor-backend" not in argv:
             argv += ["--distributed-executor-backend", "uni"]
@@ -559,9 +559,27 @@ class InProcessServer(Server):
         stream = io.TextIOWrapper(open(os.dup(log.fileno()), "ab", buffering=0), write_through=True)
         vllm_log_stream.target = stream
 
+        # vLLM 0.32 logs before it configures its "vllm" logger (e.g. "Triton is installed, but doesn't
+        # include CPU backend" at import, "Found ulimit ... Too many open files" in run_server): such
+        # records fall to logging.lastResort, i.e. the notebook cell's stderr (red). A handler of ours
+        # on the "vllm" logger until vLLM installs its own sends them to the log file too.
+        lg = logging.getLogger("vllm")
+        own = None
+        if not lg.handlers:
+            own = logging.StreamHandler(vllm_log_stream)
+            own.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"))
+            saved = (lg.level, lg.propagate)
+            lg.addHandler(own)
+            lg.setLevel(logging.INFO)
+            lg.propagate = False
+
         def done():
             vllm_log_stream.target = None
             stream.close()
+            if own is not None and own in lg.handlers:
+                lg.removeHandler(own)
+                lg.setLevel(saved[0])
+                lg.propagate = saved[1]
         self._restore.append(done)
         self._swap_vllm_handlers()
 
