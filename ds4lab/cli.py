@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "aot": ("ds4lab.harness.aot", "compile every registered kernel config for sm_89/sm_90 and report resources"),
     "bench": ("ds4lab.harness.bench", "check-then-time registered kernels on a CUDA GPU; append rows to results/"),
     "tiny": ("ds4lab.checkpoint.tiny", "write the tiny DeepSeek-V4 checkpoint used as the embedded default"),
-    "plan": ("ds4lab.planner.memory", "plan GPU memory: gpu-memory-utilization against KV headroom"),
+    "plan": ("ds4lab.planner.cli", "plan GPU memory: gpu-memory-utilization against KV headroom"),
     "serve": ("ds4lab.serve.cli", "launch the OpenAI-compatible vLLM server (MTP speculative decoding)"),
     "doctor": ("ds4lab.doctor", "check the serving stack for the known traps"),
     "tour": ("ds4lab.tour", "run the notebook tour headless and write build/tour/index.html"),

@@ -1011,8 +1011,23 @@ def check_vram_headroom(ctx: DoctorContext) -> CheckResult:
     return CheckResult(name, "pass", ev)
 
 
+def check_sm89_routing(ctx: DoctorContext) -> CheckResult:
+    """Status of the plugin's sm_89 routing (``ds4lab.vllm_plugin.sm89``): built and import-tested
+    against vLLM 0.32, not yet run on Ada hardware; warns on an sm_89 stack so the owner knows to
+    report."""
+    name = "sm89-routing"
+    sm89 = ctx.profile.get("capability") == "sm_89" or any((d["major"], d["minor"]) == (8, 9) for d in ctx.devices)
+    ev = ("ds4lab's vLLM plugin routes DeepSeek-V4's CUDA path on sm_89 to ds4lab_kernels.compat: built and "
+          "import-tested against vLLM 0.32, not yet run on Ada hardware")
+    if sm89:
+        return CheckResult(name, "warn", ev, "try it and report: ds4lab serve --profile ada-upstream "
+                           "(send the 'ds4lab sm_89 routing:' log line and this report)")
+    return CheckResult(name, "pass", ev + " (not an sm_89 stack: inactive)")
+
+
 CHECKS: dict[str, Callable[[DoctorContext], CheckResult]] = {
     "python": check_python_env,
+    "sm89-routing": check_sm89_routing,
     "gpu": check_gpu,
     "driver-cuda": check_driver_cuda,
     "nvcc-shadow": check_nvcc_shadow,

@@ -39,7 +39,7 @@ def _setup_build(build: str) -> None:
     """Must run before triton is imported."""
     if build == "sm89":
         os.environ["TRITON_OVERRIDE_ARCH"] = "sm89"
-        os.environ["TRITON_PTXAS_PATH"] = os.path.join(_HERE, "tools", "ptxas_retarget.py")
+        os.environ["TRITON_PTXAS_PATH"] = os.path.join(_HERE, "ptxas_retarget.py")  # moved by issue 18
         import importlib.util
         tdir = importlib.util.find_spec("triton").submodule_search_locations[0]
         os.environ.setdefault("DS4LAB_REAL_PTXAS", os.path.join(tdir, "backends", "nvidia", "bin", "ptxas"))

@@ -41,7 +41,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from ds4lab.geometry import DEFAULT_CONFIG, LayerKind, ModelConfig, layer_counts, op_shapes
+from ds4lab.geometry import (DEFAULT_CONFIG, FP8_DS_MLA_DATA_BYTES, FP8_DS_MLA_ENTRY_BYTES, FP8_DS_MLA_SCALE_BYTES,
+                             LayerKind, ModelConfig, layer_counts, op_shapes)
 
 __all__ = ["Card", "CARDS", "H200", "SEED_FIGURES", "Assumptions", "row_efficiency", "scale_row",
            "ada_scaled_table", "additive_time", "kernel_bytes", "kernel_flops", "decode_terms",
@@ -247,9 +248,9 @@ def kernel_bytes(kernel: str, s: dict) -> float:
     if kernel == "topk_indices":
         return s["R"] * s["N"] * 4 + s["R"] * s["k"] * 4
     if kernel == "sparse_mla_decode":
-        return s["T"] * ((s.get("W", 0) + s["Kc"]) * 588 + 2 * s["H"] * 1024)
+        return s["T"] * ((s.get("W", 0) + s["Kc"]) * (FP8_DS_MLA_ENTRY_BYTES + 4) + 2 * s["H"] * 1024)
     if kernel == "fp8_ds_mla_insert":
-        return s["T"] * (1024 + 576 + 12)
+        return s["T"] * (1024 + FP8_DS_MLA_DATA_BYTES + FP8_DS_MLA_SCALE_BYTES + 4)
     if kernel == "indexer_k_cache_insert":
         return s["T"] * (128 * 3 + 12)
     if kernel in ("mhc_fused_post_pre", "mhc_pre", "hc_head"):
@@ -604,9 +605,9 @@ def bandwidth_ceiling(card: Card, tp: int, batch: int, mode: str = "plain", cfg:
         b += counts.get(LayerKind.C128A, 0) * 2 * cfg.head_dim * D * a.compressor_weight_bytes
         b += sum(counts.values()) * cfg.n_routed_experts * D * a.router_weight_bytes
         b += cfg.vocab_size // tp * D * a.lm_head_bytes
-        kv = sum(counts.values()) * cfg.sliding_window * 584
-        kv += counts.get(LayerKind.C4A, 0) * (L // 4 * 132 + min(cfg.index_topk, L // 4) * 584)
-        kv += counts.get(LayerKind.C128A, 0) * (L // 128) * 584
+        kv = sum(counts.values()) * cfg.sliding_window * FP8_DS_MLA_ENTRY_BYTES
+        kv += counts.get(LayerKind.C4A, 0) * (L // 4 * 132 + min(cfg.index_topk, L // 4) * FP8_DS_MLA_ENTRY_BYTES)
+        kv += counts.get(LayerKind.C128A, 0) * (L // 128) * FP8_DS_MLA_ENTRY_BYTES
         return b + batch * kv
 
     if mode == "plain":

@@ -33,12 +33,12 @@ def plan_cards(settings: Mapping[str, Any], gpu: str | None = None) -> list[dict
     for card in cards:
         p = memory.plan_for_profile(dict(settings), card, stack=st)
         row = {"gpu": card.name, "util": p.gpu_memory_utilization, "starts": not p.verdict,
-               "verdict": p.verdict, "load_oom": p.load_oom, "named": bool(want),
+               "verdict": p.verdict, "outcome": p.outcome, "load_oom": p.load_oom, "named": bool(want),
                "max_concurrency": round(p.kv.max_concurrency, 2)}
         if settings.get("gpu_memory_utilization_watched"):
             w = memory.plan_for_profile(dict(settings), card, stack=st, watched=True)
             row.update(watched_util=w.gpu_memory_utilization, watched_starts=not w.verdict,
-                       watched_verdict=w.verdict)
+                       watched_verdict=w.verdict, watched_outcome=w.outcome)
         out.append(row)
     return out
 

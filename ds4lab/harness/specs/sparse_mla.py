@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4lab.geometry import op_shapes
+from ds4lab.geometry import FP8_DS_MLA_ENTRY_BYTES, op_shapes
 from ds4lab.harness.numerics import compare
 from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
 from ds4lab.harness.specs.mla_cache import block_bytes
@@ -176,7 +176,7 @@ register(KernelSpec(
     # QK^T and PV over the 512-d latent
     flops=lambda s: 4.0 * s["T"] * s["H"] * _n(s) * 512,
     # every candidate's 584 cache bytes + its int32 index, q in, out
-    min_bytes=lambda s: s["T"] * (_n(s) * (584 + 4) + 2 * s["H"] * 512 * 2),
+    min_bytes=lambda s: s["T"] * (_n(s) * (FP8_DS_MLA_ENTRY_BYTES + 4) + 2 * s["H"] * 512 * 2),
     check=check,
     configs=kernel_configs("sparse_mla"),
     config_for=_config_for,
