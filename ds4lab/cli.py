@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "step": ("ds4lab.harness.step", "time the whole decode step per op group (CUDA graph; --cpu: tiny model on the interpreter)"),
     "tiny": ("ds4lab.checkpoint.tiny", "write the tiny DeepSeek-V4 checkpoint used as the embedded default"),
     "plan": ("ds4lab.planner.cli", "plan GPU memory: gpu-memory-utilization against KV headroom"),
-    "serve": ("ds4lab.serve", "launch the OpenAI-compatible vLLM server (MTP speculative decoding)"),
+    "serve": ("ds4lab.serve.cli", "launch the OpenAI-compatible vLLM server (MTP speculative decoding)"),
     "doctor": ("ds4lab.doctor.cli", "check the serving stack for the known traps"),
     "tour": ("ds4lab.tour", "run the notebook tour headless and write build/tour/index.html"),
 }
