@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._arch import arch_of
+from . import _checks as check
+from ._arch import arch_of, num_sms
 
 
 @triton.jit
@@ -252,17 +253,11 @@ def _split_write_kernel(x_ptr, len_ptr, out_ptr, cnt_ptr, state_ptr, N, stride_x
         _pad_tail(out_row, k_eff, K, KP2)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the benchmark GPU (H200); only shapes the split choice on the interpreter
-
-
 def _launch_split(logits, lengths, out, k, cfg):
     R, N = logits.shape
     BLOCK = cfg["BLOCK"]
     n_blk = max(1, triton.cdiv(N, BLOCK))
-    P = cfg.get("P") or triton.cdiv(cfg.get("PROGS_PER_SM", 4) * _num_sms(logits.device), R)
+    P = cfg.get("P") or triton.cdiv(cfg.get("PROGS_PER_SM", 4) * num_sms(logits.device), R)
     P = max(1, min(P, n_blk, 64))
     chunk = triton.cdiv(n_blk, P) * BLOCK
     P = triton.cdiv(n_blk * BLOCK, chunk)
@@ -306,10 +301,7 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
     Raises:
         TypeError / ValueError: naming the offending argument.
     """
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
-    if logits.dtype != torch.float32:
-        raise TypeError(f"logits: dtype {logits.dtype} not supported (float32)")
+    check.tensor("logits", logits, torch.float32)
     if logits.dim() != 2:
         raise ValueError(f"logits: expected 2 dims (num_rows, num_cols), got shape {tuple(logits.shape)}")
     if not isinstance(k, int) or not 1 <= k <= 4096:
@@ -317,16 +309,12 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
     R, N = logits.shape
     if N >= 2**31 - 1:
         raise ValueError(f"logits: {N} columns, at most 2^31 - 2 supported")
-    if R and N and logits.stride(1) != 1:
-        raise ValueError(f"logits: last dim must be contiguous, strides {tuple(logits.stride())}")
+    check.last_dim_contiguous("logits", logits)
     if lengths is not None:
-        if not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int32:
-            raise TypeError(f"lengths: expected an int32 tensor, got "
-                            f"{lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__}")
+        check.tensor("lengths", lengths, torch.int32)
         if tuple(lengths.shape) != (R,):
             raise ValueError(f"lengths: shape {tuple(lengths.shape)}, expected ({R},)")
-        if lengths.device != logits.device:
-            raise ValueError(f"lengths: on {lengths.device}, logits on {logits.device}")
+        check.same_device("logits", logits, lengths=lengths)
         lengths = lengths.contiguous()
     if out is None:
         out = torch.empty((R, k), dtype=torch.int32, device=logits.device)

@@ -39,7 +39,7 @@ STATUSES = ("pass", "warn", "fail")
 
 # Opt-in shared memory per block (SPEC.md §4). Triton does not flag an over-limit kernel at
 # compile time, only at first launch, so the compile check compares metadata.shared itself.
-SMEM_LIMIT = {89: 101_376, 90: 232_448}
+from ds4lab_kernels._arch import SMEM_LIMIT_BY_CC as SMEM_LIMIT  # noqa: E402  (torch-free; keyed 89, 90, 120)
 # vLLM's own default for --gpu-memory-utilization (vllm/config/cache.py).
 VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # Free driver memory kept outside torch's pool for Triton JIT modules / cuBLAS workspaces /

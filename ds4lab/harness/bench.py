@@ -162,10 +162,11 @@ def run_bench(names=None, tps=(1,), build="native", quick=False, log=print, shap
     from ds4lab.banner import git_sha
     from ds4lab.geometry import DEFAULT_CONFIG
     from ds4lab.harness.registry import all_specs
+    from ds4lab_kernels._arch import arch_of
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    arch = "sm_90" if props.major >= 9 and build == "native" else "sm_89"
+    arch = arch_of(dev) if build == "native" else "sm_89"  # the table the launchers read (capacity rule)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     roofs = measure_roofs()
     sm, mem = _clocks()  # sampled right after the roof products: the clocks under load, not idle
