@@ -52,6 +52,8 @@ def _fp8_gemm_nt_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, OUT_FP32: tl.constexpr,
 ):
+    """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split)``: axis 0 the output tile (GROUP_M-grouped order), axis 1 the k split.
+    One program: a BLOCK_M x BLOCK_N tile of D over k-blocks ``[pid_k*kb_per_split, +kb_per_split)`` (fp32 partial to ``ws[pid_k]`` when split)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -115,7 +117,10 @@ def _fp8_gemm_nt_kernel(
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, d_ptr, M, N, stride_ws, stride_wm, stride_dm,
                           SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """``D[m, n] = bf16(sum_s ws[s, m, n])`` in a fixed order (deterministic)."""
+    """Grid ``(cdiv(N, BLOCK), M)``.
+    One program: BLOCK columns of one output row, summed over the SPLIT partials.
+
+    ``D[m, n] = bf16(sum_s ws[s, m, n])`` in a fixed order (deterministic)."""
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid * BLOCK + tl.arange(0, BLOCK)
@@ -174,7 +179,8 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
         TypeError: a non-tensor argument, ``a``/``b`` not float8_e4m3fn, scale dtype not
             float32/uint8/float8_e8m0fnu/int32, ``out`` not bfloat16.
         ValueError: wrong ranks or shapes, ``K`` not a positive multiple of 128 (the scale block),
-            a non-unit last stride, tensors on different devices, a malformed ``config``.
+            a non-unit last stride, tensors on different devices, a malformed ``config``, a device
+            without FP8 tensor cores (compute capability < 8.9, ``_arch.require_fp8``).
 
     Split-K (decode, when the tiles cannot fill the GPU) writes fp32 partials to a workspace of
     ``split * num_tokens * N * 4`` bytes and reduces them in a second kernel; no host sync, so the

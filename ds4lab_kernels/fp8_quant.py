@@ -24,6 +24,8 @@ def _per_token_group_quant_fp8_kernel(
     eps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, SCALE_FMT: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_tokens * groups_per_row, BLOCK_G),)``.
+    One program: BLOCK_G consecutive (token, group) pairs in flat order: their e4m3 values and scales."""
     pid = tl.program_id(0)
     gid = pid * BLOCK_G + tl.arange(0, BLOCK_G)            # flat group ids [BLOCK_G]
     gmask = gid < n_groups
@@ -116,6 +118,11 @@ CONFIGS = {
     "sm_90": {"small": {"BLOCK_G": 1, "num_warps": 1}, "mid": {"BLOCK_G": 4, "num_warps": 4},
               "large": {"BLOCK_G": 16, "num_warps": 4}, "xlarge": {"BLOCK_G": 32, "num_warps": 8}},
 }
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("small", "mid", "large"), "sm_90": ("small", "mid", "large")}
 
 
 def pick_config(n_groups: int, device: torch.device) -> dict:

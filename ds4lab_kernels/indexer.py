@@ -32,6 +32,8 @@ def _indexer_k_cache_insert_kernel(
     T, stride_kt, stride_blk8, stride_blk32,
     D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_tokens, BLOCK_T),)``.
+    One program: BLOCK_T tokens: quantize each key row and write its 128 e4m3 bytes and fp32 scale to its slot."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, D)
@@ -53,6 +55,8 @@ def _fp8_mqa_logits_kernel(
     M, N, stride_qm, stride_qh, stride_kn, stride_wm, stride_om,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_k, BLOCK_N), cdiv(num_q, BLOCK_Q))``.
+    One program: one K tile of BLOCK_N keys (loaded once) against BLOCK_Q consecutive query rows: those logits."""
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -84,6 +88,7 @@ def _fp8_mqa_logits_kernel(
 @triton.jit
 def _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row, lim, offs, omask, stride_qr, stride_qh, stride_wr, stride_or,
                H: tl.constexpr, D: tl.constexpr):
+    """One query row against one cache block tile: ``sum_h w[h] relu(k . q[h]) * k_scale``, -inf past ``lim``."""
     h = tl.arange(0, H)
     d = tl.arange(0, D)
     row64 = row.to(tl.int64)
@@ -103,6 +108,8 @@ def _fp8_paged_mqa_logits_kernel(
     stride_or,
     NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILES: tl.constexpr,
 ):
+    """Grid ``(batch, cdiv(cdiv(max_context_len, block_size), TILES))``.
+    One program: TILES consecutive cache blocks of one request, for all its next_n query rows (-inf past the limit)."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     e = tl.arange(0, BS)

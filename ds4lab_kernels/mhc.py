@@ -35,7 +35,10 @@ def _hc_prenorm_gemm_kernel(
     stride_xt, stride_fn, stride_ms, stride_mt, stride_ss,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Split-K partials: program (m, s) sums k in [s*k_per_split, (s+1)*k_per_split)."""
+    """Grid ``(cdiv(T, BLOCK_M), S)``.
+    One program: BLOCK_M tokens x one K split: partial mixes ``[BLOCK_M, N]`` and partial sums of squares.
+
+    Split-K partials: program (m, s) sums k in ``[s*k_per_split, (s+1)*k_per_split)``."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -80,7 +83,8 @@ def _mhc_post_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRENORM: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Program (m, s): tokens [m*BLOCK_M, ...), hidden columns [s*d_per_split, ...) of all 4 streams.
+    """Grid ``(cdiv(T, BLOCK_M), S)``.
+    One program: BLOCK_M tokens x hidden columns ``[s*d_per_split, +d_per_split)`` of all 4 streams.
 
     Writes ``out = post(x, res)`` in bf16; with PRENORM also the split-K partials of the next sublayer's
     pre-norm GEMM over the bf16-rounded new residual (fn column ``j*D + d`` meets stream j, column d).
@@ -136,7 +140,10 @@ def _mhc_apply_kernel(
     HC_: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, BROADCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Per token block: reduce the S partials, gates (+ Sinkhorn unless HEAD), collapse (+ RMSNorm).
+    """Grid ``(cdiv(T, BLOCK_T),)``.
+    One program: BLOCK_T tokens, each with its whole hidden row (reduce, gates, Sinkhorn, collapse).
+
+    Per token block: reduce the S partials, gates (+ Sinkhorn unless HEAD), collapse (+ RMSNorm).
 
     HEAD: hc_head (4 mixes, pre gates only, no norm). BROADCAST: the residual is one ``[T, D]`` row read for
     every stream (layer 0); the 4 copies are written to ``res_out``.
@@ -254,6 +261,11 @@ def _check_residual(name, residual):
 
 
 # ---- config plumbing -----------------------------------------------------------------------------
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("decode", "prefill"), "sm_90": ("decode", "prefill", "fused_m64k16")}
+
+
 def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> dict:
     """``decode`` up to 64 tokens, ``prefill`` above. On the CPU interpreter (every program instance runs
     in Python) the apply kernel packs 16 (64 above 64 tokens) tokens per program; the GPU rows run as-is when passed as
@@ -421,6 +433,8 @@ def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc
         rms_eps: eps of the mix pre-norm (``rms_norm_eps``). hc_pre_eps / hc_sinkhorn_eps: ``hc_eps``.
         hc_post_mult: post gate multiplier (2.0). sinkhorn_iters: ``hc_sinkhorn_iters`` (20), >= 1.
         norm_eps: eps of the layer-input RMSNorm. precision: ``"tf32"`` or ``"ieee"`` for the GEMM.
+            The eps terms are 0 or positive normal float32s, ``hc_post_mult`` a finite normal float32
+            (they reach the kernel as fp32 arguments; ``ValueError`` naming the argument otherwise).
         config: a row of ``CONFIGS``.
 
     Returns:

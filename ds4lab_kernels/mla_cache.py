@@ -41,6 +41,8 @@ def _fp8_ds_mla_insert_kernel(
     stride_kv, stride_blk, n_slots,
     BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
 ):
+    """Grid ``(num_tokens // TOKENS,)``.
+    One program: TOKENS consecutive tokens: each token's 576-byte entry and its 8 scale bytes."""
     pid = tl.program_id(0)
     g = tl.arange(0, 8)                    # 7 NoPE tiles + the RoPE tile
     c = tl.arange(0, 64)
@@ -131,7 +133,8 @@ def fp8_ds_mla_insert(kv: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: to
         are unspecified).
 
     Raises:
-        TypeError: wrong dtypes. ValueError: wrong shapes/strides, too-small blocks.
+        TypeError: wrong dtypes. ValueError: wrong shapes/strides, too-small blocks, a device without
+        FP8 (compute capability < 8.9).
 
     Semantics: vLLM ``quantize_and_insert_k_cache`` (fp8_ds_mla, UE8M0), DeepSeek-V4 / FlashMLA
     sparse FP8 KV layout.

@@ -16,6 +16,7 @@ from ._arch import arch_of
 
 @triton.jit
 def _sqrt_softplus(x):
+    """``sqrt(softplus(x))`` in fp32 without libdevice (DeepSeek-V4 router score)."""
     # softplus(x) = max(x, 0) + log1p(exp(-|x|)); log1p through Goldberg's trick
     # (log(u) * z / (u - 1), u = 1 + z) keeps full fp32 accuracy for tiny z without libdevice.
     # NaN stays NaN; +inf -> inf; -inf -> 0.
@@ -33,6 +34,8 @@ def _sqrtsoftplus_topk_kernel(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_tokens, BLOCK_T),)``.
+    One program: BLOCK_T tokens x all experts: scores, the top-k selection (or hash lookup) and weights."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
@@ -160,6 +163,11 @@ CONFIGS = {
     "sm_90": {"row": {"BLOCK_T": 1, "num_warps": 1}, "rows4": {"BLOCK_T": 4, "num_warps": 4},
               "rows16": {"BLOCK_T": 16, "num_warps": 8}},
 }
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("row", "rows4"), "sm_90": ("row", "rows4")}
 
 
 def pick_config(T: int, device: torch.device) -> dict:

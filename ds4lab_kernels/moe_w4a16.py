@@ -62,6 +62,7 @@ def _gemv_tile(w_ptr, s_ptr, row_off, s_row_off, rmask, xv, k0, stride_sk,
 
 @triton.jit
 def _swiglu(g, u, limit):
+    """``silu(min(g, limit)) * clamp(u, -limit, limit)`` in fp32, NaN propagating."""
     # where, not minimum/maximum: NaN must propagate (PTX min/max drop a NaN operand)
     g = tl.where(g > limit, limit, g)
     u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
@@ -75,7 +76,10 @@ def _decode_w13_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ps, stride_pp,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """part[split, pair, n] = sum over this split's K of dequant(w13[e, n, :]) . x[t, :]."""
+    """Grid ``(pairs, cdiv(2*inter, BLOCK_N), SPLIT_K)``.
+    One program: one (token, expert) pair x BLOCK_N rows of w13 x one K split: fp32 partials.
+
+    part[split, pair, n] = sum over this split's K of dequant(w13[e, n, :]) . x[t, :]."""
     pair = tl.program_id(0)
     nb = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,7 +109,10 @@ def _decode_w2_kernel(
     stride_ps, stride_pp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ot,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . swiglu(sum_split part[:, pair_j, :])."""
+    """Grid ``(num_tokens, cdiv(hidden, BLOCK_N))``.
+    One program: one token x BLOCK_N output columns, summed over its top-k experts in slot order.
+
+    out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . swiglu(sum_split part[:, pair_j, :])."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,7 +161,10 @@ def _decode_w13_h_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Decode variant "h" (config ``"unpack": "2d"``): h[pair, n] = swiglu(gate_e[n] . x_t,
+    """Grid ``(pairs, cdiv(inter, BLOCK_N))``.
+    One program: one (token, expert) pair x BLOCK_N columns of h (gate and up rows, whole K).
+
+    Decode variant "h" (config ``"unpack": "2d"``): h[pair, n] = swiglu(gate_e[n] . x_t,
     up_e[n] . x_t) over the whole K (no K split: gate and up rows in one program, SwiGLU fused, no
     partials). The packed words stay in the 2-D ``[BLOCK_N, BLOCK_K/8]`` load layout (contiguous
     along K, vector loads); nibble j of every word is multiplied by x[8c+j] (8 FMAs per word, no 3-D
@@ -202,7 +212,10 @@ def _decode_w2_h_kernel(
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ot,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Decode variant "h": out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . h[pair_j, :] (h from
+    """Grid ``(num_tokens, cdiv(hidden, BLOCK_N))``.
+    One program: one token x BLOCK_N output columns over its top-k pairs' rows of h.
+
+    Decode variant "h": out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . h[pair_j, :] (h from
     ``_decode_w13_h_kernel``: one fp32 row per pair, no split partials to re-sum per program),
     same 2-D nibble loop; top-k unrolled with masks, summed in slot order."""
     t = tl.program_id(0)
@@ -244,7 +257,10 @@ def _prefill_w13_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ht,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """h[r, n] (sorted pair order) = swiglu(x_t . gate_e[n], x_t . up_e[n]) for one expert tile."""
+    """Grid ``(cdiv(pairs, BLOCK_M) + num_experts, cdiv(inter, BLOCK_N))`` (unused tail tiles exit).
+    One program: one ragged tile of <= BLOCK_M expert-sorted pairs of one expert x BLOCK_N columns of h.
+
+    h[r, n] (sorted pair order) = swiglu(x_t . gate_e[n], x_t . up_e[n]) for one expert tile."""
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     nrows = tl.load(tile_n_ptr + tile)
@@ -288,7 +304,10 @@ def _prefill_w2_kernel(
     stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """y[pair, n] = topk_weight[pair] * (h[r] . down_e[n]) for one expert tile (r sorted order)."""
+    """Grid ``(cdiv(pairs, BLOCK_M) + num_experts, cdiv(hidden, BLOCK_N))``.
+    One program: one expert tile of sorted pairs x BLOCK_N columns of y (weighted down projection).
+
+    y[pair, n] = topk_weight[pair] * (h[r] . down_e[n]) for one expert tile (r sorted order)."""
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     nrows = tl.load(tile_n_ptr + tile)
@@ -320,7 +339,10 @@ def _prefill_w2_kernel(
 @triton.jit
 def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, T, N, E, stride_yp, stride_ot,
                      TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t, n] = sum_{j in slot order, ids[t,j] >= 0} y[t*TOPK+j, n] (rows of skipped pairs are
+    """Grid ``(cdiv(num_tokens, BLOCK_T), cdiv(hidden, BLOCK_N))``.
+    One program: BLOCK_T tokens x BLOCK_N columns of out, summing their top-k rows of y.
+
+    out[t, n] = sum_{j in slot order, ids[t,j] >= 0} y[t*TOPK+j, n] (rows of skipped pairs are
     never read: they were never written)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -620,6 +642,11 @@ _INTERP = {
 }
 
 DECODE_MAX_PAIRS = 128
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("decode", "prefill"), "sm_90": ("decode_2d_n8", "prefill")}
 
 
 def pick_config(pairs: int, device: torch.device) -> dict:

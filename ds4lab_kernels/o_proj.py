@@ -39,7 +39,8 @@ def _inv_rope_quant_kernel(
     HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
     QUANTIZE: tl.constexpr, SCALE_FMT: tl.constexpr,
 ):
-    """One program: BLOCK_R (token, head) rows x HEAD_DIM, walked in GROUP-wide chunks.
+    """Grid ``(cdiv(num_tokens * num_heads, BLOCK_R),)``.
+    One program: BLOCK_R (token, head) rows x HEAD_DIM, walked in GROUP-wide chunks (rotate back, quantize).
 
     Row ``r = t*H + h``. Output layout ``[T, H*HEAD_DIM]`` (== ``[T, G, HPG*HEAD_DIM]``), scales
     ``[T, H*HEAD_DIM/GROUP]``. A token whose position is outside ``[0, n_pos)`` gets NaN (never an
@@ -107,9 +108,12 @@ def _grouped_gemm_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
 ):
-    """``out[t, g, n] = sum_k x[t, g, k] xs[t, g, k/128] * w[g, n, k] ws[g, n/128, k/128]``.
+    """Grid ``(cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), G * SPLIT_K)``.
+    One program: a BLOCK_M x BLOCK_N tile of one group's output over one K split.
 
-    Grid ``(N/BLOCK_N, T/BLOCK_M, G*SPLIT_K)``; program ``(n, m, g*SPLIT_K + s)`` covers k in
+    ``out[t, g, n] = sum_k x[t, g, k] xs[t, g, k/128] * w[g, n, k] ws[g, n/128, k/128]``.
+
+    Program ``(n, m, g*SPLIT_K + s)`` covers k in
     ``[s*K_SPLIT, (s+1)*K_SPLIT)``. With scales, BLOCK_K == SCALE_BLOCK and BLOCK_N divides it, so
     each k step has one weight scale and one activation scale per row (DeepGEMM promotion: the fp8
     MMA result of one 128-deep block is scaled in fp32 and added). SPLIT_K > 1 writes fp32 partials
@@ -155,7 +159,10 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, out_ptr, n_elem, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """``out.flat[i] = bf16(sum_s part[s].flat[i])`` in a fixed order (deterministic)."""
+    """Grid ``(cdiv(T * G * N, BLOCK),)``.
+    One program: BLOCK consecutive output elements, summed over the SPLIT_K partials.
+
+    ``out.flat[i] = bf16(sum_s part[s].flat[i])`` in a fixed order (deterministic)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elem
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -189,7 +196,8 @@ def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         scale_fmt: ``"fp32"`` (``s = max(amax, eps)/448``), ``"pow2"`` (rounded up to a power of
             two; DeepSeek-V4 ``scale_fmt: ue8m0`` math) or ``"ue8m0"`` (that power of two's exponent
             byte, ``s = 2^(b-127)``, uint8).
-        eps: amax floor (an all-zero group gets scale ``eps/448`` and zeros).
+        eps: amax floor (an all-zero group gets scale ``eps/448`` and zeros); a positive normal
+            float32 (it reaches the kernel as an fp32 argument).
         check_positions: check ``0 <= positions < max_positions`` on the host (one device sync;
             skipped automatically while a CUDA graph is being captured). Unchecked out-of-range
             positions never read outside the cache: their tokens come out NaN.
@@ -205,7 +213,8 @@ def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         TypeError: wrong dtypes (o not bf16, positions not int32/int64, cos_sin_cache not fp32).
         ValueError: wrong ranks, head count not a multiple of ``heads_per_group``, ``head_dim`` not
             a multiple of 128, cos/sin width, non-contiguous last dims, length mismatch,
-            positions outside the cache, unknown ``scale_fmt``, devices that differ.
+            positions outside the cache, unknown ``scale_fmt``, devices that differ, ``eps`` not a
+            positive normal float32, ``quantize=True`` on a device without FP8 (compute capability < 8.9).
     """
     check.tensor("o", o, torch.bfloat16)
     check.tensor("positions", positions, (torch.int64, torch.int32))
@@ -292,7 +301,8 @@ def fp8_einsum_bhr_hdr_bhd(x: torch.Tensor, x_s: torch.Tensor | None, wo_a: torc
     Raises:
         TypeError: dtypes (fp8 operands with scales, bf16 without; scale dtypes).
         ValueError: ranks/shapes that disagree, K or N not multiples of 128, only one of the two
-            scales given, non-contiguous last dims, a bad ``out``, devices that differ.
+            scales given, non-contiguous last dims, a bad ``out``, devices that differ, the fp8 path
+            on a device without FP8 (compute capability < 8.9).
     """
     check.tensor("x", x, (torch.float8_e4m3fn, torch.bfloat16))
     check.tensor("wo_a", wo_a, (torch.float8_e4m3fn, torch.bfloat16))

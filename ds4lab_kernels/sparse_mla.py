@@ -56,6 +56,7 @@ def _load_kv_tile(c_u8_ptr, c_bf16_ptr, idx, valid, stride_blk,
 def _attend_tiles(acc, m_i, l_i, q, c_u8_ptr, c_bf16_ptr, idx_row_ptr, n_len, n_slots, stride_blk,
                   t_lo, t_hi, qk_scale,
                   BS: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Online-softmax (base 2) accumulation over candidate tiles ``[t_lo, t_hi)`` of one source."""
     for t in range(t_lo, t_hi):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         inb = offs_n < n_len
@@ -84,6 +85,8 @@ def _sparse_mla_split_kernel(
     A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_heads, BLOCK_H), SPLITS, num_tokens)``.
+    One program: BLOCK_H heads of one token over one contiguous split of its candidate tiles."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     tok = tl.program_id(2).to(tl.int64)
@@ -138,6 +141,8 @@ def _sparse_mla_merge_kernel(
     out_ptr, part_ptr, ml_ptr, sink_ptr, H, stride_ot, stride_oh,
     SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_heads, BLOCK_H), num_tokens)``.
+    One program: BLOCK_H heads of one token: merges the SPLITS partials with the sink."""
     hg = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -367,6 +372,11 @@ CONFIGS = {
         "h32n32p1": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PROGS_PER_SM": 1},
     },
 }
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("h16n16",), "sm_90": ("h16n32s2", "h32n32")}
 
 
 def pick_config(num_heads: int, device: torch.device, num_tokens: int | None = None) -> dict:

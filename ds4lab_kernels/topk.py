@@ -28,6 +28,7 @@ def _skey(v):
 
 @triton.jit
 def _load_keys(row_ptr, offs, L):
+    """Order-preserving int32 keys of ``row[offs]`` and which of them are selectable (in range, not NaN/-inf)."""
     m = offs < L
     v = tl.load(row_ptr + offs, mask=m, other=float("-inf"))
     valid = m & (v == v) & (v != float("-inf"))
@@ -127,6 +128,8 @@ def _pad_tail(out_row, k_eff, K: tl.constexpr, KP2: tl.constexpr):
 @triton.jit
 def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
                  K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(num_rows,)``.
+    One program: one whole row (4 radix passes, then the output pass)."""
     r = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + r * stride_xr
     out_row = out_ptr + r * stride_or
@@ -158,6 +161,8 @@ def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
 @triton.jit
 def _split_hist_kernel(x_ptr, len_ptr, hist_ptr, state_ptr, N, stride_xr, chunk, P,
                        LVL: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(num_rows, P)``.
+    One program: one chunk of one row: its 256-bin histogram of radix level LVL."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
@@ -178,6 +183,8 @@ def _split_hist_kernel(x_ptr, len_ptr, hist_ptr, state_ptr, N, stride_xr, chunk,
 
 @triton.jit
 def _split_select_kernel(hist_ptr, state_ptr, P, K: tl.constexpr, LVL: tl.constexpr):
+    """Grid ``(num_rows,)``.
+    One program: one row: merges the P chunk histograms and advances that row's radix state."""
     r = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, 256)
     h = tl.zeros((256,), tl.int32)
@@ -210,6 +217,8 @@ def _split_select_kernel(hist_ptr, state_ptr, P, K: tl.constexpr, LVL: tl.conste
 @triton.jit
 def _split_count_kernel(x_ptr, len_ptr, cnt_ptr, state_ptr, N, stride_xr, chunk, P,
                         HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(num_rows, P)``.
+    One program: one chunk of one row: how many of its keys are > and == the row's threshold."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
@@ -232,6 +241,8 @@ def _split_count_kernel(x_ptr, len_ptr, cnt_ptr, state_ptr, N, stride_xr, chunk,
 def _split_write_kernel(x_ptr, len_ptr, out_ptr, cnt_ptr, state_ptr, N, stride_xr, stride_or, chunk, P,
                         K: tl.constexpr, KP2: tl.constexpr, PP2: tl.constexpr, HAS_LEN: tl.constexpr,
                         BLOCK: tl.constexpr):
+    """Grid ``(num_rows, P)``.
+    One program: one chunk of one row: writes its selected indices at the chunk's output offset."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
@@ -344,6 +355,11 @@ CONFIGS = {
     "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_SPLIT},
     "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_SPLIT},
 }
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("b1024", "s2048"), "sm_90": ("b1024", "b4096")}
 
 
 def pick_config(N: int, device: torch.device) -> dict:

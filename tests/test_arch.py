@@ -135,3 +135,26 @@ def test_sm86_fp8_refused_others_fall_back(monkeypatch, spec):
     out = spec.launcher_fn()(**inputs)
     reports = spec.check(out, spec.reference_fn()(**inputs), inputs)
     assert reports and all(reports), [r.summary() for r in reports if not r]
+
+
+@pytest.mark.parametrize("arch,cap", [("sm_89", (8, 9)), ("sm_90", (9, 0))])
+def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, arch, cap):
+    """GPU_DEFAULTS (the rows the compile report builds for sm_120) == the rows each pick function
+    returns on a GPU over sizes that cross every threshold (no drift between the two)."""
+    from ds4lab_kernels import fp8_quant, mhc, moe_routing, moe_w4a16, sparse_mla, topk
+    monkeypatch.setattr(_arch, "target", lambda device: None if device.type != "cuda" else (10 * cap[0] + cap[1],
+                                                                                           SMEM_LIMIT[arch]))
+    monkeypatch.setitem(_arch._SMS, 0, 128)
+    dev = CUDA0
+    sweeps = {
+        fp8_quant: [fp8_quant.pick_config(n, dev) for n in (1, 1024, 1025, 16384, 16385, 10**6)],
+        mhc: [mhc.pick_config(t, dev, f) for t in (1, 64, 65, 4096) for f in (False, True)],
+        moe_routing: [moe_routing.pick_config(t, dev) for t in (1, 512, 513, 10**5)],
+        moe_w4a16: [moe_w4a16.pick_config(p, dev) for p in (1, 128, 129, 10**5)],
+        sparse_mla: [sparse_mla.pick_config(h, dev, num_tokens=t) for h in (8, 16, 32, 64) for t in (1, 64)],
+        topk: [topk.pick_config(n, dev) for n in (100, 16383, 16384, 10**6)],
+    }
+    for mod, cfgs in sweeps.items():
+        table = mod.CONFIGS[arch]
+        got = {next(lb for lb, c in table.items() if c is cfg) for cfg in cfgs}
+        assert got == set(mod.GPU_DEFAULTS[arch]), (mod.__name__, arch, got)
