@@ -52,8 +52,8 @@ def _fp8_gemm_nt_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, OUT_FP32: tl.constexpr,
 ):
-    """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split)``: axis 0 the output tile (GROUP_M-grouped order), axis 1 the k split.
-    One program: a BLOCK_M x BLOCK_N tile of D over k-blocks ``[pid_k*kb_per_split, +kb_per_split)`` (fp32 partial to ``ws[pid_k]`` when split)."""
+    """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split)``: output tiles in GROUP_M order x k splits.
+    One program: a BLOCK_M x BLOCK_N tile of D over its split's k-blocks (fp32 to ``ws[pid_k]`` if split)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)

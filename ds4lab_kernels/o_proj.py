@@ -467,7 +467,7 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     Raises:
         TypeError / ValueError: from the parts, plus ``wo_a``/``wo_b`` shapes that do not fit ``o``.
     """
-    check.tensor("o", o, torch.bfloat16, 3)
+    check.tensor("o", o, torch.bfloat16)
     check.tensor("wo_a", wo_a, (torch.float8_e4m3fn, torch.bfloat16))
     check.tensor("wo_b", wo_b, (torch.float8_e4m3fn, torch.bfloat16))
     if o.dim() != 3:

@@ -15,8 +15,9 @@ notices at first launch) or when ptxas spills.
 
 Each target compiles the config table its devices read (``_arch.table_for``): sm_120 (RTX 5090,
 RTX PRO 6000 Blackwell: Ada's 99 KiB per block, FP8 mma.sync) reads the sm_89 table, so its rows
-are the sm_89 table's GPU defaults built for compute capability 12.0 (``--all-configs``: every row). A target the wheel's ptxas does not
-know gives one ``not compiled`` row per kernel (ok, with the reason) instead of failing.
+are the sm_89 table's GPU defaults built for compute capability 12.0 (``--all-configs``: every row).
+A target the wheel's ptxas does not know gives one ``not compiled`` row per kernel (ok, with the
+reason) instead of failing.
 
 Must run WITHOUT ``TRITON_INTERPRET`` (``@triton.jit`` must build JITFunctions): the CLI and the
 tests run it in a subprocess with that variable removed.
@@ -33,10 +34,11 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["SMEM_LIMIT", "ARCH_CC", "DEFAULT_ARCHS", "DEFAULTS_ONLY", "labels_for", "AotRow", "capture_compiles", "compile_spec", "report",
-           "summary", "table_of", "ptxas_unsupported", "main", "add_arguments", "ptx_for_other_arch"]
-
 from ds4lab_kernels._arch import SMEM_LIMIT, table_for
+
+__all__ = ["SMEM_LIMIT", "ARCH_CC", "DEFAULT_ARCHS", "DEFAULTS_ONLY", "labels_for", "AotRow", "capture_compiles",
+           "compile_spec", "report", "summary", "table_of", "ptxas_unsupported", "main", "add_arguments",
+           "ptx_for_other_arch"]
 
 ARCH_CC = {"sm_89": 89, "sm_90": 90, "sm_120": 120}
 DEFAULT_ARCHS = ("sm_89", "sm_90", "sm_120")
