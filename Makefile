@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP := bash env/setup.sh
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast test-fuzz tour lab aot bench-gpu lock clean info doctor plan serve serve-bench tiny
+.PHONY: setup test test-fast test-fuzz tour lab aot bench-gpu step-gpu lock clean info doctor plan serve serve-bench tiny screenshots
 
 setup:
 	@$(SETUP)
@@ -25,8 +25,14 @@ test-fast: setup
 test-fuzz: setup
 	DS4LAB_TEST_SEED=random $(PY) -m pytest -m interp $(PYTEST_ARGS)
 
+## JupyterLab on notebooks/ (as root, e.g. in a container, Jupyter refuses to start without --allow-root)
+LAB_UID ?= $(shell id -u)
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks$(if $(filter 0,$(LAB_UID)), --allow-root)
+
+## The kernel notebooks' charts drawn in headless Chromium (apt-get install -y chromium) and checked -> build/screenshots/
+screenshots: setup
+	$(PY) -m ds4lab.views.screenshot build/screenshots --numerics
 
 info: setup
 	$(PY) -m ds4lab info
@@ -38,6 +44,10 @@ aot: setup
 ## On the H200 image (no venv): python3 -m ds4lab.harness.bench --out results/
 bench-gpu:
 	python3 -m ds4lab.harness.bench --out results
+
+## On the H200 image: the decode step, model check + native and sm_89 builds (MODE=full for all points)
+step-gpu:
+	OUT=results bash scripts/gpu/step.sh
 
 doctor: setup
 	$(PY) -m ds4lab doctor

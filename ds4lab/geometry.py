@@ -20,10 +20,20 @@ __all__ = [
     "ModelConfig", "ConfigError", "LayerKind", "OpShape", "DEFAULT_CONFIG", "SUPPORTED_MODEL_TYPES",
     "REQUIRED_FIELDS",
     "load_config", "layer_kinds", "op_shapes", "SUPPORTED_TP", "FP8_BLOCK",
+    "FP8_DS_MLA_DATA_BYTES", "FP8_DS_MLA_SCALE_BYTES", "FP8_DS_MLA_ENTRY_BYTES", "FP8_DS_MLA_ALIGN",
 ]
 
 SUPPORTED_TP = (1, 2, 4, 8)
 FP8_BLOCK = 128  # 128x128 weight blocks, 1x128 activation groups (config quantization_config)
+
+# The fp8_ds_mla KV-cache entry (vLLM 0.32 ``deepseek_v4/attention.py`` state_content_bytes=584;
+# FlashMLA's packing): per token 448 float8_e4m3fn NoPE bytes + 64 bf16 RoPE values = 576 data bytes
+# at ``pos * 576``, then, after all data rows of a block, 8 scale bytes (7 UE8M0 exponents + 1 pad)
+# at ``block_size * 576 + pos * 8``. A page is padded to a multiple of 576 B.
+FP8_DS_MLA_DATA_BYTES = 576
+FP8_DS_MLA_SCALE_BYTES = 8
+FP8_DS_MLA_ENTRY_BYTES = FP8_DS_MLA_DATA_BYTES + FP8_DS_MLA_SCALE_BYTES   # 584 per token-entry
+FP8_DS_MLA_ALIGN = FP8_DS_MLA_DATA_BYTES                                  # page alignment (576)
 
 
 class ConfigError(ValueError):

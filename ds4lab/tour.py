@@ -5,6 +5,13 @@ with a summary table. Exits non-zero if any notebook fails; progress is printed 
 Each notebook hands its headline numbers to the summary through :func:`ds4lab.notebook.record`
 (``$DS4LAB_TOUR_DIR/<notebook>.json``).
 
+Pages work offline: nbconvert's lab template loads require.js, MathJax and mermaid from a CDN; the
+export leaves them out (no notebook uses LaTeX or mermaid; plotly.js is a local file). A widget (07's sliders) has no
+static form: the page says so where it would be, instead of a blank space.
+
+Kernel: the registered ``ds4lab`` Jupyter kernel (``env/setup.sh``) where it exists, else the
+``python3`` kernel of the running interpreter (a GPU image without the venv); ``--kernel`` picks.
+
 Charts: the notebooks display plotly figures as ``application/vnd.plotly.v1+json`` only (Jupyter
 renders it; the executed ``.ipynb`` stays small), which nbconvert's HTML cannot show. The HTML
 export gives each such output an HTML form (a ``div`` drawn by ``Plotly.newPlot``) and loads
@@ -42,6 +49,31 @@ PLOTLY_MIME = "application/vnd.plotly.v1+json"
 PLOTLY_JS = "plotly.min.js"
 
 
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+WIDGET_NOTE = ("<div class='ds4lab-widget-note' style='border:1px dashed #999;padding:6px 10px;color:#444;"
+               "font-size:13px'>Interactive widget: it runs in JupyterLab (<code>make lab</code>, this notebook); "
+               "a static page cannot draw it. The outputs below it show the notebook's default values.</div>")
+
+# nbconvert's lab page without its CDN scripts (require.js, MathJax, mermaid): the tour must open offline
+_OFFLINE_TEMPLATE = ("{%- extends 'lab/index.html.j2' -%}\n"
+                     "{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}\n"
+                     "{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}\n"
+                     "{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}\n")
+
+
+def widget_outputs_to_notes(nb) -> int:
+    """Give every widget output of ``nb`` without an HTML form a note saying where it runs
+    (:data:`WIDGET_NOTE`); in place; returns how many."""
+    n = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data") or {}
+            if WIDGET_MIME in data and "text/html" not in data:
+                data["text/html"] = WIDGET_NOTE
+                n += 1
+    return n
+
+
 def plotly_outputs_to_html(nb) -> int:
     """Give every plotly output of notebook node ``nb`` (``PLOTLY_MIME`` without ``text/html``) a
     ``text/html`` form: a ``div`` that ``Plotly.newPlot`` draws from the figure's JSON. Changes
@@ -77,11 +109,19 @@ def _write_plotly_js(out_dir: str) -> str:
 def _to_html(ipynb: str, out_html: str) -> int:
     """``ipynb`` as an HTML page with its plotly charts drawn (plotly.js loaded from
     ``plotly.min.js`` in the page's folder, written if missing); returns the number of charts."""
+    import jinja2
     import nbformat
     from nbconvert import HTMLExporter
     nb = nbformat.read(ipynb, as_version=4)
     n = plotly_outputs_to_html(nb)
-    body, _ = HTMLExporter().from_notebook_node(nb)
+    widget_outputs_to_notes(nb)
+    exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"ds4lab_offline.html.j2": _OFFLINE_TEMPLATE})],
+                            template_file="ds4lab_offline.html.j2")
+    body, _ = exporter.from_notebook_node(nb)
+    # a DataFrame scrolls inside its output instead of stretching the page
+    css = ("<style>.jp-OutputArea-output{overflow-x:auto}"
+           ".jp-RenderedHTML:has(table.dataframe){max-height:32em;overflow:auto}</style>")
+    body = body.replace("</head>", css + "\n</head>", 1)
     if n:
         _write_plotly_js(os.path.dirname(os.path.abspath(out_html)))
         # plotly.js loads as a global: AMD hidden while it loads (older bundles register with the
@@ -138,9 +178,9 @@ def summary_tables(summary: list[dict]) -> dict[str, list[dict]]:
     """The tour's headline tables from what the notebooks recorded: kernels (numerics verdict,
     elements over budget, worst similarity and relative error, best fraction of the H200 roof for
     the sm_90 and sm_89 builds), planner recommendation, server tokens/s and MTP acceptance, the
-    Ada estimate (one row per card and mode, plus its inputs), the environment."""
+    Ada estimate (one row per card and mode, plus its inputs), the decode step (notebook 10), the environment."""
     by = {s["notebook"]: s for s in summary}
-    kernels, planner, server, ada, ada_inputs, env = [], [], [], [], [], []
+    kernels, planner, server, ada, ada_inputs, step, env = [], [], [], [], [], [], []
     for name, d in sorted(by.items()):
         if "numerics_total" in d:
             kernels.append({"notebook": name, "kernels": ", ".join(d.get("kernels", [])),
@@ -149,7 +189,10 @@ def summary_tables(summary: list[dict]) -> dict[str, list[dict]]:
                             "worst 1-similarity": d.get("worst_diff"),
                             "worst max rel err (not the verdict)": d.get("worst_max_rel"),
                             "best roof frac (sm_90 build)": d.get("best_roof_fraction"),
-                            "best roof frac (sm_89 build)": d.get("best_sm89_roof_fraction")})
+                            "best roof frac (sm_89 build)": d.get("best_sm89_roof_fraction"),
+                            **({"live GPU": d["local_gpu"], "live rows": d.get("local_rows"),
+                                "live best roof frac (native)": d.get("local_best_roof_fraction")}
+                               if d.get("local_gpu") else {})})
         elif name.startswith("07"):
             planner.append({k: d.get(k) for k in ("gpu", "tp", "max_model_len", "util_watched", "util_unattended",
                                                   "util_watched_batched512", "util_unattended_batched512",
@@ -161,10 +204,13 @@ def summary_tables(summary: list[dict]) -> dict[str, list[dict]]:
             figs, rest = _ada_tables(d)
             ada += figs
             ada_inputs += rest
+        elif name.startswith("10"):
+            step.append({k: d.get(k) for k in ("h200_configs", "local", "local_p50_us", "local_launches",
+                                               "projection_card", "projection_tok_s", "projection_basis")})
         elif name.startswith("00"):
             env.append({k: v for k, v in d.items() if k != "notebook"})
     return {"kernels": kernels, "planner": planner, "server": server, "ada estimate": ada,
-            "ada estimate inputs": ada_inputs, "environment": env}
+            "ada estimate inputs": ada_inputs, "decode step": step, "environment": env}
 
 
 # what each index table's figures mean, printed under it
@@ -234,15 +280,36 @@ def _index_html(results: list[dict], summary: list[dict], elapsed: float) -> str
     return "\n".join(out)
 
 
-def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str] | None = None,
-             timeout: int = 1200, log=print) -> int:
+def default_out_dir() -> str:
+    """``build/tour`` under the current directory (the clone you are in, not the installed one)."""
+    return os.path.join(os.getcwd(), "build", "tour")
+
+
+def kernel_name() -> str:
+    """``ds4lab`` where that Jupyter kernel is registered (``env/setup.sh``), else ``python3``."""
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+        return "ds4lab" if "ds4lab" in KernelSpecManager().find_kernel_specs() else "python3"
+    except Exception:  # no jupyter_client here: papermill will say so
+        return "python3"
+
+
+def run_tour(out_dir: str | None = None, only: list[str] | None = None,
+             timeout: int = 1200, log=print, kernel: str | None = None, parameters: dict | None = None) -> int:
     """Execute the notebooks (all, or those whose names start with a prefix in ``only``) with
-    ``timeout`` seconds per cell (> 0), write executed copies, HTML and ``index.html`` under
-    ``out_dir``; returns the exit status (1 if any notebook failed)."""
+    ``timeout`` seconds per cell (> 0) in Jupyter kernel ``kernel`` (default :func:`kernel_name`),
+    ``parameters`` injected into each (papermill), and write executed copies, HTML (where nbconvert
+    is installed) and ``index.html`` under ``out_dir`` (default :func:`default_out_dir`); returns
+    the exit status (1 if any notebook failed)."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"--timeout {timeout!r}: seconds per cell must be > 0 "
                          "(there is no 'no limit' value; the default is 1200)")
+    out_dir = out_dir or default_out_dir()
+    kernel = kernel or kernel_name()
+    import importlib.util
+
     import papermill as pm
+    html_ok = importlib.util.find_spec("nbconvert") is not None
     paths = _notebooks(only)
     if not paths:
         raise ValueError(f"no notebook matches {only}; notebooks: "
@@ -253,6 +320,10 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
     for old in glob.glob(os.path.join(summary_dir, "*.json")):
         os.remove(old)
     os.environ["DS4LAB_TOUR_DIR"] = summary_dir
+    log(f"notebooks {NOTEBOOK_DIR} -> {out_dir} (kernel {kernel}"
+        f"{', parameters ' + json.dumps(parameters) if parameters else ''})")
+    if not html_ok:
+        log("nbconvert is not installed here: executed notebooks and index.html only, no per-notebook HTML")
     t_all = time.time()
     results = []
     for i, path in enumerate(paths, 1):
@@ -263,16 +334,17 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
         t0 = time.time()
         r = {"path": path, "status": "OK", "html": False, "ipynb": False}
         try:
-            pm.execute_notebook(path, out_nb, cwd=NOTEBOOK_DIR, kernel_name="python3", progress_bar=False,
-                                execution_timeout=timeout)
+            pm.execute_notebook(path, out_nb, cwd=NOTEBOOK_DIR, kernel_name=kernel, progress_bar=False,
+                                execution_timeout=timeout, parameters=parameters or {})
         except Exception as exc:  # papermill raises PapermillExecutionError with the cell's error
             r["status"] = "FAIL"
             r["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         r["seconds"] = time.time() - t0
         if os.path.exists(out_nb):
             r["ipynb"] = True
-            r["charts"] = _to_html(out_nb, out_nb[:-6] + ".html")
-            r["html"] = True
+            if html_ok:
+                r["charts"] = _to_html(out_nb, out_nb[:-6] + ".html")
+                r["html"] = True
         results.append(r)
         charts = f", {r['charts']} chart(s) in {os.path.basename(out_nb)[:-6]}.html" if r.get("charts") else ""
         log(f"    {r['status']} ({r['seconds']:.0f} s{charts}){'  ' + r.get('error', '') if r['status'] != 'OK' else ''}")
@@ -293,9 +365,32 @@ def run_tour(out_dir: str = os.path.join(_ROOT, "build", "tour"), only: list[str
 
 def add_arguments(p) -> None:
     p.add_argument("only", nargs="*", help="notebook prefixes to run (e.g. 01 07); default all")
-    p.add_argument("--out", default=os.path.join(_ROOT, "build", "tour"))
+    p.add_argument("--out", default=None,
+                   help="folder for the executed notebooks, HTML pages and index.html (default: build/tour "
+                        "under the current directory)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per cell, > 0 (default 1200)")
+    p.add_argument("--kernel", default=None,
+                   help="Jupyter kernel to run the notebooks in (default: ds4lab where registered, else python3)")
+    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="papermill parameter for every notebook, VALUE as JSON (e.g. max_shapes=2, shapes=\"smoke\"); "
+                        "repeatable")
+
+
+def parse_params(items: list[str]) -> dict:
+    """``["max_shapes=2", 'shapes="all"', "tp=[1,4]"]`` -> dict (values JSON; a bare word is a
+    string); raises ValueError naming a malformed item."""
+    out = {}
+    for it in items:
+        name, sep, value = it.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"--param {it!r}: expected NAME=VALUE")
+        try:
+            out[name] = json.loads(value)
+        except ValueError:
+            out[name] = value
+    return out
 
 
 def main(args) -> int:
-    return run_tour(args.out, args.only or None, args.timeout)
+    return run_tour(args.out, args.only or None, args.timeout, kernel=args.kernel,
+                    parameters=parse_params(args.param))

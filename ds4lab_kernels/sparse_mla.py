@@ -77,12 +77,12 @@ def _attend_tiles(acc, m_i, l_i, q, c_u8_ptr, c_bf16_ptr, idx_row_ptr, n_len, n_
 
 @triton.jit
 def _sparse_mla_split_kernel(
-    q_ptr, out_ptr, part_ptr, ml_ptr, sink_ptr,
+    q_ptr, out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr,
     a_u8_ptr, a_bf16_ptr, a_idx_ptr, a_len_ptr, a_stride_blk, a_slots, a_stride_it, a_n,
     b_u8_ptr, b_bf16_ptr, b_idx_ptr, b_len_ptr, b_stride_blk, b_slots, b_stride_it, b_n,
     H, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale, tiles_per_split,
     A_BS: tl.constexpr, B_BS: tl.constexpr, HAS_B: tl.constexpr, KV_FP8: tl.constexpr,
-    A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr, SPLITS: tl.constexpr,
+    A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr, SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
 ):
     """Grid ``(cdiv(num_heads, BLOCK_H), SPLITS, num_tokens)``.
@@ -129,6 +129,11 @@ def _sparse_mla_split_kernel(
         o = tl.where((den > 0)[:, None], acc * (f / den_safe)[:, None], 0.0)
         tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  o.to(tl.bfloat16), mask=hmask[:, None])
+        if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
+            lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
+                           float("inf"))
+            tl.store(lse_ptr + tok * H + offs_h, lse, mask=hmask)
+            tl.store(mlog_ptr + tok * H + offs_h, m_i * 0.6931471805599453, mask=hmask)
     else:
         row = (tok * SPLITS + sp) * H + offs_h                       # (T, SPLITS, H) rows
         tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None])
@@ -138,8 +143,8 @@ def _sparse_mla_split_kernel(
 
 @triton.jit
 def _sparse_mla_merge_kernel(
-    out_ptr, part_ptr, ml_ptr, sink_ptr, H, stride_ot, stride_oh,
-    SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+    out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
 ):
     """Grid ``(cdiv(num_heads, BLOCK_H), num_tokens)``.
     One program: BLOCK_H heads of one token: merges the SPLITS partials with the sink."""
@@ -149,12 +154,15 @@ def _sparse_mla_merge_kernel(
     hmask = offs_h < H
     offs_d = tl.arange(0, D)
     sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
-    mx = sink
+    mc = tl.full((BLOCK_H,), float("-inf"), tl.float32)          # max over the candidates only
     for s in range(SPLITS):
         row = (tok * SPLITS + s) * H + offs_h
-        mx = tl.maximum(mx, tl.load(ml_ptr + row * 2, mask=hmask, other=float("-inf")))
+        mc = tl.maximum(mc, tl.load(ml_ptr + row * 2, mask=hmask, other=float("-inf")))
+    mx = tl.maximum(mc, sink)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     den = tl.exp2(sink - mx)
+    mc_use = tl.where(mc == float("-inf"), 0.0, mc)
+    lc = tl.zeros((BLOCK_H,), tl.float32)                         # candidates' sum at their own max
     o = tl.zeros((BLOCK_H, D), tl.float32)
     for s in range(SPLITS):
         row = (tok * SPLITS + s) * H + offs_h
@@ -162,11 +170,16 @@ def _sparse_mla_merge_kernel(
         l_s = tl.load(ml_ptr + row * 2 + 1, mask=hmask, other=0.0)
         f = tl.exp2(m_s - mx)
         den += l_s * f
+        lc += l_s * tl.exp2(m_s - mc_use)
         o += tl.load(part_ptr + row[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0) * f[:, None]
     den_safe = tl.where(den > 0, den, 1.0)
     o = tl.where((den > 0)[:, None], o / den_safe[:, None], 0.0)
     tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              o.to(tl.bfloat16), mask=hmask[:, None])
+    if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
+        lse = tl.where(lc > 0, (mc_use + tl.log2(tl.where(lc > 0, lc, 1.0))) * 0.6931471805599453, float("inf"))
+        tl.store(lse_ptr + tok * H + offs_h, lse, mask=hmask)
+        tl.store(mlog_ptr + tok * H + offs_h, mc * 0.6931471805599453, mask=hmask)
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -211,15 +224,17 @@ def _splits(n_base: int, n_tiles: int, device, cfg: dict) -> int:
     return max(1, triton.cdiv(n_tiles, per))
 
 
-def _launch(q, srcs, attn_sink, scale, cfg, out):
+def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False):
     """srcs: [(u8, bf16, idx, lens, stride_blk, n_slots, block_size)] (one or two sources)."""
     T, H, D = q.shape
     if out is None:
         out = torch.empty((T, H, D), dtype=torch.bfloat16, device=q.device)
     elif out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H, D) or (out.numel() and out.stride(2) != 1):
         raise ValueError(f"out: expected a bfloat16 ({T}, {H}, {D}) tensor with contiguous last dim")
+    # return_lse: (max_logits, lse) rows, each (T, H) float32 contiguous, natural-log units
+    stats = torch.empty((2, T, H), dtype=torch.float32, device=q.device) if return_lse else None
     if T == 0 or H == 0:
-        return out
+        return (out, stats) if return_lse else out
     BH, BN = cfg["BLOCK_H"], cfg["BLOCK_N"]
     n_hg = triton.cdiv(H, BH)
     n_tiles = sum(triton.cdiv(s[2].shape[1], BN) for s in srcs)
@@ -237,19 +252,19 @@ def _launch(q, srcs, attn_sink, scale, cfg, out):
     a_len = a[3] if a[3] is not None else a[2]
     b_len = b[3] if b[3] is not None else b[2]
     _sparse_mla_split_kernel[(n_hg, S, T)](
-        q, out, part, ml, sink,
+        q, out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)),
         a[0], a[1], a[2], a_len, a[4], a[5], a[2].stride(0), a[2].shape[1],
         b[0], b[1], b[2], b_len, b[4], b[5], b[2].stride(0), b[2].shape[1],
         H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E, tps,
         A_BS=a[6], B_BS=b[6], HAS_B=len(srcs) > 1, KV_FP8=a[0] is not None and a[0].dtype == torch.uint8,
-        A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S,
+        A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S, HAS_LSE=return_lse,
         BLOCK_H=BH, BLOCK_N=BN, D=D, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     if S > 1:
         bhm = min(16, triton.next_power_of_2(H))
         _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), T)](
-            out, part, ml, sink, H, out.stride(0), out.stride(1),
-            SPLITS=S, BLOCK_H=bhm, D=D, num_warps=4, num_stages=1)
-    return out
+            out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)), H, out.stride(0), out.stride(1),
+            SPLITS=S, HAS_LSE=return_lse, BLOCK_H=bhm, D=D, num_warps=4, num_stages=1)
+    return (out, stats) if return_lse else out
 
 
 def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
@@ -257,7 +272,8 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
                       comp_cache: torch.Tensor | None = None, comp_indices: torch.Tensor | None = None,
                       comp_lens: torch.Tensor | None = None, swa_block_size: int = 64,
                       comp_block_size: int = 64, scale: float = DEFAULT_SCALE,
-                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, config: dict | None = None,
+                      return_lse: bool = False):
     """Sparse MLA decode over fp8_ds_mla caches (SWA window + compressed candidates) with a sink.
 
     Args:
@@ -279,11 +295,16 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
         scale: softmax scale on ``q.k`` (default ``512^-0.5``).
         out: optional ``(num_tokens, num_heads, 512)`` bfloat16 output.
         config: a row of ``CONFIGS`` to force.
+        return_lse: also return the log-sum-exp of the scores (FlashMLA convention).
 
     Returns:
         ``(num_tokens, num_heads, 512)`` bfloat16:
         ``sum_j e^(s_j-M) v_j / (sum_j e^(s_j-M) + e^(sink-M))``; a row with no valid candidate is
         zeros. Slots outside the cache are skipped like ``-1`` (no out-of-bounds reads).
+        With ``return_lse``: ``(out, lse)``, lse ``(num_tokens, num_heads)`` float32 contiguous,
+        ``ln sum_j e^(s_j)`` in natural-log units of the scaled scores, over the candidates only
+        (the sink is outside the LSE), ``+inf`` for a row with no valid candidate (FlashMLA
+        ``tests/ref.py::ref_sparse_attn_decode``). Taken from the split statistics: no extra pass.
 
     Raises:
         TypeError / ValueError naming the argument on wrong dtypes, shapes, strides, devices.
@@ -313,12 +334,14 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
     elif comp_indices is not None:
         raise ValueError("comp_indices: given without comp_cache")
     cfg = config or pick_config(H, dev, num_tokens=T)
-    return _launch(q, srcs, attn_sink, scale, cfg, out)
+    res = _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=bool(return_lse))
+    return (res[0], res[1][1]) if return_lse else res
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, attn_sink: torch.Tensor,
                        lengths: torch.Tensor | None = None, scale: float = DEFAULT_SCALE,
-                       out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, config: dict | None = None,
+                       return_lse: bool = False):
     """Sparse MLA prefill over a bf16 gathered KV workspace with a sink.
 
     Args:
@@ -329,9 +352,14 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         lengths: optional ``(num_q_tokens,)`` int32 valid prefix of each index row (clamped to
             ``[0, Kc]``); ``None``: all Kc.
         scale: softmax scale (default ``512^-0.5``). out / config: as in :func:`sparse_mla_decode`.
+        return_lse: also return ``max_logits`` and ``lse`` (FlashMLA ``flash_mla_sparse_fwd``).
 
     Returns:
-        ``(num_q_tokens, num_heads, 512)`` bfloat16 (zeros for rows with no candidate).
+        ``(num_q_tokens, num_heads, 512)`` bfloat16 (zeros for rows with no candidate). With
+        ``return_lse``: ``(out, max_logits, lse)``, each statistic ``(num_q_tokens, num_heads)``
+        float32 in natural-log units of the scaled scores over the candidates only (sink outside):
+        ``max_logits`` ``-inf`` and ``lse`` ``+inf`` for a row with no candidate (FlashMLA
+        ``tests/ref.py::ref_sparse_attn_fwd``).
 
     Raises:
         TypeError / ValueError naming the argument.
@@ -349,7 +377,8 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     kv_arg = kv if kv.numel() else torch.zeros((1, D), dtype=kv.dtype, device=kv.device)
     srcs = [(None, kv_arg, indices, lengths, kv_arg.stride(0), kv.shape[0], 1)]
     cfg = config or pick_config(H, q.device)
-    return _launch(q, srcs, attn_sink, scale, cfg, out)
+    res = _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=bool(return_lse))
+    return (res[0], res[1][0], res[1][1]) if return_lse else res
 
 
 # ---- config table ------------------------------------------------------------------------------

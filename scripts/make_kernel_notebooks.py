@@ -7,6 +7,8 @@ import os
 
 import nbformat as nbf
 
+from ds4lab.notebook import KERNEL_NOTEBOOKS
+
 NOTEBOOKS = {
     "01_fp8_gemm": ("FP8 activation quant and block-scaled FP8 GEMM", ["fp8_quant", "fp8_gemm"],
                     "The dense linears (SPEC.md §2 items 1-2): dynamic 1x128 activation groups and 128x128 weight "
@@ -27,9 +29,13 @@ NOTEBOOKS = {
 }
 
 
+# the kernel env/setup.sh registers (the venv's python, whatever Jupyter runs it)
+KERNELSPEC = {"name": "ds4lab", "display_name": "ds4lab (Python 3.11)", "language": "python"}
+
+
 def make(name, title, families, blurb):
     nb = nbf.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = KERNELSPEC
     c = nbf.v4.new_code_cell
     nb.cells = [
         nbf.v4.new_markdown_cell(f"# {name[:2]} · {title}\n\n{blurb}\n\n"
@@ -39,9 +45,11 @@ def make(name, title, families, blurb):
                                  "for Ada and assembled for the H200: Ada's instruction mix on real hardware."),
         c(f"# papermill parameters\nfamilies = {families!r}\nmax_shapes = None   # None: every test shape of each kernel\n"
           "compile_report = True  # sm_89 resources per config (ds4lab aot; `make aot` adds sm_90)\n"
-          "archs = ['sm_89']\nseed = 0",
+          "archs = ['sm_89']\nseed = 0\n"
+          "shapes = 'smoke'  # on a GPU: time this card live ('smoke': one shape per kernel, minutes; 'quick', "
+          "'all'; None: committed rows only)\ntp = 1  # tensor-parallel degree(s) of the live shapes, e.g. [1, 4]",
           metadata={"tags": ["parameters"]}),
-        c("from IPython.display import display\n\nfrom ds4lab import notebook as nb\n\ndevice = nb.setup()\n"
+        c("from ds4lab import notebook as nb\n\ndevice = nb.setup()\n"
           "kernels = nb.kernels_of(families)\nprint('kernels:', kernels)"),
         nbf.v4.new_markdown_cell("## Numerics against the torch reference\n\nEvery test shape and input case of the "
                                  "registry (realistic plus adversarial: zero groups, tiny scales, NaN/-inf rows, "
@@ -50,18 +58,17 @@ def make(name, title, families, blurb):
                                  "dtype's budget (`ds4lab/numerics.py`); `max_rel` divides by `|ref|` clamped at "
                                  "`atol`, so elements near zero inflate it without failing the check."),
         c("rows = nb.numerics(families, max_shapes=max_shapes, seed=seed)\n"
-          "from ds4lab.views.kernels import numerics_figure\n"
-          "display(numerics_figure(rows, title='error against the reference'))\n"
           f"nb.record('{name}', kernels=kernels, **nb.numerics_summary(rows))"),
         nbf.v4.new_markdown_cell("## sm_89 compile report\n\nShared memory must stay within 101,376 B per block on "
                                  "sm_89, with no spills; FP8 dots must show `QMMA` in the sm_89 SASS."),
         c("aot = nb.compile_report(families, archs=archs) if compile_report else []"),
-        nbf.v4.new_markdown_cell("## Speed on the H200 (committed rows)\n\nFastest config per shape for the native "
-                                 "sm_90 build and the sm_89 build, as a fraction of the roofs measured in the same run, "
-                                 "next to the best baseline."),
-        c("fig, side = nb.bench(families)\ndisplay(fig)\n"
-          f"nb.record('{name}', bench_rows=len(side), best_roof_fraction=max((r.get('sm90_roof') or 0 for r in side), default=None), "
-          "best_sm89_roof_fraction=max((r.get('sm89_roof') or 0 for r in side), default=None))"),
+        nbf.v4.new_markdown_cell("## Speed\n\nWithout a GPU: the committed H200 rows. On a GPU: this card timed "
+                                 "live first (`ds4lab bench`, rows saved under `results/local/` with their "
+                                 "provenance), next to the committed H200 rows of the same shapes. Per panel the "
+                                 "fastest config per shape for the native build and the sm_89 build, then the "
+                                 "fraction of the roofs measured in the same run, next to the best baseline."),
+        c("side = nb.bench(families, shapes=shapes, tp=tp)\n"
+          f"nb.record('{name}', **nb.bench_summary(side))"),
     ]
     for i, cell in enumerate(nb.cells):
         cell.id = hashlib.sha1(f"{name}:{i}".encode()).hexdigest()[:8]
@@ -70,6 +77,7 @@ def make(name, title, families, blurb):
 
 if __name__ == "__main__":
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+    assert {k: v[1] for k, v in NOTEBOOKS.items()} == KERNEL_NOTEBOOKS, "families: one home, ds4lab.notebook"
     for name, (title, fams, blurb) in NOTEBOOKS.items():
         nbf.write(make(name, title, fams, blurb), os.path.join(here, name + ".ipynb"))
         print("wrote", name)

@@ -145,3 +145,100 @@ def test_card_table_says_na_for_the_h200_links():
         ada.get_card("RTX 4090")
     with pytest.raises(ValueError, match="no link model"):
         ada.decode_terms([], ada.H200, 4, 1)
+
+
+# ---- issue 19 item 5: the per-op method, the lookup order, the norms, the measured step ----------
+
+def _krow(kernel, shape, p50, build="sm89", tp=4):
+    from ds4lab.harness import costs
+    return {"kernel": kernel, "build": build, "impl": "ds4lab", "tp": tp, "shape": json.dumps(shape), "status": "OK",
+            "p50_us": p50, "min_bytes": costs.min_bytes(kernel, shape), "flops": costs.flops(kernel, shape),
+            "roof_copy_tbps": 4.25, "roof_fp8_tflops": 1256.0}
+
+
+def test_latency_bound_op_keeps_its_h200_time():
+    """max(sm_89 time on the H200, bytes / card BW): 2.6 us of act-quant stays 2.6 us on a 4090
+    (the efficiency method made it ~11 us), a bandwidth-bound MoE call is charged the card's BW."""
+    q = {"M": 1, "K": 4096}
+    rows = [_krow("per_token_group_quant_fp8", q, 2.6)]
+    t = ada._term_time({"kernel": "per_token_group_quant_fp8", "shape": q}, rows, 4, CARD, ada.Assumptions())
+    assert t["us"] == pytest.approx(2.6) and t["source"] == "measured-sm89"
+    moe = {"T": 16, "E": 256, "D": 4096, "I": 512, "topk": 6, "tp": 4}
+    rows = [_krow("fused_moe_w4a16", moe, 100.0)]
+    t = ada._term_time({"kernel": "fused_moe_w4a16", "shape": moe}, rows, 4, CARD, ada.Assumptions())
+    floor = ada.kernel_bytes("fused_moe_w4a16", moe) / (CARD.bw_tbps * 1e12) * 1e6
+    assert floor > 100 and t["us"] == pytest.approx(floor)
+
+
+def test_lookup_prefers_a_near_native_row_to_a_far_sm89_row():
+    s = lambda T: {"T": T, "E": 256, "D": 4096, "I": 512, "topk": 6, "tp": 4}  # noqa: E731
+    far = [_krow("fused_moe_w4a16", s(1), 50.0), _krow("fused_moe_w4a16", s(16), 540.0, build="native")]
+    t, _, src, _ = ada.lookup_row(far, "fused_moe_w4a16", s(16), 4)
+    assert src == "measured-native" and t == pytest.approx(540.0)     # was the T=1 sm_89 row
+    near = far + [_krow("fused_moe_w4a16", s(8), 300.0)]
+    t, _, src, match = ada.lookup_row(near, "fused_moe_w4a16", s(16), 4)
+    assert src == "measured-sm89" and "nearest T=8" in match           # one doubling away: sm_89 kept
+    both = near + [_krow("fused_moe_w4a16", s(16), 520.0)]
+    assert ada.lookup_row(both, "fused_moe_w4a16", s(16), 4)[:3] == (520.0, ada.row_efficiency(both[-1]),
+                                                                       "measured-sm89")
+    t, _, _, match = ada.lookup_row(both, "fused_moe_w4a16", s(4), 4)  # between T=1 and T=8: affine in T
+    assert t == pytest.approx(50.0 + (300.0 - 50.0) * 3 / 7) and match.startswith("interp T 1-8")
+
+
+def test_rmsnorm_counts_only_q_and_kv_norms():
+    terms = ada.decode_terms([], CARD, 4, 1)
+    norms = [t for t in terms if t["op"] == "rmsnorm"]
+    from ds4lab.geometry import LayerKind, layer_counts
+    c4a = layer_counts(DEFAULT_CONFIG)[LayerKind.C4A]  # + the indexer's own norm on C4A layers
+    assert sum(t["calls"] for t in norms) == 2 * DEFAULT_CONFIG.num_hidden_layers + c4a  # attn/ffn: in mHC
+    assert "mHC" in ada.ESTIMATED_OPS["rmsnorm"]
+
+
+def _step_rows(tp=4, batch=1, mode="plain", ctx=8192):
+    base = {"timestamp": "t0", "build": "sm89", "tp": tp, "batch": batch, "mode": mode, "ctx": ctx, "status": "OK"}
+    return [{**base, "group": "(step)", "us": 2500.0, "p50_us": 2500.0},
+            {**base, "group": "moe.experts", "kind": "kernel:fused_moe_w4a16", "us": 600.0, "launches": 43,
+             "bytes": 43 * 20e6},
+            {**base, "group": "attn.wq_b", "kind": "kernel:fp8_gemm_nt", "us": 400.0, "launches": 43, "bytes": 43 * 8.4e6},
+            {**base, "group": "(gaps)", "us": 200.0, "launches": 0, "bytes": None},
+            {**base, "group": "comm.all_reduce (device copy)", "us": 150.0, "launches": 86}]
+
+
+def test_decode_model_uses_the_measured_step_and_says_so():
+    rows = load_results()
+    m = ada.decode_model(rows, [CARD], (4,), (1, 4), ("plain",), step_rows=_step_rows())
+    on_step = next(r for r in m if r["batch"] == 1)
+    assert on_step["basis"].startswith("decode_step.csv")
+    assert next(r for r in m if r["batch"] == 4)["basis"].startswith("bench.csv")  # no step at batch 4
+    terms = ada.step_terms(_step_rows(), rows, CARD, 4, 1)
+    by = {t["op"]: t for t in terms}
+    assert by["moe.experts"]["us"] == pytest.approx(43 * 20e6 / (CARD.bw_tbps * 1e12) * 1e6)  # bytes-bound on a 4090
+    assert by["attn.wq_b"]["us"] == pytest.approx(400.0)        # the H200 time is above the card's floor
+    assert by["(gaps)"]["us"] == 200.0
+    assert "all_reduce" in by and "comm.all_reduce (device copy)" not in by  # the copy -> the link model
+    assert on_step["step_ms"] * 1e3 == pytest.approx(sum(t["us"] for t in terms))
+
+
+def test_community_comparison_is_like_for_like():
+    m = ada.decode_model(load_results(), tps=(4,), batches=(1,))
+    cmp = ada.community_comparison(m)
+    assert {(r["card"], r["mode"]) for r in cmp} == {(s["card"], s["mode"]) for s in ada.SEED_FIGURES}
+    a = ada.Assumptions()
+    for r in cmp:
+        assert r[f"+ host {a.host_us_per_step:.0f} us tok/s"] < r["step tok/s"] < r["ceiling tok/s"]
+    assert any("host" in s for s in ada.STEP_LEAVES_OUT) and any("prefill" in s for s in ada.STEP_LEAVES_OUT)
+
+
+def test_step_bytes_are_the_costs_formulas():
+    b = ada.step_bytes(DEFAULT_CONFIG, 4, 1, 1, 8192)
+    o = op_shapes(DEFAULT_CONFIG, 4)["wq_b"]
+    want = ada.kernel_bytes("fp8_gemm_nt", {"op": "wq_b", "M": 1, "N": o.dims["N"], "K": o.dims["K"]})
+    assert b["wq_b"] == pytest.approx(want * DEFAULT_CONFIG.num_hidden_layers)
+    assert b["moe_w13+moe_w2"] > b["wq_b"]
+
+
+def test_scaled_rows_carry_the_max_method_too():
+    r = _row(min_bytes=20e6, flops=1e6, p50=10.0)
+    s = ada.scale_row(r, CARD, A0)
+    assert s["ada_max_us"] == pytest.approx(20e6 / (CARD.bw_tbps * 1e12) * 1e6)  # bandwidth-bound on the card
+    assert ada.scale_row(_row(min_bytes=1e3, p50=2.0), CARD)["ada_max_us"] == 2.0  # latency kept, not scaled

@@ -222,6 +222,30 @@ def test_stale_vllm_triton_mla_sparse_exports(venv):
     assert r.status == "fail" and "TRITON_INTERPRET" in r.fix
 
 
+def test_stale_env_against_the_installed_vllm_registry():
+    """Every VLLM_* variable is checked against the real installed vLLM's env registry, read in the
+    checked interpreter: VLLM_USE_V1 (gone from 0.32: vLLM warns "Unknown vLLM environment variable")
+    and a build-time-only VLLM_USE_PRECOMPILED are flagged; a variable vLLM reads is not."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}
+    env = dict(base, VLLM_USE_V1="0", VLLM_USE_PRECOMPILED="1", VLLM_CPU_KVCACHE_SPACE="4", VLLM_PLUGINS="ds4lab")
+    ctx = DoctorContext("cpu", stack("cpu"), env, python=sys.executable, server_argv=[],
+                        probe_torch=False, probe_hash_moe=False)
+    r = one(ctx, "stale-env")
+    reg = ctx.facts["vllm_env"]
+    assert reg["unknown"] == ["VLLM_USE_V1"] and reg["unread"] == ["VLLM_USE_PRECOMPILED"], reg
+    assert reg["registry_size"] > 200
+    assert r.status == "warn" and "unknown to the installed vLLM: VLLM_USE_V1=0" in r.evidence
+    assert r.fix == "unset VLLM_USE_V1 VLLM_USE_PRECOMPILED" and "VLLM_CPU_KVCACHE_SPACE" not in r.evidence
+    # vLLM refuses an unknown variable with --fail-on-environ-validation: then it is a fail
+    hard = DoctorContext("cpu", stack("cpu"), env, python=sys.executable, facts=ctx.facts,
+                         server_argv=["vllm", "serve", "m", "--fail-on-environ-validation"])
+    assert one(hard, "stale-env").status == "fail"
+    clean = DoctorContext("cpu", stack("cpu"), dict(base, VLLM_CPU_KVCACHE_SPACE="4"), python=sys.executable,
+                          server_argv=[], facts=ctx.facts)   # the same probe: one vLLM import per test
+    r = one(clean, "stale-env")
+    assert r.status == "pass" and "registered variables" in r.evidence, r
+
+
 def test_profile_env_requires_triton_mla_sparse_and_plugin(venv):
     assert one(ctx_for(venv, FORK), "profile-env").status == "fail"
     assert one(ctx_for(venv, FORK, venv.environ(VLLM_TRITON_MLA_SPARSE="1")), "profile-env").status == "pass"
@@ -268,6 +292,52 @@ def test_hf_offline_dangling_refs_main(venv):
     # another repo in the cache with a dangling ref: huggingface_hub's scan_cache_dir flags it
     hf_repo(cache, "org/other", [have], main=gone)
     assert one(ctx_for(venv, FORK, offline), "hf-offline").status == "warn"
+
+
+VLLM_RESOLVES = """
+import json, sys
+from vllm.transformers_utils.repo_utils import get_model_path
+out = {}
+for repo, rev in json.loads(sys.argv[1]):
+    try:
+        out[repo + "@" + str(rev)] = get_model_path(repo, revision=rev)
+    except Exception as e:
+        out[repo + "@" + str(rev)] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_hf_offline_agrees_with_huggingface_hub_and_vllm(venv):
+    """A real HF cache layout: refs/main without newline, with one (`echo $SHA > refs/main`), dangling,
+    and a --revision pin. The doctor, serve's resolution and the installed vLLM's own
+    get_model_path (HF_HUB_OFFLINE=1, real huggingface_hub) must agree on what loads."""
+    from ds4lab.serve.profiles import resolve_hf_snapshot
+    cache = venv.root / "hf"
+    sha, gone = "c" * 40, "d" * 40
+    hf_repo(cache, "org/clean", [sha], main=sha)
+    hf_repo(cache, "org/newline", [sha], main=sha + "\n")
+    hf_repo(cache, "org/dangling", [sha], main=gone)
+    offline = venv.environ(HF_HUB_OFFLINE="1")
+    cases = [("org/clean", None), ("org/newline", None), ("org/dangling", None), ("org/newline", sha)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    r = subprocess.run([sys.executable, "-c", VLLM_RESOLVES, json.dumps(cases)], capture_output=True, text=True,
+                       env=dict(env, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache)), timeout=120, cwd=venv.root)
+    vllm_says = json.loads(r.stdout.strip().splitlines()[-1])
+    for repo, rev in cases:
+        argv = ["vllm", "serve", repo] + (["--revision", rev] if rev else [])
+        row = one(ctx_for(venv, FORK, offline, argv=argv), "hf-offline")
+        loads = vllm_says[f"{repo}@{rev}"].startswith(str(cache))
+        assert (row.status != "fail") == loads, (repo, rev, vllm_says, row)   # warn: the other repos
+        assert vllm_says[f"{repo}@{rev}"] in (str(cache / f"models--{repo.replace('/', '--')}" / "snapshots" / sha),
+                                              "LocalEntryNotFoundError")
+    row = one(ctx_for(venv, FORK, offline, argv=["vllm", "serve", "org/newline"]), "hf-offline")
+    assert row.status == "fail" and "verbatim" in row.evidence and "LocalEntryNotFoundError" in row.evidence
+    assert f"--revision {sha}" in row.fix and f"printf %s {sha} >" in row.fix
+    assert "missing commit" in row.evidence            # scan_cache_dir's warning about the model's own repo
+    # serve falls back to the complete snapshot and says why; the clean repo resolves silently
+    p, note = resolve_hf_snapshot("org/newline", cache_dir=cache)
+    assert p.name == sha and "verbatim" in note
+    assert resolve_hf_snapshot("org/clean", cache_dir=cache) == (cache / "models--org--clean" / "snapshots" / sha, None)
 
 
 def test_hf_offline_model_missing_from_cache(venv):
@@ -423,6 +493,27 @@ def test_driver_vs_runtime_vs_toolkit(tmp_path, fake_libcuda):
     assert one(ctx_for(e, "cpu", e.environ()), "driver-cuda").status == "pass"
 
 
+def test_probes_are_standalone_programs_run_by_path(venv):
+    """The probe programs are real modules (linted, read by tests) that the doctor runs by file path
+    in the checked interpreter, which need not have ds4lab: they import only the standard library
+    and the packages they inspect, and run in a bare venv that cannot import ds4lab."""
+    import ast
+    from ds4lab.doctor.probes import COMPILE_PROBE, ENV_PROBE
+    for path in (ENV_PROBE, COMPILE_PROBE):
+        tree = ast.parse(open(path).read(), path)
+        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "ds4lab" not in mods and mods <= set(sys.stdlib_module_names) | {"torch", "triton", "transformers", "vllm"}, \
+            (path, mods)
+    env = venv.environ()
+    assert subprocess.run([venv.python, "-c", "import ds4lab"], env=env, capture_output=True,
+                          cwd=venv.root).returncode != 0
+    r = subprocess.run([venv.python, ENV_PROBE, json.dumps({"dists": ["torch"], "modules": ["json", "torch"]})],
+                       env=env, capture_output=True, text=True, timeout=60, cwd=venv.root)
+    facts = json.loads(r.stdout.split("DS4LAB_PROBE", 1)[1])
+    assert facts["executable"] == venv.python and "json" in facts["modules"] and "torch" not in facts["modules"]
+
+
 @pytest.mark.aot
 def test_triton_compiles_for_sm89_without_a_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}
@@ -487,6 +578,40 @@ def test_cli_json_on_this_cpu_box_passes():
     if d["profile"] == "cpu":  # this workbench
         fails = [c for c in d["checks"] if c["status"] == "fail"]
         assert out.returncode == 0 and not fails, fails
+
+
+def test_cli_streams_each_row_as_it_finishes(tmp_path):
+    """`ds4lab doctor` prints each row when its check finishes, not all at the end: the checked
+    interpreter is a wrapper whose Triton compile probe waits for a gate file, and the rows before
+    triton-compile must be on stdout while the process still waits; opening the gate finishes it."""
+    gate = tmp_path / "gate"
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\ncase \"$1\" in *compile_probe.py)\n"
+                  f"  for i in $(seq 600); do [ -e {gate} ] && break; sleep 0.1; done;;\nesac\n"
+                  f"exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_HUB_OFFLINE"))}
+    cmd = [sys.executable, "-m", "ds4lab", "doctor", "--profile", "cpu", "--python", str(py),
+           "--only", "python", "--only", "stale-env", "--only", "triton-compile"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        lines = []
+        while not any(ln.startswith("PASS  stale-env") for ln in lines):
+            ln = proc.stdout.readline()
+            assert ln, (lines, proc.stderr.read())
+            lines.append(ln)
+        assert proc.poll() is None, "rows came only once the process ended"
+        assert lines[0].startswith("ds4lab doctor: profile cpu") and any(ln.startswith("PASS  python") for ln in lines)
+        assert not any("triton-compile" in ln for ln in lines)
+        gate.touch()
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=300) == 0
+    finally:
+        gate.touch()
+        proc.kill() if proc.poll() is None else None
+        proc.wait()
+    assert "PASS  triton-compile" in rest and "3 pass, 0 warn, 0 fail" in rest
+    assert "probing" in proc.stderr.read()
 
 
 def test_cli_exit_status_on_fail():

@@ -31,15 +31,23 @@ def test_memory_notebook_runs(tmp_path):
     nb = nbformat.read(out, as_version=4)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
                    if o.output_type == "stream")
-    assert "bytes per block 1,002,240 B" in text
-    assert re.search(r"^watched +0\.97 ", text, re.M) and "kv_tokens" in text
-    # default corner on L40S: unattended is impossible and the planner names the flag that fixes it
-    assert re.search(r"^unattended +impossible ", text, re.M)
-    assert re.search(r"^unattended \(fixed\) +0\.955 .*--no-async-scheduling", text, re.M)
-    assert "None" not in text[text.index("mode "):]
-    # the shipped profiles on each Ada card (plan_for_profile)
-    assert re.search(r"^ada-upstream +l40s +0\.92 .* REFUSED ", text, re.M)
-    assert re.search(r"^community-sm89-fork +rtx6000ada +0\.95 .* starts ", text, re.M)
+    # tables are pandas DataFrames (issue 22): read their HTML cells
+    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.outputs)
+    assert "bytes per block 1,002,240 B" in text and "<table" in html
+
+    def row(*cells):   # consecutive <td> cells of one DataFrame row
+        return re.search(r"\s*".join(f"<td>{c}</td>" for c in cells), html)
+
+    # default corner on L40S (vLLM 0.32): neither mode works as given since the indexer's 512 MiB
+    # reservation (issue 23); the planner names the flags that fix each
+    assert row("watched", "impossible") and row("unattended", "impossible")
+    assert row("watched \\(fixed\\)", "0.97") and "--no-async-scheduling" in html
+    assert row("unattended \\(fixed\\)", "0.955") and "--max-num-batched-tokens 1024" in html
+    # the shipped profiles on each Ada card (plan_for_profile), in the planner's wording
+    assert row("ada-upstream", "l40s", "0.92") and ">refused<" in html
+    assert row("community-sm89-fork", "rtx6000ada", "0.95") and ">starts<" in html
+    assert "util 0.95: " in text   # the verdict line printed above the term table
     charts = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if "application/vnd.plotly.v1+json" in o.get("data", {})]
     assert len(charts) == 2

@@ -240,13 +240,17 @@ def test_serve_sh_execs_the_same_argv(tmp_path):
     """serve.sh, run with a stub python, execs exactly the profile's server argv."""
     L = build_launch("community-sm89-fork", base_env=ENV, port=8000, resolve_model=False)
     files = artifacts.write_artifacts(L, tmp_path, port=8000)
-    stub = tmp_path / "py"
-    stub.write_text("#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > \"$OUT_ARGS\"\nenv > \"$OUT_ENV\"\n")
+    stub = tmp_path / "py"   # records the server argv; the snapshot resolution runs in the real interpreter
+    stub.write_text("#!/usr/bin/env bash\n"
+                    f"if [ \"$1 $2\" = '-m ds4lab.hf_snapshot' ]; then exec {sys.executable} \"$@\"; fi\n"
+                    "printf '%s\\n' \"$@\" > \"$OUT_ARGS\"\nenv > \"$OUT_ENV\"\n")
     stub.chmod(0o755)
     env = dict(ENV, PYTHON=str(stub), OUT_ARGS=str(tmp_path / "a"), OUT_ENV=str(tmp_path / "e"),
-               VLLM_TRITON_MLA_SPARSE_OLD="1", HF_HUB_CACHE=str(tmp_path / "hub"))
+               VLLM_TRITON_MLA_SPARSE_OLD="1", HF_HUB_CACHE=str(tmp_path / "hub"),
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run(["bash", str(files["serve.sh"])], env=env, capture_output=True, text=True)
-    assert r.returncode == 1 and "no complete snapshot" in r.stderr   # nothing cached: clear failure
+    assert r.returncode == 1 and "not in the HF cache" in r.stderr   # nothing cached: clear failure
+    assert not (tmp_path / "a").exists()                              # and the server never started
     # refs/main points at a snapshot that is not on disk: the script picks the existing one, says so
     root = _fake_repo(tmp_path / "hub", L.model, ("good1",), "dangling")
     r = subprocess.run(["bash", str(files["serve.sh"])], env=env, capture_output=True, text=True)
@@ -258,6 +262,12 @@ def test_serve_sh_execs_the_same_argv(tmp_path):
     assert got == want
     e = (tmp_path / "e").read_text()
     assert "VLLM_TRITON_MLA_SPARSE=1" in e and "VLLM_TRITON_MLA_SPARSE_OLD" not in e
+    # `echo $SHA > refs/main`: huggingface_hub (and so vLLM) does not strip the newline; serve.sh
+    # resolves the way the hub does and says why it falls back to the snapshot on disk
+    (root / "refs" / "main").write_text("good1\n")
+    r = subprocess.run(["bash", str(files["serve.sh"])], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "verbatim" in r.stderr, r.stderr
+    assert (tmp_path / "a").read_text().splitlines() == want
 
 
 # ---- Server process handling against fake servers ---------------------------------------------

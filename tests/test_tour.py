@@ -53,7 +53,7 @@ def test_ada_summary_is_one_row_per_card_and_mode(tmp_path):
 
 def _plotly_notebook(path):
     from ds4lab.views.kernels import numerics_figure
-    fig = numerics_figure([{"shape": '{"M": 1}', "case": "random", "check": "D", "verdict": "PASS",
+    fig = numerics_figure([{"kernel": "fp8_gemm_nt", "shape": '{"M": 1}', "case": "random", "check": "D", "verdict": "PASS",
                             "max_rel": 1e-3, "diff": 1e-6}], title="a </script> label")
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("display(fig)")
@@ -81,3 +81,48 @@ def test_timeout_must_be_positive(tmp_path, timeout):
     with pytest.raises(ValueError, match="--timeout"):
         tour.run_tour(str(tmp_path), ["01"], timeout=timeout)
     assert not (tmp_path / "index.html").exists()
+
+
+def test_html_export_works_offline_and_notes_widgets(tmp_path):
+    """No CDN script (require.js, MathJax): the page opens without a network; a widget output,
+    which a static page cannot draw, says where it runs instead of leaving a blank."""
+    ipynb = tmp_path / "07_x.ipynb"
+    _plotly_notebook(ipynb)
+    nb = nbformat.read(str(ipynb), as_version=4)
+    nb.cells[0].outputs.append(nbformat.v4.new_output(
+        "display_data", data={tour.WIDGET_MIME: {"model_id": "abc", "version_major": 2, "version_minor": 0},
+                              "text/plain": "VBox(...)"}))
+    nbformat.write(nb, str(ipynb))
+    tour._to_html(str(ipynb), str(tmp_path / "07_x.html"))
+    page = (tmp_path / "07_x.html").read_text()
+    import re
+    srcs = re.findall(r"<script[^>]*\bsrc=['\"]([^'\"]+)", page)
+    assert srcs == ["plotly.min.js"], srcs
+    assert "cdnjs" not in page and "mathjax" not in page.lower().replace("mathjaxconfig", "")
+    assert "Interactive widget: it runs in JupyterLab" in page
+
+
+def test_tour_writes_under_the_current_directory(tmp_path, monkeypatch):
+    import argparse
+    monkeypatch.chdir(tmp_path)
+    p = argparse.ArgumentParser()
+    tour.add_arguments(p)
+    args = p.parse_args(["01", "-p", "max_shapes=2", "-p", "shapes=smoke", "-p", "compile_report=false"])
+    assert args.out is None and tour.default_out_dir() == str(tmp_path / "build" / "tour")
+    assert tour.parse_params(args.param) == {"max_shapes": 2, "shapes": "smoke", "compile_report": False}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        tour.parse_params(["max_shapes"])
+    assert "current directory" in " ".join(p.format_help().split())
+
+
+def test_tour_uses_the_registered_kernel():
+    from jupyter_client.kernelspec import KernelSpecManager
+    want = "ds4lab" if "ds4lab" in KernelSpecManager().find_kernel_specs() else "python3"
+    assert tour.kernel_name() == want
+def test_decode_step_summary_row(tmp_path):
+    rec = {"h200_configs": 0, "local": "CPU: the tiny checkpoint's model", "local_p50_us": 1.5e6,
+           "local_launches": 120, "projection_card": "RTX 4090-48G", "projection_tok_s": 96.5,
+           "projection_basis": "bench.csv (sum of kernel rows + estimates)", "ignored": 1}
+    t = tour.summary_tables(_records(tmp_path, {"10_decode_step": rec}))
+    (row,) = t["decode step"]
+    assert row == {k: v for k, v in rec.items() if k != "ignored"}

@@ -24,12 +24,15 @@ def stack(name: str) -> dict:
     return s[name]
 
 
-def option_value(argv: list[str], flag: str) -> str | None:
-    """The value of ``flag`` in an argv (``--flag v`` or ``--flag=v``); the last one wins, as in vLLM."""
+def option_value(argv: list[str], flag: str, *aliases: str) -> str | None:
+    """The value of ``flag`` (or one of its ``aliases``, e.g. ``-tp`` for ``--tensor-parallel-size``)
+    in an argv (``--flag v`` or ``--flag=v``); the last one wins, as in vLLM's argparse."""
+    names = (flag, *aliases)
     out = None
     for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            out = argv[i + 1]
-        elif a.startswith(flag + "="):
-            out = a.split("=", 1)[1]
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                out = argv[i + 1]
+            elif a.startswith(n + "="):
+                out = a.split("=", 1)[1]
     return out

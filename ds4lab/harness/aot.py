@@ -34,11 +34,12 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 
+from ds4lab.tables import format_table
 from ds4lab_kernels._arch import SMEM_LIMIT, table_for
 
 __all__ = ["SMEM_LIMIT", "ARCH_CC", "DEFAULT_ARCHS", "DEFAULTS_ONLY", "labels_for", "AotRow", "capture_compiles",
-           "compile_spec", "report", "summary", "table_of", "ptxas_unsupported", "main", "add_arguments",
-           "ptx_for_other_arch"]
+           "compile_spec", "report", "report_table", "summary", "table_of", "ptxas_unsupported", "main",
+           "add_arguments", "ptx_for_other_arch"]
 
 ARCH_CC = {"sm_89": 89, "sm_90": 90, "sm_120": 120}
 DEFAULT_ARCHS = ("sm_89", "sm_90", "sm_120")
@@ -270,23 +271,22 @@ def summary(rows: list[AotRow]) -> str:
     return "\n".join(lines)
 
 
-def format_table(rows: list[AotRow]) -> str:
-    """One line per compiled Triton function: verdict first, then the MMA / local-memory
-    instruction counts, then the AOT shape where a kernel has several."""
-    head = (f"{'kernel':<28} {'triton fn':<36} {'arch':<6} {'config':<10} {'warps':>5} {'smem B':>8} {'regs':>4} "
-            f"{'spill':>6} {'stack':>5}  verdict  mma (SASS counts)  [shape]")
-    lines = [head, "-" * len(head)]
+def report_table(rows: list[AotRow]) -> str:
+    """One line per compiled Triton function (:func:`ds4lab.tables.format_table`): verdict first,
+    then the MMA / local-memory instruction counts, then the AOT shape where a kernel has several."""
     multi = {(r.kernel, r.arch, r.config) for r in rows
              if any(o.shape != r.shape and (o.kernel, o.arch, o.config) == (r.kernel, r.arch, r.config) for o in rows)}
+    out = []
     for r in rows:
-        mma = ",".join(f"{k}:{v}" for k, v in r.mma.items() if v) or "-"
         where = ""
         if (r.kernel, r.arch, r.config) in multi:  # several AOT shapes: say which one
-            where = "  @" + ",".join(f"{k}={v}" for k, v in r.shape.items())
-        lines.append(f"{r.kernel:<28} {r.triton_fn[:36]:<36} {r.arch:<6} {r.config:<10} {r.num_warps:>5} {r.shared:>8} "
-                     f"{r.registers:>4} {r.spill_stores:>6} {r.local:>5}  {'OK' if r.ok else 'FAIL: ' + r.why}  "
-                     f"{mma}{where}")
-    return "\n".join(lines)
+            where = "@" + ",".join(f"{k}={v}" for k, v in r.shape.items())
+        out.append({"kernel": r.kernel, "triton fn": r.triton_fn[:36], "arch": r.arch, "config": r.config,
+                    "warps": r.num_warps, "smem B": r.shared, "regs": r.registers, "spill": r.spill_stores,
+                    "stack": r.local, "verdict": "OK" if r.ok else "FAIL: " + r.why,
+                    "mma (SASS counts)": ",".join(f"{k}:{v}" for k, v in r.mma.items() if v) or "-",
+                    "[shape]": where})
+    return format_table(out, right=("warps", "smem B", "regs", "spill", "stack"))
 
 
 def add_arguments(p) -> None:
@@ -311,7 +311,7 @@ def main(args) -> int:
         raise ValueError(f"--json {args.json}: its folder does not exist")
     rows = report(args.kernels or None, tuple(args.arch or DEFAULT_ARCHS),
                   progress=lambda m: print(m, file=sys.stderr, flush=True), all_configs=args.all_configs)
-    print(format_table(rows))
+    print(report_table(rows))
     print(summary(rows))
     if args.json:
         with open(args.json, "w") as f:

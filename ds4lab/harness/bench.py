@@ -3,7 +3,8 @@
 Method (STYLE.md: DeepGEMM, flashinfer, FlagGems):
 - check before time: the kernel's output is compared with its torch reference first; a kernel that
   fails its numerics is recorded as FAIL and never timed;
-- cold L2: enough independent input sets are rotated that their bytes exceed 2x the L2 size;
+- cold L2: enough independent input sets are rotated that the bytes the calls touch exceed 2x the
+  L2 size (:func:`n_sets`; the MoE counts the selected experts, not all 256 it is given);
 - CUDA-graph replay: one graph launches the kernel once per input set; a replay's time over the
   number of sets is one call; quantiles p20/p50/p80 over replays (events timing if capture fails);
 - roofs measured in the same run: a large device-to-device copy (bytes read + written), a large
@@ -12,7 +13,7 @@ Method (STYLE.md: DeepGEMM, flashinfer, FlagGems):
 
 Runs on the H200 image with its own python3 (torch, triton, numpy only). ``--arch sm89`` runs the
 sm_89 build of every kernel on the H200 (issue 15): Triton compiles for sm_89
-(``TRITON_OVERRIDE_ARCH=sm89``) and ``ds4lab/tools/ptxas_retarget.py`` assembles that PTX for the
+(``TRITON_OVERRIDE_ARCH=sm89``) and ``ds4lab/harness/ptxas_retarget.py`` assembles that PTX for the
 local GPU; the SASS then has Ada's instruction mix (``mma.sync`` QMMA, no wgmma/TMA).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 import subprocess
 import sys
 
-__all__ = ["add_arguments", "main", "run_bench", "measure_roofs", "FIELDS"]
+__all__ = ["add_arguments", "main", "run_bench", "measure_roofs", "n_sets", "time_calls", "FIELDS"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -39,7 +40,7 @@ def _setup_build(build: str) -> None:
     """Must run before triton is imported."""
     if build == "sm89":
         os.environ["TRITON_OVERRIDE_ARCH"] = "sm89"
-        os.environ["TRITON_PTXAS_PATH"] = os.path.join(_HERE, "tools", "ptxas_retarget.py")
+        os.environ["TRITON_PTXAS_PATH"] = os.path.join(_HERE, "ptxas_retarget.py")  # moved by issue 18
         import importlib.util
         tdir = importlib.util.find_spec("triton").submodule_search_locations[0]
         os.environ.setdefault("DS4LAB_REAL_PTXAS", os.path.join(tdir, "backends", "nvidia", "bin", "ptxas"))
@@ -130,10 +131,36 @@ def measure_roofs() -> dict:
             "roof_fp8_tflops": round(2 * N**3 / (t_fp8 * 1e-6) / 1e12, 1)}
 
 
-def _n_sets(inputs: dict, l2_bytes: int) -> int:
+MAX_SETS = 32
+
+
+def n_sets(touched_bytes: float, l2_bytes: int, set_bytes: float | None = None,
+           mem_budget: float | None = None, max_sets: int = MAX_SETS) -> int:
+    """How many independent input sets to rotate so that L2 is cold for every call.
+
+    Args:
+        touched_bytes: bytes one call brings through L2 (``KernelSpec.touched_bytes``, else every
+            input tensor's bytes).
+        l2_bytes: the device's L2 size.
+        set_bytes: bytes one input set allocates (all its tensors; the MoE's 256 experts); with
+            ``mem_budget`` it caps the count so the sets fit in device memory.
+        mem_budget: device bytes the sets may take (None: no cap).
+        max_sets: upper bound (graph size and set-up time).
+
+    Returns:
+        ``ceil(2 * l2_bytes / touched_bytes)`` clamped to ``[1, max_sets]`` and to
+        ``mem_budget // set_bytes``: the sets' touched bytes exceed twice the L2, so by the time a
+        set comes round again its lines were evicted.
+    """
+    n = max(1, min(max_sets, -(-2 * int(l2_bytes) // max(int(touched_bytes), 1))))
+    if mem_budget is not None and set_bytes:
+        n = max(1, min(n, int(mem_budget // set_bytes)))
+    return n
+
+
+def _tensor_bytes(inputs: dict) -> int:
     import torch
-    b = sum(v.numel() * v.element_size() for v in inputs.values() if isinstance(v, torch.Tensor))
-    return max(1, min(32, -(-2 * l2_bytes // max(b, 1))))
+    return sum(v.numel() * v.element_size() for v in inputs.values() if isinstance(v, torch.Tensor))
 
 
 class _Rows(list):
@@ -150,90 +177,138 @@ class _Rows(list):
             write_csv([row], self.path)
 
 
-def run_bench(names=None, tps=(1,), build="native", quick=False, log=print, shape_filter=None,
-              config_filter=None, baselines=True, csv_path: str | None = None) -> list[dict]:
-    """Check-then-time every selected (kernel, shape, config) and baseline; returns CSV rows.
-
-    ``shape_filter`` (dict) keeps one shape, ``config_filter`` (label) one config, ``baselines``
-    times each spec's baselines next to it; ``csv_path`` appends each row as soon as it is measured."""
+def _provenance(build: str) -> tuple[dict, dict]:
+    """(row columns every row carries: time, GPU, clocks, versions, sha, build, same-run roofs;
+    the device facts the run needs: device, config-table arch, L2 bytes)."""
     import torch
     import triton
 
     from ds4lab.banner import git_sha
-    from ds4lab.geometry import DEFAULT_CONFIG
-    from ds4lab.harness.registry import all_specs
     from ds4lab_kernels._arch import arch_of
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    arch = arch_of(dev) if build == "native" else "sm_89"  # the table the launchers read (capacity rule)
-    l2 = getattr(props, "L2_cache_size", 50 << 20)
     roofs = measure_roofs()
     sm, mem = _clocks()  # sampled right after the roof products: the clocks under load, not idle
-    log(f"roofs: {roofs}")
-    sha = os.environ.get("DS4LAB_GIT_SHA") or git_sha()
     base = {"timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "gpu": props.name,
             "sm_clock_mhz": sm, "mem_clock_mhz": mem, "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "git_sha": sha, "build": build, **roofs}
+            "cuda": torch.version.cuda, "git_sha": os.environ.get("DS4LAB_GIT_SHA") or git_sha(), "build": build,
+            **roofs}
+    # the arch rule has one home (arch_of: TRITON_OVERRIDE_ARCH, set by _setup_build for sm89, wins)
+    run = {"device": dev, "arch": arch_of(dev), "l2": getattr(props, "L2_cache_size", 50 << 20), "roofs": roofs}
+    return base, run
+
+
+def _shapes(spec, tp: int, quick: bool, shape_filter: dict | None) -> list[dict]:
+    from ds4lab.geometry import DEFAULT_CONFIG
+    shapes = spec.bench_shapes(DEFAULT_CONFIG, tp)
+    if shape_filter is not None:
+        return [s for s in shapes if s == shape_filter] or [shape_filter]
+    return shapes[:: max(1, len(shapes) // 3)] if quick else shapes
+
+
+def _input_sets(spec, shape: dict, dev, l2: int) -> list[dict]:
+    """Input set 0 plus as many more (seeds 1..) as :func:`n_sets` asks for, within half the free memory."""
+    import torch
+    first = spec.make_inputs(shape, spec.cases[0], 0, dev)
+    size = _tensor_bytes(first)
+    touched = spec.touched_bytes(shape) if spec.touched_bytes is not None else size
+    budget = 0.5 * torch.cuda.mem_get_info(dev)[0] if torch.device(dev).type == "cuda" else None
+    n = n_sets(touched, l2, size, budget)
+    return [first] + [spec.make_inputs(shape, spec.cases[0], i, dev) for i in range(1, n)]
+
+
+def _reference(spec, inputs: dict):
+    """(reference output or None, why it is None or None)."""
+    try:
+        return spec.reference_fn()(**inputs), None
+    except Exception as e:
+        return None, f"reference failed: {type(e).__name__}: {e}"
+
+
+def _check(spec, fn, inputs: dict, cfg: dict, want, ref_err: str | None) -> tuple[bool, str]:
+    """Run the kernel once on set 0 and judge it against the reference: (ok, numerics text)."""
+    import torch
+    if want is None:
+        return False, ref_err or "no reference output"
+    try:
+        got = fn(**inputs, config=cfg)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        reps = spec.check(got, want, inputs)
+    except Exception as e:
+        return False, f"{type(e).__name__}: {e}"[:300]
+    return all(reps), "; ".join(r.summary() for r in reps)
+
+
+def _bench_configs(spec, shape, sets, common, repro, run, rows, log, config_filter) -> None:
+    """Check-then-time every config label of the spec at this shape."""
+    fn = spec.launcher_fn()
+    want, ref_err = _reference(spec, sets[0])
+    for label in spec.config_labels(run["arch"], shape):
+        if config_filter and label != config_filter:
+            continue
+        cfg = spec.configs[run["arch"]][label]
+        row = {**common, "impl": "ds4lab", "config_label": label, "config": json.dumps(cfg),
+               "repro": repro + f" --config {label}"}
+        ok, row["numerics"] = _check(spec, fn, sets[0], cfg, want, ref_err)
+        if not ok:
+            row["status"] = "FAIL"
+            rows.append(row)
+            log(f"FAIL {spec.name} tp={common['tp']} {shape} {label}: {row['numerics'][:200]}")
+            continue
+        (p20, p50, p80), mode = time_calls([lambda s=s: fn(**s, config=cfg) for s in sets])
+        rows.append(_finish(row, spec, p20, p50, p80, mode, run["roofs"]))
+        log(_fmt(rows[-1]))
+
+
+def _bench_baselines(spec, sets, common, repro, run, rows, log) -> None:
+    for bname, make in spec.baselines.items():
+        row = {**common, "impl": bname, "config_label": "", "config": "", "numerics": "",
+               "repro": repro + " --config none"}
+        try:
+            (p20, p50, p80), mode = time_calls([make(s) for s in sets])
+        except Exception as e:
+            row.update(status="ERROR", numerics=f"{type(e).__name__}: {e}"[:300])
+            rows.append(row)
+            continue
+        rows.append(_finish(row, spec, p20, p50, p80, mode, run["roofs"]))
+        log(_fmt(rows[-1]))
+
+
+def _bench_shape(spec, tp, shape, build, base, run, rows, log, config_filter, baselines) -> None:
+    import torch
+    sets = _input_sets(spec, shape, run["device"], run["l2"])
+    repro = (f"python3 -m ds4lab.harness.bench {spec.name} --tp {tp} --arch {build} "
+             f"--shape '{json.dumps(shape)}'")
+    common = {**base, "kernel": spec.name, "tp": tp, "shape": json.dumps(shape), "flops": spec.flops(shape),
+              "min_bytes": spec.min_bytes(shape), "n_sets": len(sets)}
+    _bench_configs(spec, shape, sets, common, repro, run, rows, log, config_filter)
+    if baselines:
+        _bench_baselines(spec, sets, common, repro, run, rows, log)
+    del sets
+    torch.cuda.empty_cache()
+
+
+def run_bench(names=None, tps=(1,), build="native", quick=False, log=print, shape_filter=None,
+              config_filter=None, baselines=True, csv_path: str | None = None) -> list[dict]:
+    """Check-then-time every selected (kernel, shape, config) and baseline; returns CSV rows.
+
+    ``names``: kernel names or families (None: all); ``shape_filter`` (dict) keeps one shape,
+    ``config_filter`` (label) one config, ``baselines`` times each spec's baselines next to it;
+    ``csv_path`` appends each row as soon as it is measured. The config table is the one
+    ``ds4lab_kernels._arch.arch_of`` picks for the device (the sm_89 table under ``--arch sm89``)."""
+    from ds4lab.harness.registry import all_specs
+
+    base, run = _provenance(build)
+    log(f"roofs: {run['roofs']}")
     rows = _Rows(csv_path)
     for spec in all_specs():
         if names and spec.name not in names and spec.family not in names:
             continue
-        fn, ref = spec.launcher_fn(), spec.reference_fn()
         for tp in tps:
-            shapes = spec.bench_shapes(DEFAULT_CONFIG, tp)
-            if shape_filter is not None:
-                shapes = [s for s in shapes if s == shape_filter] or [shape_filter]
-            elif quick:
-                shapes = shapes[:: max(1, len(shapes) // 3)]
-            for shape in shapes:
-                inputs = spec.make_inputs(shape, spec.cases[0], 0, dev)
-                nsets = _n_sets(inputs, l2)
-                sets = [inputs] + [spec.make_inputs(shape, spec.cases[0], i + 1, dev) for i in range(nsets - 1)]
-                flops, nbytes = spec.flops(shape), spec.min_bytes(shape)
-                repro = (f"python3 -m ds4lab.harness.bench {spec.name} --tp {tp} --arch {build} "
-                         f"--shape '{json.dumps(shape)}'")
-                common = {**base, "kernel": spec.name, "tp": tp, "shape": json.dumps(shape), "flops": flops,
-                          "min_bytes": nbytes, "n_sets": nsets}
-                try:
-                    want = ref(**inputs)
-                except Exception as e:
-                    want, ref_err = None, f"reference failed: {type(e).__name__}: {e}"
-                for label in spec.config_labels(arch, shape):
-                    if config_filter and label != config_filter:
-                        continue
-                    cfg = spec.configs[arch][label]
-                    row = {**common, "impl": "ds4lab", "config_label": label, "config": json.dumps(cfg),
-                           "repro": repro + f" --config {label}"}
-                    try:
-                        got = fn(**inputs, config=cfg)
-                        torch.cuda.synchronize()
-                        reps = spec.check(got, want, inputs) if want is not None else []
-                        ok = want is not None and all(reps)
-                        row["numerics"] = "; ".join(r.summary() for r in reps) if reps else ref_err
-                    except Exception as e:
-                        ok, row["numerics"] = False, f"{type(e).__name__}: {e}"[:300]
-                    if not ok:
-                        row["status"] = "FAIL"
-                        rows.append(row)
-                        log(f"FAIL {spec.name} tp={tp} {shape} {label}: {row['numerics'][:200]}")
-                        continue
-                    (p20, p50, p80), mode = time_calls([lambda s=s: fn(**s, config=cfg) for s in sets])
-                    rows.append(_finish(row, spec, p20, p50, p80, mode, roofs))
-                    log(_fmt(rows[-1]))
-                for bname, make in (spec.baselines.items() if baselines else ()):
-                    row = {**common, "impl": bname, "config_label": "", "config": "", "numerics": "",
-                           "repro": repro + f" --config none"}
-                    try:
-                        (p20, p50, p80), mode = time_calls([make(s) for s in sets])
-                    except Exception as e:
-                        row.update(status="ERROR", numerics=f"{type(e).__name__}: {e}"[:300])
-                        rows.append(row)
-                        continue
-                    rows.append(_finish(row, spec, p20, p50, p80, mode, roofs))
-                    log(_fmt(rows[-1]))
-                del sets, inputs
-                torch.cuda.empty_cache()
+            for shape in _shapes(spec, tp, quick, shape_filter):
+                _bench_shape(spec, tp, shape, build, base, run, rows, log, config_filter, baselines)
     return rows
 
 

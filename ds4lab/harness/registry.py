@@ -4,8 +4,8 @@ Each :class:`KernelSpec` names a public launcher in ``kernels/`` (import name ``
 its torch reference in ``ds4lab/reference/``, a seeded input generator with realistic and
 adversarial cases, the shapes it runs at (from :mod:`ds4lab.geometry`, per TP), useful-FLOPs and
 minimum-bytes formulas, its numerics check, its config table per architecture, and optional
-baselines for the benchmark. Specs live in ``ds4lab/kernel_specs/<family>.py`` and register
-themselves on import.
+baselines for the benchmark. Specs live in ``ds4lab/harness/specs/<family>.py`` and register
+themselves on import; their cost formulas in ``ds4lab/harness/costs.py``.
 """
 from __future__ import annotations
 
@@ -71,6 +71,10 @@ class KernelSpec:
         gpu_only: reason the kernel cannot run on the interpreter (None: it can).
         sm89_mma: ``{triton_fn_name: "QMMA"}``: matrix instruction the sm_89 SASS must contain.
         bound: ``"memory"`` or ``"compute"``: which roof the bench compares against.
+        touched_bytes: ``shape -> float``: the bytes one call brings through L2 where that is far
+            less than its inputs (the MoE reads ``min(E, T*topk)`` of the 256 experts it is given);
+            the bench sizes its cold-L2 rotation from it. None: every input tensor is touched.
+        Formulas (flops, min_bytes, touched_bytes) live in :mod:`ds4lab.harness.costs`.
     """
     name: str
     family: str
@@ -90,6 +94,7 @@ class KernelSpec:
     bound: str = "memory"
     aot_shape: dict | list[dict] | None = None  # shape(s) to compile at in the compile report (default test_shapes[-1])
     sm89_mma: dict[str, str] = field(default_factory=dict)  # triton fn -> SASS op required on sm_89 (e.g. QMMA)
+    touched_bytes: Callable[[dict], float] | None = None
 
     def launcher_fn(self) -> Callable:
         return resolve(self.launcher)

@@ -7,10 +7,13 @@ Pure data in, rows out; the plotly figures live in :mod:`ds4lab.views.kernels`.
 from __future__ import annotations
 
 import csv
+import functools
 import glob
 import json
 import os
 from collections.abc import Iterable
+
+from ds4lab.tables import format_table as _format_table
 
 __all__ = ["RESULTS_DIR", "numerics_sweep", "load_results", "recompute_roof_fractions", "bench_summary",
            "builds_side_by_side", "format_table", "provenance"]
@@ -198,22 +201,6 @@ def builds_side_by_side(rows: list[dict]) -> list[dict]:
     return out
 
 
-def format_table(rows: list[dict], columns: list[str] | None = None, digits: int = 3, max_rows: int = 60) -> str:
-    """A short rounded text table (what notebook tests check next to every chart)."""
-    if not rows:
-        return "(no rows)"
-    columns = columns or list(rows[0].keys())
-
-    def cell(v):
-        if isinstance(v, float):
-            return f"{v:.{digits}g}"
-        return "" if v is None else str(v)
-
-    body = [[cell(r.get(c)) for c in columns] for r in rows[:max_rows]]
-    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
-    if len(rows) > max_rows:
-        lines.append(f"... {len(rows) - max_rows} more rows")
-    return "\n".join(lines)
+#: a short rounded text table (what notebook tests check next to every chart): ds4lab.tables'
+#: one formatter with 3 significant figures and at most 60 rows unless the caller says otherwise
+format_table = functools.partial(_format_table, digits=3, max_rows=60)

@@ -1,39 +1,37 @@
-"""Ada (sm_89) estimates from the H200 sm_89-build rows, and a DeepSeek-V4-Flash decode-step model.
+"""Ada (sm_89) estimates from the H200 sm_89-build measurements, and a DeepSeek-V4-Flash decode-step model.
 
-Everything here is an ESTIMATE: no Ada card was measured. Pure Python over benchmark rows
-(:func:`ds4lab.harness.report.load_results`) and :mod:`ds4lab.geometry`; no torch.
+Everything here is an ESTIMATE: no Ada card was measured. Pure Python over measured rows
+(``results/decode_step.csv`` via :func:`ds4lab.harness.step.load_rows`, else ``results/bench.csv``
+via :func:`ds4lab.harness.report.load_results`) and :mod:`ds4lab.geometry`; no torch. Cost
+formulas come from their one home, :mod:`ds4lab.harness.costs`.
 
-Scaling method (issue 15 item 3)
---------------------------------
-For a benchmark row (our kernel, the sm_89 build run on the H200: same ISA and instruction mix as on
-Ada) the efficiency is the fraction of its binding roof it reached on the H200, both roofs measured
-in the same run::
+Per-op method (issue 19 item 5)
+-------------------------------
+For one op (a kernel call, or an op group of the measured step) the time on an Ada card is::
 
-    e = max( (min_bytes / t) / roof_copy_tbps , (flops / t) / roof_fp8_tflops )
+    t_card = max( t_h200_sm89 , max(bytes / BW_card, flops / FP8_card) )
 
-and the time on an Ada card is the card's roofline time at the same efficiency::
+``t_h200_sm89`` is the op's time in the sm_89 build on the H200 (same ISA and instruction mix as
+on Ada, the H200's latency): a latency-bound op keeps its measured time (an H200 launch is not
+slower on Ada), a bandwidth-bound one is charged the card's bandwidth. (The previous method divided
+the card's roofline time by the H200 efficiency, which scaled the latency of small ops by the
+bandwidth ratio too: 2.6 us of act-quant became 11 us.) It ignores the card's lower clocks and SM
+count for latency-bound ops (optimistic), L2 size, and anything the H200 hides that Ada does not.
 
-    t_ada = max( launch_floor_us , max(min_bytes / BW_card, flops / FP8_card) / e )
+Where the measurement comes from (:func:`decode_model` says which in ``basis``):
+1. ``decode_step.csv`` sm_89 rows (``ds4lab step --arch sm89``): every op group of the measured
+   step, its bytes from the same formulas, plus the measured gaps between kernels;
+2. else ``bench.csv``: one registered kernel row per op (:func:`lookup_row`: the nearest row, the
+   sm_89 build preferred unless a native row is more than one token doubling nearer; a row at
+   other dims is carried by its bytes ratio, not below a launch floor), plus labelled estimates for ops that have
+   no kernel (:data:`ESTIMATED_OPS`). RMSNorm counts q_norm and kv_norm only: attn_norm and
+   ffn_norm run inside the mHC kernel.
 
-So a memory-bound row scales by the bandwidth ratio, a compute-bound one by the FP8 ratio. It ignores
-L2 size (72-96 MB on Ada vs 50 MB on the H200), SM count and clocks (a latency-bound kernel, small
-``e``, is charged the whole bandwidth ratio: pessimistic), cache/TMA differences, and anything below a
-launch floor of ``launch_floor_us`` (default 3 us, CUDA-graph replay of one small kernel: our H200
-floor rows are 1.7-2.6 us). Bracketing it, :func:`additive_time` carries the H200's latency part
-over unchanged and streams the bytes on Ada at ``stream_eff`` of its bandwidth (optimistic for
-kernels that were bandwidth-starved on the H200).
-
-Card figures (:data:`CARDS`) are datasheet leads from SPEC.md §4, not measurements.
-
-Decode-step model (issue 15 item 4)
------------------------------------
-:func:`decode_terms` maps every op of ``geometry.op_shapes(cfg, tp)`` to the registered kernel(s)
-that implement it at T = batch tokens (plain) or T = batch x (1 + k) (MTP verification, next_n = 2)
-plus one drafter pass of the MTP layer, looks up the nearest committed row (sm_89 build, else native,
-else a roofline estimate at ``est_efficiency``), and multiplies by the calls per step. Ops with no
-kernel yet (RMSNorm, compressors, router GEMM, LM head, all-reduce, sampler) are added as labelled
-estimates. :func:`decode_model` sums per card/TP/batch; :func:`bandwidth_ceiling` gives the bytes a
-step must read per rank over the card bandwidth.
+Stated assumptions, never measured here (:class:`Assumptions`, :data:`CARDS`): the all-reduce over
+PCIe (two per layer at TP > 1; GeForce without P2P goes through host memory), the host's per-step
+overhead (scheduler, sampler, detokenizer: ``host_us_per_step``), MTP acceptance.
+:func:`community_comparison` sets the seeds' end-to-end serving figures beside the step with those
+added, and names what the step leaves out.
 """
 from __future__ import annotations
 
@@ -41,12 +39,15 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-from ds4lab.geometry import DEFAULT_CONFIG, LayerKind, ModelConfig, layer_counts, op_shapes
+from ds4lab.geometry import (DEFAULT_CONFIG, FP8_DS_MLA_ENTRY_BYTES, LayerKind, ModelConfig, layer_counts,
+                             op_shapes)
+from ds4lab.harness import costs
 
 __all__ = ["Card", "CARDS", "H200", "SEED_FIGURES", "Assumptions", "row_efficiency", "scale_row",
            "ada_scaled_table", "additive_time", "kernel_bytes", "kernel_flops", "decode_terms",
            "bandwidth_ceiling", "weight_bytes_per_rank", "decode_model", "headline", "headline_point", "HEADLINE_KEYS",
-           "get_card", "card_table", "ESTIMATED_OPS"]
+           "get_card", "card_table", "ESTIMATED_OPS", "lookup_row", "step_bytes", "step_terms",
+           "community_comparison", "STEP_LEAVES_OUT"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,10 @@ class Assumptions:
     router_weight_bytes: float = 2.0  # router gate [256, 4096] assumed bf16, replicated
     uniform_routing: bool = True      # distinct experts touched: E(1-(1-k/E)^T) (uniform routing)
     plain_runs_mtp_layer: bool = False  # vLLM runs the MTP layer only as the drafter
+    host_us_per_step: float = 1000.0  # vLLM V1 host work per decode step outside the GPU graph (scheduler,
+                                      # sampler, detokenize, streaming): a lead of ~1 ms at batch 1, not measured
+    native_slack: float = 1.0         # lookup: a native row wins only when nearer by more than this
+                                      # (log2 token gap + shape distance; 1 = one doubling)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -173,18 +178,21 @@ def _h200_of(row: dict) -> Card:
 
 
 def scale_row(row: dict, card: Card, a: Assumptions = Assumptions()) -> dict:
-    """One benchmark row scaled to ``card``: efficiency, H200 time, Ada time (method + additive)."""
+    """One benchmark row scaled to ``card``: efficiency, H200 time, Ada time by the efficiency-carry
+    method (``ada_us``, issue 15), by the decode model's per-op method (``ada_max_us``:
+    ``max(H200 time, card roofline)``, issue 19) and the additive bracket."""
     e = row_efficiency(row)
     b, f = row.get("min_bytes") or 0.0, row.get("flops") or 0.0
     out = {"kernel": row["kernel"], "build": row["build"], "tp": row["tp"], "shape": row["shape"],
            "h200_us": row["p50_us"], "e": e, "card": card.name}
     if e is None:
-        out.update(ada_us=None, ada_additive_us=None, bound=None, ratio=None)
+        out.update(ada_us=None, ada_max_us=None, ada_additive_us=None, bound=None, ratio=None)
         return out
     h = _h200_of(row)
     mem = b / (h.bw_tbps * 1e12) >= f / (h.fp8_tflops * 1e12)
     out["bound"] = "memory" if mem else "compute"
     out["ada_us"] = eff_time(b, f, e, card, a.launch_floor_us)
+    out["ada_max_us"] = max(row["p50_us"], roof_us(b, f, card))  # the decode model's per-op method (issue 19)
     out["ada_additive_us"] = additive_time(b, f, row["p50_us"], card, a, h)
     out["ratio"] = out["ada_us"] / row["p50_us"]
     return out
@@ -216,73 +224,22 @@ def ada_scaled_table(rows: list[dict], cards=None, a: Assumptions = Assumptions(
                 t = {"kernel": r["kernel"], "tp": r["tp"], "shape": r["shape"], "bound": s["bound"],
                      "h200_sm89_us": r["p50_us"], "e": s["e"]}
             t[f"{c.name} us"] = s["ada_us"]
+            t[f"{c.name} max-method us"] = s["ada_max_us"]
             t[f"{c.name} additive us"] = s["ada_additive_us"]
         out.append(t)
     return out
 
 
-# ---- byte / FLOP formulas (the registry's, restated without torch; tests prove they agree) -------
+# ---- byte / FLOP formulas: the registry's own (ds4lab.harness.costs, torch-free) -----------------
 
 def kernel_bytes(kernel: str, s: dict) -> float:
-    """Minimum bytes of one call (same formulas as ``ds4lab/kernel_specs``)."""
-    if kernel == "fp8_gemm_nt":
-        M, N, K = s["M"], s["N"], s["K"]
-        return N * K + M * K + 2 * M * N + (N // 128) * (K // 128) + M * (-(-K // 512)) * 4
-    if kernel == "per_token_group_quant_fp8":
-        M, K = s["M"], s["K"]
-        return M * K * 3 + M * (-(-(K // 128) // 4)) * 4
-    if kernel == "fp8_einsum_bhr_hdr_bhd":
-        T, G, N, K = s["T"], s["G"], s["N"], s["K"]
-        return G * N * K + G * (N // 128) * (K // 128) * 4 + T * G * K + T * G * K // 128 + T * G * N * 2
-    if kernel == "inv_rope_fp8_quant":
-        n = s["T"] * s["H"] * 512
-        return n * 3 + n // 128 + s["T"] * (8 + 64 * 4)
-    if kernel == "fused_moe_w4a16":
-        D, I, T, k, E = s["D"], s["I"], s["T"], s["topk"], s["E"]
-        return min(E, T * k) * (3 * D * I // 2 + 3 * D * I // 128 * 2) + T * D * 4 + T * k * 8
-    if kernel == "sqrtsoftplus_topk":
-        return s["T"] * s["E"] * 4 + s["E"] * 4 + s["T"] * s["topk"] * 8
-    if kernel == "fp8_paged_mqa_logits":
-        return s["B"] * s["ctx"] * 132 + s["B"] * s["next_n"] * s["ctx"] * 4
-    if kernel == "topk_indices":
-        return s["R"] * s["N"] * 4 + s["R"] * s["k"] * 4
-    if kernel == "sparse_mla_decode":
-        return s["T"] * ((s.get("W", 0) + s["Kc"]) * 588 + 2 * s["H"] * 1024)
-    if kernel == "fp8_ds_mla_insert":
-        return s["T"] * (1024 + 576 + 12)
-    if kernel == "indexer_k_cache_insert":
-        return s["T"] * (128 * 3 + 12)
-    if kernel in ("mhc_fused_post_pre", "mhc_pre", "hc_head"):
-        T, D, hc, N = s["T"], s["D"], s["hc"], s["N"]
-        K, coef = hc * D, T * (hc + hc * hc) * 4
-        if kernel == "mhc_pre":
-            return T * K * 2 + N * K * 4 + D * 2 + T * D * 2 + coef
-        if kernel == "hc_head":
-            return T * K * 2 + hc * K * 4 + T * D * 2
-        return T * K * 2 + T * D * 2 + 2 * coef + N * K * 4 + D * 2 + T * K * 2 + T * D * 2
-    raise KeyError(kernel)
+    """Minimum bytes of one call (:func:`ds4lab.harness.costs.min_bytes`; KeyError for an unknown kernel)."""
+    return costs.min_bytes(kernel, s)
 
 
 def kernel_flops(kernel: str, s: dict) -> float:
-    """Useful FLOPs of one call (same formulas as ``ds4lab/kernel_specs``; 0 for data movement)."""
-    if kernel == "fp8_gemm_nt":
-        return 2.0 * s["M"] * s["N"] * s["K"]
-    if kernel == "fp8_einsum_bhr_hdr_bhd":
-        return 2.0 * s["T"] * s["G"] * s["N"] * s["K"]
-    if kernel == "fused_moe_w4a16":
-        return 2.0 * s["T"] * s["topk"] * 3 * s["D"] * s["I"]
-    if kernel == "fp8_paged_mqa_logits":
-        valid = s["B"] * sum(s["ctx"] - s["next_n"] + 1 + i for i in range(s["next_n"]))
-        return 2.0 * s.get("H", 64) * 128 * valid
-    if kernel == "sparse_mla_decode":
-        return 4.0 * s["T"] * s["H"] * (s.get("W", 0) + s["Kc"]) * 512
-    if kernel in ("mhc_fused_post_pre", "mhc_pre", "hc_head"):
-        T, D, hc, N = s["T"], s["D"], s["hc"], s["N"]
-        K = hc * D
-        if kernel == "hc_head":
-            return 2.0 * T * K * hc + 2.0 * T * K
-        return 2.0 * T * K * N + (2.0 * T * K * (hc + 1) if kernel == "mhc_fused_post_pre" else 0.0)
-    return 0.0
+    """Useful FLOPs of one call (:func:`ds4lab.harness.costs.flops`; 0 for data movement)."""
+    return costs.flops(kernel, s)
 
 
 # ---- row lookup -------------------------------------------------------------------------------------
@@ -312,64 +269,90 @@ def _dist(a: dict, b: dict, tok: str | None) -> float:
     return d
 
 
-def lookup_efficiency(rows: list[dict], kernel: str, shape: dict, tp: int,
-                      max_token_gap: float = 4.0) -> tuple[float | None, str, str]:
-    """Efficiency ``e`` of ``kernel`` at ``shape``: sm_89-build rows first, then native.
-
-    Among rows of the build, the nearest shape in the non-token dims (same TP preferred) is chosen and
-    ``e`` is interpolated linearly in log(tokens) between the bracketing token counts (clamped
-    outside). A build is used first only where it has the same non-token dims and a token count within
-    ``max_token_gap`` x of the target (the sm_89 build covers a third of the shapes, so an sm_89 row at
-    M=256 does not stand for M=1 when the native build has M=1); failing that in both builds, the
-    nearest row of either (sm_89 first) is used. Returns ``(e, source, match)``, source
-    ``measured-sm89`` / ``measured-native``; ``(None, "estimated", "no row")`` when nothing matches.
-    """
-    tok = next((k for k in _TOKEN_KEYS if k in shape), None)
-    builds = (("sm89", "measured-sm89"), ("native", "measured-native"))
-    # first pass: same non-token dims and a token count within max_token_gap; second: nearest anything
-    for strict in (True, False):
-        for build, label in builds:
-            got = _lookup_build(rows, kernel, shape, tp, tok, build, strict, max_token_gap)
-            if got is not None:
-                return got[0], label, got[1]
-    return None, "estimated", "no row"
-
-
-def _lookup_build(rows, kernel, shape, tp, tok, build, strict, gap):
+def _near_rows(rows, kernel, build, shape, tp, tok):
+    """(shape distance, rows at that distance) of ``build``'s rows of ``kernel``; (inf, []) if none.
+    Distance: log2 over the non-token dims, 0.5 for another TP."""
     cand = [r for r in rows if r["kernel"] == kernel and r["build"] == build and row_efficiency(r)]
     if not cand:
-        return None
+        return math.inf, []
     scored = [(_dist(_shape(r), shape, tok) + (0.0 if r["tp"] == tp else 0.5), r) for r in cand]
     dmin = min(d for d, _ in scored)
-    if strict and dmin > 0.5:
-        return None
-    near = [r for d, r in scored if d == dmin]
-    suffix = "" if dmin == 0 else (", other TP" if dmin == 0.5 else ", nearest shape")
-    if tok is None:
-        return row_efficiency(near[0]), ("exact" if dmin == 0 else "nearest shape")
-    pts = sorted({(_shape(r)[tok], row_efficiency(r)) for r in near if tok in _shape(r)})
-    x = shape[tok]
-    below = [p for p in pts if p[0] <= x]
-    above = [p for p in pts if p[0] >= x]
+    return dmin, [r for d, r in scored if d == dmin]
+
+
+def _at_tokens(near, tok, x):
+    """(t_us, bytes, e, token gap, how) at ``x`` tokens from same-dims rows ``near``: linear in
+    tokens between the bracketing rows (gap = log2 of the wider bracket side, 0 when exact), else
+    the nearest row (gap = |log2| of the ratio)."""
+    if tok is None or not any(tok in _shape(r) for r in near):
+        r = near[0]
+        return r["p50_us"], r.get("min_bytes") or 0.0, row_efficiency(r), 0.0, "exact"
+    pts = {}
+    for r in near:
+        if tok in _shape(r):
+            pts.setdefault(_shape(r)[tok], r)
+    xs = sorted(pts)
+    below, above = [v for v in xs if v <= x], [v for v in xs if v >= x]
     if below and above:
-        (x0, e0), (x1, e1) = below[-1], above[0]
-        if strict and max(x / x0, x1 / x) > gap and x0 != x1:
-            return None
+        x0, x1 = below[-1], above[0]
+        r0, r1 = pts[x0], pts[x1]
         if x0 == x1:
-            return e0, ("exact" if dmin == 0 else "same tokens") + suffix
-        w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
-        return e0 + w * (e1 - e0), f"interp {tok} {x0}-{x1}" + suffix
-    p = below[-1] if below else above[0]
-    if strict and max(x / p[0], p[0] / x) > gap:
-        return None
-    return p[1], f"nearest {tok}={p[0]}" + suffix
+            return r0["p50_us"], r0.get("min_bytes") or 0.0, row_efficiency(r0), 0.0, "exact"
+        w = (x - x0) / (x1 - x0)  # time is affine in tokens (fixed latency + per-token work)
+        lerp = lambda a, b: a + w * (b - a)  # noqa: E731
+        return (lerp(r0["p50_us"], r1["p50_us"]), lerp(r0.get("min_bytes") or 0.0, r1.get("min_bytes") or 0.0),
+                lerp(row_efficiency(r0), row_efficiency(r1)), math.log2(max(x / x0, x1 / x)),
+                f"interp {tok} {x0}-{x1}")
+    v = below[-1] if below else above[0]
+    r = pts[v]
+    return r["p50_us"], r.get("min_bytes") or 0.0, row_efficiency(r), abs(math.log2(x / v)), f"nearest {tok}={v}"
+
+
+def lookup_row(rows: list[dict], kernel: str, shape: dict, tp: int,
+               a: "Assumptions | None" = None) -> tuple[float | None, float | None, str, str]:
+    """The H200 time of ``kernel`` at ``shape`` from benchmark rows: ``(t_us, e, source, match)``.
+
+    Each build's nearest rows (shape distance over the non-token dims, +0.5 for another TP) are
+    interpolated linearly in tokens; the build's distance is that shape distance plus the log2 token gap.
+    The sm_89 build is used unless the native build is nearer by more than ``a.native_slack`` (one
+    token doubling by default): a far sm_89 row (T=1 for a batch-16 op) no longer beats a near
+    native row. A row at other dims, or outside the measured token range, is carried by its bytes
+    ratio (as the efficiency method did), not below ``a.launch_floor_us``. ``source``: ``measured-sm89`` / ``measured-native``;
+    ``(None, None, "estimated", "no row")`` when neither build has a row of the kernel.
+    """
+    a = a or Assumptions()
+    tok = next((k for k in _TOKEN_KEYS if k in shape), None)
+    best = {}
+    for build in ("sm89", "native"):
+        d, near = _near_rows(rows, kernel, build, shape, tp, tok)
+        if not near:
+            continue
+        t_us, b_row, e, gap, how = _at_tokens(near, tok, shape.get(tok) if tok else None)
+        best[build] = (d + gap, d, t_us, b_row, e, how)
+    if not best:
+        return None, None, "estimated", "no row"
+    pick = "sm89" if "sm89" in best and ("native" not in best
+                                         or best["sm89"][0] <= best["native"][0] + a.native_slack) else "native"
+    dist, d, t_us, b_row, e, how = best[pick]
+    if d > 0 or how.startswith("nearest"):  # not the target's dims or tokens: carry the time by bytes
+        b = kernel_bytes(kernel, shape)
+        if b_row:
+            t_us = max(a.launch_floor_us, t_us * b / b_row)
+        how += (", other TP" if d == 0.5 else ", nearest shape" if d > 0 else "") + " (time x bytes ratio)"
+    return t_us, e, f"measured-{pick}", how
+
+
+def lookup_efficiency(rows: list[dict], kernel: str, shape: dict, tp: int) -> tuple[float | None, str, str]:
+    """``(e, source, match)`` of :func:`lookup_row` (the efficiency of the row it picks)."""
+    _, e, src, match = lookup_row(rows, kernel, shape, tp)
+    return e, src, match
 
 
 # ---- the decode-step model ------------------------------------------------------------------------
 
 # Ops that no ds4lab kernel implements yet: always estimated, each with its basis.
 ESTIMATED_OPS = {
-    "rmsnorm": "attn_norm, ffn_norm, q_norm, kv_norm per layer (+ indexer q-norm on C4A): launch-floor bound",
+    "rmsnorm": "q_norm, kv_norm per layer (+ the indexer's on C4A); attn_norm/ffn_norm run inside the mHC kernel",
     "rope_qk": "forward RoPE on q and the new k entry, one fused call per layer",
     "compressor": "C4A main + indexer compressor, C128A compressor: wkv/wgate dim -> coff*head_dim GEMVs",
     "router_gate": "router logits x @ W_gate^T [256, 4096], replicated",
@@ -452,7 +435,9 @@ def _kernel_calls(cfg: ModelConfig, tp: int, T: int, B: int, next_n: int, a: Ass
     add("indexer_k_insert", "indexer_k_cache_insert", {"T": T, "num_blocks": 2}, ops["indexer_k_insert"].layers)
     # ---- estimated: no kernel yet ----
     allk = (LayerKind.SWA, LayerKind.C4A, LayerKind.C128A, LayerKind.MTP)
-    add("rmsnorm", None, {"T": T}, allk, 4, bytes=T * D * 4 * 4, flops=0.0)
+    # q_norm [T, q_lora_rank] and kv_norm [T, head_dim], bf16 in + out (attn_norm / ffn_norm are
+    # fused into the mHC pre kernel: counting them again was the double count of issue 19)
+    add("rmsnorm", None, {"T": T}, allk, 2, bytes=T * (cfg.q_lora_rank + cfg.head_dim) * 2, flops=0.0)
     add("rmsnorm", None, {"T": T}, (LayerKind.C4A,), 1, bytes=T * 8192 * 4, flops=0.0)
     add("rope_qk", None, {"T": T}, allk, 1, bytes=T * (h + 1) * cfg.qk_rope_head_dim * 2 * 2, flops=0.0)
     cb = a.compressor_weight_bytes
@@ -496,12 +481,13 @@ def _term_time(call: dict, rows: list[dict], tp: int, card: Card, a: Assumptions
     b, f = kernel_bytes(k, s), kernel_flops(k, s)
     if call.get("mtp_bf16") and k in ("fp8_gemm_nt", "fp8_einsum_bhr_hdr_bhd"):
         b += s.get("N", 0) * s.get("K", 0) * s.get("G", 1) * (a.mtp_weight_bytes - 1)  # bf16 drafter weights
-    e, src, match = lookup_efficiency(rows, k, s, tp)
-    if e is None:
+    t_h, e, src, match = lookup_row(rows, k, s, tp, a)
+    if t_h is None:
         e, src, match = a.est_efficiency, "estimated", f"no row; roofline at e={a.est_efficiency}"
-    t = eff_time(b, f, e, card, a.launch_floor_us)
-    t_h = max(a.launch_floor_us, roof_us(b, f, H200) / e)
-    return {"source": src, "match": match, "us": t, "us_add": additive_time(b, f, t_h, card, a), "e": e}
+        t_h = max(a.launch_floor_us, roof_us(b, f, H200) / e)
+    t = max(t_h, roof_us(b, f, card))  # the issue's method: H200 sm_89 time, or the card's roofline
+    return {"source": src, "match": match, "us": t, "us_add": additive_time(b, f, t_h, card, a), "e": e,
+            "bytes": b}
 
 
 def decode_terms(rows: list[dict], card: Card, tp: int, batch: int, mode: str = "plain",
@@ -604,9 +590,9 @@ def bandwidth_ceiling(card: Card, tp: int, batch: int, mode: str = "plain", cfg:
         b += counts.get(LayerKind.C128A, 0) * 2 * cfg.head_dim * D * a.compressor_weight_bytes
         b += sum(counts.values()) * cfg.n_routed_experts * D * a.router_weight_bytes
         b += cfg.vocab_size // tp * D * a.lm_head_bytes
-        kv = sum(counts.values()) * cfg.sliding_window * 584
-        kv += counts.get(LayerKind.C4A, 0) * (L // 4 * 132 + min(cfg.index_topk, L // 4) * 584)
-        kv += counts.get(LayerKind.C128A, 0) * (L // 128) * 584
+        kv = sum(counts.values()) * cfg.sliding_window * FP8_DS_MLA_ENTRY_BYTES
+        kv += counts.get(LayerKind.C4A, 0) * (L // 4 * 132 + min(cfg.index_topk, L // 4) * FP8_DS_MLA_ENTRY_BYTES)
+        kv += counts.get(LayerKind.C128A, 0) * (L // 128) * FP8_DS_MLA_ENTRY_BYTES
         return b + batch * kv
 
     if mode == "plain":
@@ -620,13 +606,80 @@ def bandwidth_ceiling(card: Card, tp: int, batch: int, mode: str = "plain", cfg:
     return {"bytes_per_step": byts, "ceiling_step_ms": t * 1e3, "ceiling_tok_s": tokens / t}
 
 
+def step_bytes(cfg: ModelConfig = DEFAULT_CONFIG, tp: int = 4, batch: int = 1, next_n: int = 1,
+               ctx: int = 8192, a: Assumptions = Assumptions()) -> dict[str, float]:
+    """Bytes of one decode step per op (``{op: bytes}``; op names of :func:`decode_terms`, e.g.
+    ``wq_b``, ``sparse_mla``, ``moe_w13+moe_w2``), the 43 main layers at ``T = batch * next_n``
+    tokens against ``ctx`` cached tokens, from :mod:`ds4lab.harness.costs` (kernels) and the
+    labelled estimates (ops with no kernel). The floor of :mod:`ds4lab.harness.step`'s op groups."""
+    from dataclasses import replace
+    a = replace(a, ctx_len=ctx)
+    counts = _counts(cfg, True, False)
+    out: dict[str, float] = {}
+    for c in _kernel_calls(cfg, tp, batch * next_n, batch, next_n, a):
+        n = sum(counts.get(k, 0) for k in c["layers"]) * c["per_layer"]
+        if not n:
+            continue
+        b = kernel_bytes(c["kernel"], c["shape"]) if c["kernel"] else c.get("bytes", c.get("allreduce_bytes", 0.0))
+        out[c["op"]] = out.get(c["op"], 0.0) + n * b
+    return out
+
+
+def _step_config(step_rows: list[dict], tp: int, batch: int, mode: str, ctx: int) -> list[dict]:
+    """The op-group rows of the sm_89-build step measured nearest ``ctx`` at (tp, batch, mode),
+    the ``(step)`` row first; [] when there is none."""
+    steps = [r for r in step_rows if r.get("group") == "(step)" and r.get("status") == "OK" and r.get("build") == "sm89"
+             and r.get("tp") == tp and r.get("batch") == batch and r.get("mode") == mode]
+    if not steps:
+        return []
+    s = min(steps, key=lambda r: (abs(math.log2(max(r["ctx"], 1) / max(ctx, 1))), r.get("timestamp", "")))
+    key = ("timestamp", "build", "tp", "batch", "mode", "ctx")
+    return [s] + [r for r in step_rows if r.get("group") != "(step)" and all(r.get(k) == s.get(k) for k in key)]
+
+
+def step_terms(step_rows: list[dict], rows: list[dict], card: Card, tp: int, batch: int, mode: str = "plain",
+               cfg: ModelConfig = DEFAULT_CONFIG, a: Assumptions = Assumptions()) -> list[dict] | None:
+    """:func:`decode_terms` from a measured step (``results/decode_step.csv``, sm_89 build): one term
+    per op group, ``max(group time on the H200, group bytes / card bandwidth)``; the device-copy
+    stand-in of the all-reduce is replaced by the card's link model (a stated assumption); in MTP
+    mode the drafter pass (the MTP layer at T = batch, not part of the verify step) comes from the
+    benchmark rows. None when no step was measured at (tp, batch, mode)."""
+    sel = _step_config(step_rows, tp, batch, mode, a.ctx_len)
+    if not sel:
+        return None
+    step, groups = sel[0], sel[1:]
+    T = batch * (1 + a.mtp_k if mode == "mtp" else 1)
+    out = []
+    for g in groups:
+        name = g["group"]
+        if name.startswith("comm.all_reduce"):
+            if tp > 1:
+                out += [x for x in decode_terms(rows, card, tp, batch, mode, cfg, a)
+                        if x["op"] == "all_reduce" and x["pass"] == "target"]
+            continue
+        b = g.get("bytes") or 0.0
+        t = max(g.get("us") or 0.0, b / (card.bw_tbps * 1e12) * 1e6)
+        out.append({"pass": "target", "op": name, "kernel": g.get("kind") or "", "T": T,
+                    "shape": json.dumps({"ctx": step["ctx"]}), "calls": g.get("launches") or 0,
+                    "us_per_call": t / max(1, g.get("launches") or 1), "us": t, "us_additive": t,
+                    "e": None, "source": "measured-sm89",
+                    "match": f"decode_step.csv {step['timestamp']} ctx={step['ctx']} group"})
+    if mode == "mtp":
+        out += [x for x in decode_terms(rows, card, tp, batch, mode, cfg, a) if x["pass"] == "drafter"]
+    return out
+
+
 def decode_model(rows: list[dict], cards=None, tps=(1, 2, 4, 8), batches=(1, 4, 16), modes=("plain", "mtp"),
-                 cfg: ModelConfig = DEFAULT_CONFIG, a: Assumptions = Assumptions()) -> list[dict]:
+                 cfg: ModelConfig = DEFAULT_CONFIG, a: Assumptions = Assumptions(),
+                 step_rows: list[dict] | None = None) -> list[dict]:
     """Predicted decode tokens/s per card, TP, batch and mode, with the bandwidth ceiling and the seeds.
 
-    ``tok_s`` uses the issue's efficiency-carry method; ``tok_s_additive`` the additive bracket.
-    ``measured_frac`` is the share of the step time that rests on a measured (sm_89 or native) row.
-    ``fits``: all weights of one rank within 90% of the card's memory.
+    ``tok_s``: the per-op method (module docstring) over the measured step where ``step_rows``
+    (``results/decode_step.csv``) has the sm_89 build at that (tp, batch, mode), else over the
+    benchmark ``rows``; ``basis`` says which. ``tok_s_additive``: the additive bracket. ``*_share``:
+    the share of the step time on sm_89 / native rows / estimates. ``fits``: all weights of one rank
+    within 90% of the card's memory. The all-reduce link is included (a stated assumption); host
+    overhead is not (see :func:`community_comparison`).
     """
     cards = list((cards or CARDS).values()) if isinstance(cards or CARDS, dict) else list(cards)
     out = []
@@ -635,7 +688,11 @@ def decode_model(rows: list[dict], cards=None, tps=(1, 2, 4, 8), batches=(1, 4, 
             fits = weight_bytes_per_rank(cfg, tp, a=a) <= 0.9 * card.mem_gb * 1e9
             for mode in modes:
                 for batch in batches:
-                    terms = decode_terms(rows, card, tp, batch, mode, cfg, a)
+                    terms = step_terms(step_rows, rows, card, tp, batch, mode, cfg, a) if step_rows else None
+                    basis = "decode_step.csv (sm_89 build, measured step)" if terms else \
+                        "bench.csv (sum of kernel rows + estimates)"
+                    if terms is None:
+                        terms = decode_terms(rows, card, tp, batch, mode, cfg, a)
                     us = sum(t["us"] for t in terms)
                     us_add = sum(t["us_additive"] for t in terms)
                     tokens = batch * (1 + a.mtp_acceptance * a.mtp_k) if mode == "mtp" else batch
@@ -649,10 +706,44 @@ def decode_model(rows: list[dict], cards=None, tps=(1, 2, 4, 8), batches=(1, 4, 
                                 "tok_s_additive": tokens / (us_add * 1e-6),
                                 "ceiling_tok_s": ceil["ceiling_tok_s"], "gb_per_step": ceil["bytes_per_step"] / 1e9,
                                 "sm89_share": share["measured-sm89"], "native_share": share["measured-native"],
-                                "estimated_share": share["estimated"],
+                                "estimated_share": share["estimated"], "basis": basis,
                                 "seed_tok_s": seed["tok_s"] if seed else None,
                                 "seed": seed.get("tok_s_range", "") + (" " if seed and seed.get("tok_s_range") else "")
                                 + seed["source"] if seed else ""})
+    return out
+
+
+# What the decode step (and so this model) leaves out of an end-to-end serving figure.
+STEP_LEAVES_OUT = (
+    "host work per step outside the CUDA graph: vLLM's scheduler, input preparation, sampler, "
+    "detokenizer, HTTP streaming (Assumptions.host_us_per_step, a lead, not measured)",
+    "the all-reduce itself: one GPU copies on the device; the link cost is the stated PCIe model "
+    "(CARDS: GeForce without P2P through host memory, pro cards P2P)",
+    "prefill: a served request also prefills its prompt, and chunked prefill shares steps with decode",
+    "MTP acceptance: the verify step is measured; tokens per step assume Assumptions.mtp_acceptance",
+    "Ada's clocks and SM count for latency-bound ops (the sm_89 build ran on the H200's 132 SMs)",
+    "the seeds' prompts and context lengths (unpublished); the model reads Assumptions.ctx_len per request",
+)
+
+
+def community_comparison(model_rows: list[dict], a: Assumptions = Assumptions()) -> list[dict]:
+    """The seeds' end-to-end serving figures (:data:`SEED_FIGURES`) beside the model at the same
+    card, TP, batch and mode, like for like: the step as measured (with the link assumption), and
+    with the host's per-step overhead added (``a.host_us_per_step``); :data:`STEP_LEAVES_OUT` lists
+    what else the step does not contain. Rows for seeds the model has no point for are left out."""
+    out = []
+    for s in SEED_FIGURES:
+        r = next((r for r in model_rows if r["card"] == s["card"] and r["tp"] == s["tp"]
+                  and r["batch"] == s["batch"] and r["mode"] == s["mode"]), None)
+        if r is None:
+            continue
+        tokens = r["tok_s"] * r["step_ms"] * 1e-3
+        served = tokens / ((r["step_ms"] * 1e3 + a.host_us_per_step) * 1e-6)
+        out.append({"card": s["card"], "tp": s["tp"], "batch": s["batch"], "mode": s["mode"],
+                    "seed tok/s": s["tok_s"], "step tok/s": round(r["tok_s"], 1),
+                    f"+ host {a.host_us_per_step:.0f} us tok/s": round(served, 1),
+                    "ceiling tok/s": round(r["ceiling_tok_s"], 1), "basis": r.get("basis", ""),
+                    "seed source": s["source"]})
     return out
 
 

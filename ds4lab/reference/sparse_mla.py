@@ -82,6 +82,41 @@ def sparse_mla_prefill(q, kv, indices, attn_sink, lengths=None, scale: float = D
     return attend(q, g * valid[..., None], valid, attn_sink, scale, abs_values)
 
 
+def score_stats(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, scale: float):
+    """``(max_logits, lse)``, each ``(T, H)`` float64: the max and the natural-log ``logsumexp`` of the
+    scaled scores ``scale * q . k_j`` over the valid candidates only (the sink is outside both);
+    ``-inf`` / ``+inf`` for a row with none (FlashMLA ``tests/ref.py`` convention)."""
+    q = q.detach().cpu().double()
+    s = torch.einsum("thd,tnd->thn", q, kv) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    if not s.shape[-1]:
+        none = torch.full(s.shape[:2], float("inf"), dtype=s.dtype)
+        return -none, none
+    lse = torch.logsumexp(s, -1)
+    return s.amax(-1), lse.masked_fill(torch.isneginf(lse), float("inf"))
+
+
+def sparse_mla_decode_lse(q, swa_cache, swa_indices, swa_lens, attn_sink=None, comp_cache=None, comp_indices=None,
+                          comp_lens=None, swa_block_size: int = 64, comp_block_size: int = 64,
+                          scale: float = DEFAULT_SCALE) -> torch.Tensor:
+    """fp64 LSE ``(T, H)`` of :func:`sparse_mla_decode`'s scores (same arguments; the sink is not used)."""
+    T = q.shape[0]
+    kvs = [dequant_slots(swa_cache, swa_indices, swa_block_size)]
+    vals = [_valid(swa_indices, swa_lens, swa_cache.shape[0] * swa_block_size)]
+    if comp_cache is not None:
+        kvs.append(dequant_slots(comp_cache, comp_indices, comp_block_size))
+        vals.append(_valid(comp_indices, comp_lens, comp_cache.shape[0] * comp_block_size))
+    return score_stats(q.reshape(T, *q.shape[-2:]), torch.cat(kvs, 1), torch.cat(vals, 1), scale)[1]
+
+
+def sparse_mla_prefill_stats(q, kv, indices, attn_sink=None, lengths=None, scale: float = DEFAULT_SCALE):
+    """fp64 ``(max_logits, lse)`` ``(Tq, H)`` of :func:`sparse_mla_prefill`'s scores (sink not used)."""
+    idx = indices.detach().cpu().long()
+    valid = _valid(idx, lengths, kv.shape[0])
+    g = kv.detach().cpu().double()[torch.where(valid, idx, torch.zeros_like(idx))]
+    return score_stats(q, g * valid[..., None], valid, scale)
+
+
 # ---- benchmark baseline (torch, any device) -------------------------------------------------------
 def _dequant_gather_bf16(cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
     """The sm_89 forks' first step: gather + dequantize candidates into a bf16 workspace in HBM."""
@@ -130,3 +165,21 @@ def gather_bmm_prefill(q, kv, indices, attn_sink, lengths=None, scale: float = D
     s = torch.cat([s, attn_sink.float()[None, :, None].expand(Tq, H, 1)], -1)
     p = torch.softmax(s, -1)[..., :-1].nan_to_num(0.0)
     return torch.bmm(p.to(torch.bfloat16), ws)
+
+
+def attend_masked(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, attn_sink: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """:func:`attend` over ONE shared candidate set: q ``(T, H, D)``, kv ``(N, D)`` float64, valid
+    ``(T, N)`` bool (which of the N candidates row t sees) -> ``(T, H, D)`` float64. Same formula
+    (sink in the denominator, zeros for a row with no candidate); for many rows whose candidate
+    sets overlap (a prefill chunk's SWA windows) it avoids gathering a ``(T, N, D)`` copy."""
+    q = q.detach().cpu().double()
+    sink = attn_sink.detach().cpu().double()[None, :]
+    s = torch.einsum("thd,nd->thn", q, kv) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    m = torch.maximum(s.amax(-1) if s.shape[-1] else torch.full(s.shape[:2], float("-inf"), dtype=s.dtype), sink)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m_safe[..., None])
+    den = e.sum(-1) + torch.exp(sink - m_safe)
+    out = torch.einsum("thn,nd->thd", e, kv) / den.clamp_min(1e-300)[..., None]
+    return torch.where((den > 0)[..., None], out, torch.zeros_like(out))

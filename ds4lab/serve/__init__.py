@@ -92,11 +92,12 @@ def _print_plan(launch: Launch, rows: list[dict], gpu: str | None) -> None:
             continue
         line = (f"#   {r['gpu']} at util {r['util']}: " + (
             f"starts, KV holds {r['max_concurrency']}x max_model_len" if r["starts"] else
-            f"REFUSED: {_first_sentence(r['verdict'])}"))
+            f"{r['outcome'].upper()}: {_first_sentence(r['verdict'])}"))   # the planner's wording
         if "watched_util" in r:
             line += f"; watched util {r['watched_util']}: " + (
-                "starts" if r["watched_starts"] else "REFUSED" if r["watched_verdict"] == r["verdict"]
-                else f"REFUSED: {_first_sentence(r['watched_verdict'])}")
+                "starts" if r["watched_starts"] else r["watched_outcome"].upper()
+                if r["watched_verdict"] == r["verdict"]
+                else f"{r['watched_outcome'].upper()}: {_first_sentence(r['watched_verdict'])}")
         print(line)
         if not r["starts"]:
             print(f"ds4lab serve: warning: profile {launch.profile} would not start on {r['gpu']} at "

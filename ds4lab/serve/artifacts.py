@@ -40,21 +40,10 @@ def _header(launch: Launch, port: int) -> str:
     return _HEADER.format(profile=launch.profile, stack=launch.stack, host=launch.host, port=port)
 
 
-_RESOLVE = r"""# HF repo id -> local snapshot; a refs/main that points at a snapshot not on disk is not trusted
+_RESOLVE = r"""# HF repo id -> local snapshot, resolved by huggingface_hub as vLLM does (ds4lab.hf_snapshot);
+# a refs/main that points at a snapshot not on disk (or holds a trailing newline) is not trusted
 if [ ! -d "$MODEL" ]; then
-  repo_dir="${HF_HUB_CACHE:-${HF_HOME:-$HOME/.cache/huggingface}/hub}/models--${MODEL//\//--}"
-  ref=$(cat "$repo_dir/refs/main" 2>/dev/null || true)
-  if [ -n "$ref" ] && [ -f "$repo_dir/snapshots/$ref/config.json" ]; then
-    MODEL="$repo_dir/snapshots/$ref"
-  else
-    snap=""
-    for d in $(ls -td "$repo_dir"/snapshots/*/ 2>/dev/null); do
-      if [ -f "$d/config.json" ]; then snap="${d%/}"; break; fi
-    done
-    if [ -z "$snap" ]; then echo "serve.sh: no complete snapshot of $MODEL under $repo_dir" >&2; exit 1; fi
-    echo "serve.sh: refs/main -> ${ref:-none} is not on disk; using $snap" >&2
-    MODEL="$snap"
-  fi
+  MODEL=$("$PYTHON" -m ds4lab.hf_snapshot "$MODEL") || exit 1
 fi"""
 
 

@@ -22,6 +22,7 @@ loop); the ``warmup``/``canary``/``benchmark``/``compare`` wrappers are for scri
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -30,6 +31,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
+
+from ds4lab.tables import format_table as _format_table
 
 __all__ = ["SpecStats", "RequestResult", "BenchResult", "Comparison", "CanaryResult",
            "scrape_metrics", "spec_stats", "make_prompts", "awarmup", "acanary", "abenchmark",
@@ -376,15 +379,8 @@ def acceptance_rows(c: Comparison) -> list[dict]:
     return rows
 
 
-def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Rows -> a fixed-width text table (what notebook tests read)."""
-    if not rows:
-        return "(no rows)"
-    cols = list(rows[0])
-    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
-    w = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.rjust(w[i]) for i, v in enumerate(vals))  # noqa: E731
-    return "\n".join([line(cols), line(["-" * x for x in w])] + [line(r) for r in cells])
+#: rows -> a fixed-width text table (what notebook tests read): right-aligned, None as "-"
+format_table = functools.partial(_format_table, none="-", right=True)
 
 
 # ---- sync wrappers (scripts, CLI; not for an in-process server on the same loop) ---------------

@@ -21,10 +21,14 @@ __init__`` (sets ``use_flattening``)                       ``forward_cpu``'s one
                                                            MTP -> flattened rows (``indexer_fix``)
 model registry ``DeepSeekV4MTPModel``                      CPU stub raises NotImplementedError ->
                                                            ``cpu_mtp.DeepSeekV4CPUMTP``
+``spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.  depth >= 2 drafts read the verify batch's
+_update_positions_dependent_metadata``                     cached token->request map -> reset first
+                                                           (``spec_decode_fix``)
 =========================================================  =========================================
 
-Active only where needed: on a non-CPU platform, or with ``DS4LAB_VLLM_PLUGIN=0``, it does
-nothing. On CPU the patched symbols are used only by DeepSeek-V3.2/V4 sparse-attention metadata
+Active only where needed: on CPU (above), on a CUDA GPU of capability (8, 9) (``sm89.py``: the
+DeepSeek-V4 CUDA path routed to ``ds4lab_kernels.compat``; built and import-tested against vLLM
+0.32, not yet run on Ada hardware); elsewhere, or with ``DS4LAB_VLLM_PLUGIN=0``, it does nothing. On CPU the patched symbols are used only by DeepSeek-V3.2/V4 sparse-attention metadata
 builders (which cannot run there without it) and by the DeepSeek-V4 MTP architecture, so other
 models are unaffected. On CPU with a vLLM it does not know it raises
 :class:`~ds4lab.vllm_plugin.version_gate.UnsupportedVllmError` with the versions it knows.
@@ -61,13 +65,25 @@ def _wanted() -> bool:
 
 
 def register() -> None:
-    """vLLM general-plugin hook (idempotent; runs in each vLLM process)."""
-    if _INSTALLED or not _wanted():
+    """vLLM general-plugin hook (idempotent; runs in each vLLM process).
+
+    CPU: the patches above. CUDA capability (8, 9): :mod:`ds4lab.vllm_plugin.sm89` routes the
+    DeepSeek-V4 CUDA path to ``ds4lab_kernels.compat`` (built and import-tested against vLLM 0.32,
+    not yet run on Ada hardware). Anything else: nothing."""
+    if _INSTALLED:
+        return
+    if not _wanted():
+        from ds4lab.vllm_plugin import sm89
+
+        if sm89.wanted():
+            version = check_vllm_version()  # raises UnsupportedVllmError on an unknown vLLM
+            _INSTALLED.extend(sm89.install())
+            logger.info("ds4lab vLLM plugin active (vLLM %s, CUDA sm_89): %d patches", version, len(_INSTALLED))
         return
     version = check_vllm_version()  # raises UnsupportedVllmError on an unknown vLLM
-    from ds4lab.vllm_plugin import c1a_fix, indexer_fix, metadata_ops
+    from ds4lab.vllm_plugin import c1a_fix, indexer_fix, metadata_ops, spec_decode_fix
 
-    done = metadata_ops.install() + c1a_fix.install() + indexer_fix.install()
+    done = metadata_ops.install() + c1a_fix.install() + indexer_fix.install() + spec_decode_fix.install()
     from vllm import ModelRegistry
 
     ModelRegistry.register_model(MTP_ARCH, MTP_CLASS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ds4lab.geometry import op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import compare, fp8_mma_rel_error
 from ds4lab.reference import fp8_gemm as R
 from ds4lab.reference.quant import per_token_group_quant_fp8 as _act_quant
@@ -136,19 +137,6 @@ def bench_shapes(cfg, tp: int) -> list[dict]:
     return out
 
 
-def flops(s: dict) -> float:
-    return 2.0 * s["M"] * s["N"] * s["K"]
-
-
-def min_bytes(s: dict) -> float:
-    """A and B fp8 once, their scales once, D bf16 once."""
-    M, N, K = s["M"], s["N"], s["K"]
-    G, NB = K // BLOCK, -(-N // BLOCK)
-    a_s = M * (-(-G // 4)) * 4 if s.get("a_fmt") == "ue8m0_packed" else M * G * (1 if s.get("a_fmt") == "ue8m0" else 4)
-    b_s = NB * G * (1 if s.get("b_fmt") in ("ue8m0",) else 4)
-    return M * K + N * K + a_s + b_s + 2 * M * N
-
-
 def _config_for(arch: str, shape: dict) -> list[str]:
     from ds4lab_kernels.fp8_gemm import CONFIGS, config_label
     if shape.get("all_configs"):
@@ -195,8 +183,8 @@ register(KernelSpec(
         {"M": 300, "N": 77, "K": 128, "a_fmt": "ue8m0", "b_fmt": "pow2"},
     ],
     bench_shapes=bench_shapes,
-    flops=flops,
-    min_bytes=min_bytes,
+    flops=costs.FLOPS["fp8_gemm_nt"],
+    min_bytes=costs.MIN_BYTES["fp8_gemm_nt"],
     check=check,
     configs=kernel_configs("fp8_gemm"),
     config_for=_config_for,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ds4lab.geometry import op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import compare_exact
 from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
 
@@ -70,9 +71,8 @@ register(KernelSpec(
                  {"M": 64, "K": 256, "scale_fmt": "ue8m0"}, {"M": 300, "K": 384, "scale_fmt": "ue8m0_packed"},
                  {"M": 33, "K": 640, "scale_fmt": "fp32"}],
     bench_shapes=bench_shapes,
-    flops=lambda s: 0.0,
-    min_bytes=lambda s: s["M"] * s["K"] * (2 + 1) + s["M"] * (s["K"] // GROUP) * (
-        4 if s.get("scale_fmt", "fp32") in ("fp32", "pow2") else 1),
+    flops=costs.FLOPS["per_token_group_quant_fp8"],
+    min_bytes=costs.MIN_BYTES["per_token_group_quant_fp8"],
     check=check,
     configs=kernel_configs("fp8_quant"),
     baselines={"torch_eager": reference_baseline("ds4lab.reference.quant:per_token_group_quant_fp8")},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ds4lab.geometry import op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import Tolerance, compare, compare_exact, compare_mask, fp8_mma_rel_error
 from ds4lab.reference import indexer as R
 from ds4lab.harness.registry import KernelSpec, kernel_configs, register
@@ -86,8 +87,8 @@ register(KernelSpec(
     cases=INSERT_CASES,
     test_shapes=[{"T": 1, "num_blocks": 1}, {"T": 300, "num_blocks": 6}],
     bench_shapes=lambda cfg, tp: [{"T": t, "num_blocks": -(-t // BS) * 2} for t in ((32, 8192) if tp == 1 else (32,))],
-    flops=lambda s: 0.0,
-    min_bytes=lambda s: s["T"] * (D * 2 + D + 4 + 8),
+    flops=costs.FLOPS["indexer_k_cache_insert"],
+    min_bytes=costs.MIN_BYTES["indexer_k_cache_insert"],
     check=check_insert,
     configs=kernel_configs("indexer", "insert"),
     bound="memory",
@@ -151,13 +152,6 @@ def check_logits(out, ref, inputs) -> list:
     return [compare(out, ref, _logit_tol(ref.cpu(), out.device), "logits"), compare_mask(out, ref, "logits")]
 
 
-def _mqa_flops(s):
-    # useful: in-range entries of the causal shape; ~= M*N minus the causal triangle
-    M, N, H = s["M"], s["N"], s.get("H", 64)
-    valid = sum(max(0, N - (M - 1 - t) // 4) for t in range(M))
-    return 2.0 * H * D * valid
-
-
 def _tf32_mqa(inputs, chunk=256):
     """The forks' formulation: dequantize to fp32, TF32 matmul, relu, weighted head sum, mask."""
     q, (k, ks), w = inputs["q"], inputs["kv"], inputs["weights"]
@@ -191,8 +185,8 @@ register(KernelSpec(
     test_shapes=[{"M": 9, "N": 300, "H": 64}, {"M": 3, "N": 513, "H": 64}],
     bench_shapes=lambda cfg, tp: [{"M": 4096, "N": 32768, "H": _heads(cfg)}] + (
         [{"M": 1024, "N": 8192, "H": _heads(cfg)}] if tp == 1 else []),
-    flops=_mqa_flops,
-    min_bytes=lambda s: s["M"] * s.get("H", 64) * (D + 4) + s["N"] * (D + 4) + s["M"] * s["N"] * 4,
+    flops=costs.FLOPS["fp8_mqa_logits"],
+    min_bytes=costs.MIN_BYTES["fp8_mqa_logits"],
     check=check_logits,
     configs=kernel_configs("indexer", "mqa"),
     baselines={"torch_tf32": _tf32_mqa},
@@ -245,10 +239,6 @@ def make_paged_inputs(shape: dict, case: str = "decode", seed: int = 0, device="
             "max_context_len": ctx}
 
 
-def _paged_valid(s):
-    return s["B"] * sum(s["ctx"] - s["next_n"] + 1 + i for i in range(s["next_n"]))
-
-
 def _tf32_paged(inputs):
     """The forks' formulation: gather blocks, dequantize to fp32, TF32 bmm, relu, weighted sum, mask."""
     q, cache, w = inputs["q"], inputs["kv_cache"], inputs["weights"]
@@ -290,9 +280,8 @@ register(KernelSpec(
     cases=PAGED_CASES,
     test_shapes=[{"B": 3, "next_n": 2, "ctx": 200, "H": 64}, {"B": 5, "next_n": 1, "ctx": 130, "H": 64}],
     bench_shapes=_paged_bench,
-    flops=lambda s: 2.0 * s.get("H", 64) * D * _paged_valid(s),
-    # the cache bytes read (values + scales) plus the logits written; q/weights are negligible
-    min_bytes=lambda s: s["B"] * s["ctx"] * (D + 4) + s["B"] * s["next_n"] * s["ctx"] * 4,
+    flops=costs.FLOPS["fp8_paged_mqa_logits"],
+    min_bytes=costs.MIN_BYTES["fp8_paged_mqa_logits"],  # cache values + scales read, logits written
     check=check_logits,
     configs=kernel_configs("indexer", "paged"),
     baselines={"torch_tf32": _tf32_paged},

@@ -12,6 +12,7 @@ import math
 import torch
 
 from ds4lab.geometry import op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import Tolerance, compare, compare_exact, tolerance_for
 from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
 
@@ -176,43 +177,6 @@ def _bench(ts1, ts4):
     return bench_shapes
 
 
-def _coef_bytes(T, hc):
-    return T * (hc + hc * hc) * 4
-
-
-def _bytes(kind):
-    def f(s):
-        T, D, hc, N = _dims(s)
-        K = hc * D
-        if kind == "gemm":
-            return T * K * 2 + N * K * 4 + T * (N + 1) * 4
-        if kind == "pre":
-            return T * K * 2 + N * K * 4 + D * 2 + T * D * 2 + _coef_bytes(T, hc)
-        if kind == "broadcast":
-            return T * D * 2 + N * K * 4 + D * 2 + T * K * 2 + T * D * 2 + _coef_bytes(T, hc)
-        if kind == "post":
-            return T * K * 2 + T * D * 2 + _coef_bytes(T, hc) + T * K * 2
-        if kind == "fused":
-            return T * K * 2 + T * D * 2 + 2 * _coef_bytes(T, hc) + N * K * 4 + D * 2 + T * K * 2 + T * D * 2
-        if kind == "head":
-            return T * K * 2 + hc * K * 4 + T * D * 2
-        raise ValueError(kind)
-    return f
-
-
-def _flops(kind):
-    def f(s):
-        T, D, hc, N = _dims(s)
-        K = hc * D
-        if kind == "post":
-            return 2.0 * T * K * (hc + 1)
-        if kind == "head":
-            return 2.0 * T * K * hc + 2.0 * T * K
-        gemm = 2.0 * T * (D if kind == "broadcast" else K) * N
-        return gemm + (2.0 * T * K * (hc + 1) if kind == "fused" else 0.0)
-    return f
-
-
 # H200 run 4 candidates: timed only at the bench shapes that matter (each is a full config row, so
 # the interpreter tests and the AOT report still run every row of the table at their shapes)
 CANDIDATES = {"mhc_fused_post_pre": (("fused_m64k16",), (512, 2048)),
@@ -254,8 +218,8 @@ for _name, _kind, _check, _cases, (_b1, _b4), _bound in _KINDS:
         cases=_cases,
         test_shapes=TEST_SHAPES,
         bench_shapes=_bench(_b1, _b4),
-        flops=_flops(_kind),
-        min_bytes=_bytes(_kind),
+        flops=costs.FLOPS[_name],
+        min_bytes=costs.MIN_BYTES[_name],
         check=_check,
         configs=kernel_configs("mhc"),
         config_for=_config_for_kernel(_name),

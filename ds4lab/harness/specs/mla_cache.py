@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ds4lab.geometry import op_shapes
+from ds4lab.geometry import FP8_DS_MLA_ALIGN, FP8_DS_MLA_ENTRY_BYTES, op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import Report, compare_exact
 from ds4lab.harness.registry import KernelSpec, kernel_configs, register
 
@@ -13,7 +14,7 @@ CASES = ("random", "zero_rows", "tiny_rows", "outliers", "skip_slots", "block_ed
 
 def block_bytes(block_size: int) -> int:
     """vLLM pads a block of ``block_size * 584`` bytes to a multiple of 576."""
-    return -(-block_size * 584 // 576) * 576
+    return -(-block_size * FP8_DS_MLA_ENTRY_BYTES // FP8_DS_MLA_ALIGN) * FP8_DS_MLA_ALIGN
 
 
 def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
@@ -77,10 +78,11 @@ def _torch_eager(inputs):
         q, b, rope = quantize_entry(kv)
         blocks = cache.view(cache.shape[0], -1)
         blk, pos = slots // bs, slots % bs
-        ar = torch.arange(576, device=kv.device)
+        D, S = FP8_DS_MLA_DATA_BYTES, FP8_DS_MLA_SCALE_BYTES
+        ar = torch.arange(D, device=kv.device)
         data = torch.cat([q.view(torch.uint8), rope.contiguous().view(torch.uint8)], 1)
-        blocks[blk[:, None], pos[:, None] * 576 + ar] = data
-        blocks[blk[:, None], bs * 576 + pos[:, None] * 8 + torch.arange(7, device=kv.device)] = b
+        blocks[blk[:, None], pos[:, None] * D + ar] = data
+        blocks[blk[:, None], bs * D + pos[:, None] * S + torch.arange(S - 1, device=kv.device)] = b
         return cache
     return run
 
@@ -94,8 +96,8 @@ register(KernelSpec(
     cases=CASES,
     test_shapes=[{"T": 9, "block_size": 64, "num_blocks": 3}, {"T": 7, "block_size": 2, "num_blocks": 6}],
     bench_shapes=bench_shapes,
-    flops=lambda s: 0.0,
-    min_bytes=lambda s: s["T"] * (512 * 2 + 576 + 8 + 4),
+    flops=costs.FLOPS["fp8_ds_mla_insert"],
+    min_bytes=costs.MIN_BYTES["fp8_ds_mla_insert"],
     check=check,
     configs=kernel_configs("mla_cache"),
     baselines={"torch_eager": _torch_eager},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ds4lab.geometry import op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import Report, compare, compare_exact
 from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
 
@@ -129,8 +130,8 @@ register(KernelSpec(
     cases=ROUTE_CASES,
     test_shapes=[{"T": 5, "E": 256, "topk": 6}, {"T": 33, "E": 64, "topk": 8}, {"T": 3, "E": 6, "topk": 6}],
     bench_shapes=_route_bench,
-    flops=lambda s: 0.0,
-    min_bytes=lambda s: s["T"] * s["E"] * 4 + s["E"] * 4 + s["T"] * s["topk"] * 8,
+    flops=costs.FLOPS["sqrtsoftplus_topk"],
+    min_bytes=costs.MIN_BYTES["sqrtsoftplus_topk"],
     check=check_route,
     configs=kernel_configs("moe_routing"),
     baselines={"torch_eager": _route_torch},
@@ -240,23 +241,6 @@ def _moe_bench(cfg, tp):
     return [{"T": t, **base} for t in ts]
 
 
-def _touched(s):
-    return min(s["E"], s["T"] * s["topk"])
-
-
-def _expert_bytes(s):
-    D, I = s["D"], s["I"]
-    return 3 * D * I // 2 + 3 * D * I // GROUP * 2  # nibbles + bf16 scales (gate, up, down)
-
-
-def _moe_min_bytes(s):
-    return _touched(s) * _expert_bytes(s) + s["T"] * s["D"] * 2 * 2 + s["T"] * s["topk"] * 8
-
-
-def _moe_flops(s):
-    return 2.0 * s["T"] * s["topk"] * 3 * s["D"] * s["I"]
-
-
 def _moe_config_for(arch, shape):
     """Bench shapes (from geometry: they carry ``tp``) time the configs of the path the launcher
     would pick; test and AOT shapes run every config (both paths are correct at any size)."""
@@ -284,8 +268,11 @@ register(KernelSpec(
     test_shapes=[{"T": 3, "E": 8, "D": 256, "I": 128, "topk": 2},
                  {"T": 40, "E": 4, "D": 256, "I": 256, "topk": 4}],
     bench_shapes=_moe_bench,
-    flops=_moe_flops,
-    min_bytes=_moe_min_bytes,
+    flops=costs.FLOPS["fused_moe_w4a16"],
+    min_bytes=costs.MIN_BYTES["fused_moe_w4a16"],
+    # a call reads the selected experts only (all 256 are inputs): the bench's cold-L2 rotation
+    # counts these bytes, not the 830 MB of inputs (issue 19 item 4)
+    touched_bytes=costs.TOUCHED_BYTES["fused_moe_w4a16"],
     check=check_moe,
     configs=kernel_configs("moe_w4a16"),
     config_for=_moe_config_for,

@@ -11,6 +11,7 @@ import math
 import torch
 
 from ds4lab.geometry import DEFAULT_CONFIG, op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import Tolerance, fp8_mma_rel_error, compare, compare_exact
 from ds4lab.reference.quant import ceil_pow2, encode_ue8m0, per_token_group_quant_fp8
 from ds4lab.harness.registry import KernelSpec, register
@@ -97,15 +98,6 @@ def rope_bench_shapes(cfg, tp: int) -> list[dict]:
     return [{"T": t, "H": H, "P": BENCH_POS, "scale_fmt": "ue8m0"} for t in (1, 8, 64, 256, 512, 4096)]
 
 
-def rope_min_bytes(s: dict) -> float:
-    T, H = s["T"], s["H"]
-    n = T * H * HEAD_DIM
-    if not s.get("quantize", True):
-        return n * 2 + n * 2 + T * (8 + ROPE_DIM * 4)
-    sb = 1 if s.get("scale_fmt", "ue8m0") == "ue8m0" else 4
-    return n * 2 + n + (n // GROUP) * sb + T * (8 + ROPE_DIM * 4)
-
-
 def _rope_torch(inputs):
     from ds4lab.reference.o_proj import torch_inv_rope_quant
     kw = {k: v for k, v in inputs.items() if k != "check_positions"}
@@ -127,8 +119,8 @@ register(KernelSpec(
     test_shapes=[{"T": 1, "H": 8, "scale_fmt": "ue8m0"}, {"T": 7, "H": 16, "scale_fmt": "fp32"},
                  {"T": 33, "H": 64, "scale_fmt": "pow2"}, {"T": 5, "H": 32, "quantize": False}],
     bench_shapes=rope_bench_shapes,
-    flops=lambda s: 0.0,
-    min_bytes=rope_min_bytes,
+    flops=costs.FLOPS["inv_rope_fp8_quant"],
+    min_bytes=costs.MIN_BYTES["inv_rope_fp8_quant"],
     check=rope_check,
     configs=_configs_rope(),
     baselines={"torch_eager": _rope_torch},
@@ -190,19 +182,6 @@ def einsum_bench_shapes(cfg, tp: int) -> list[dict]:
     return [{"T": t, "G": d["G"], "N": d["R"], "K": d["K"], "x_fmt": "ue8m0", "w_fmt": "fp32"} for t in BENCH_T]
 
 
-def einsum_flops(s: dict) -> float:
-    return 2.0 * s["T"] * s["G"] * s["N"] * s["K"]
-
-
-def einsum_min_bytes(s: dict, fp8: bool = True) -> float:
-    T, G, N, K = s["T"], s["G"], s["N"], s["K"]
-    if not fp8:
-        return 2 * (G * N * K + T * G * K + T * G * N)
-    xsb = 1 if s.get("x_fmt", "ue8m0") == "ue8m0" else 4
-    wsb = 1 if s.get("w_fmt", "fp32") == "ue8m0" else 4
-    return G * N * K + G * (N // GROUP) * (K // GROUP) * wsb + T * G * K + T * G * (K // GROUP) * xsb + 2 * T * G * N
-
-
 def _einsum_config_for(arch, shape):
     return ["decode", "prefill"] if shape["T"] <= 64 else ["prefill"]
 
@@ -242,8 +221,8 @@ register(KernelSpec(
                  {"T": 1, "G": 1, "N": 256, "K": 1024, "x_fmt": "fp32", "w_fmt": "ue8m0"},
                  {"T": 33, "G": 2, "N": 128, "K": 256, "x_fmt": "ue8m0", "w_fmt": "ue8m0"}],
     bench_shapes=einsum_bench_shapes,
-    flops=einsum_flops,
-    min_bytes=einsum_min_bytes,
+    flops=costs.FLOPS["fp8_einsum_bhr_hdr_bhd"],
+    min_bytes=costs.MIN_BYTES["fp8_einsum_bhr_hdr_bhd"],
     check=einsum_check,
     configs=_configs_einsum(),
     config_for=_einsum_config_for,
@@ -291,8 +270,8 @@ register(KernelSpec(
     cases=BF16_CASES,
     test_shapes=[{"T": 7, "G": 2, "N": 128, "K": 512}, {"T": 33, "G": 1, "N": 256, "K": 256}],
     bench_shapes=bf16_einsum_bench_shapes,
-    flops=einsum_flops,
-    min_bytes=lambda s: einsum_min_bytes(s, fp8=False),
+    flops=costs.FLOPS["bf16_einsum_bhr_hdr_bhd"],
+    min_bytes=costs.MIN_BYTES["bf16_einsum_bhr_hdr_bhd"],
     check=einsum_check,
     configs=_configs_einsum(),
     config_for=_einsum_config_for,
@@ -357,18 +336,6 @@ def o_proj_bench_shapes(cfg, tp: int) -> list[dict]:
              "scale_fmt": "ue8m0", "w_fmt": "fp32"} for t in ts]
 
 
-def o_proj_flops(s: dict) -> float:
-    G, K = s["H"] // HPG, HPG * HEAD_DIM
-    return 2.0 * s["T"] * (G * s["R"] * K + s["N"] * G * s["R"])
-
-
-def o_proj_min_bytes(s: dict) -> float:
-    T, H, R, N = s["T"], s["H"], s["R"], s["N"]
-    G, K = H // HPG, HPG * HEAD_DIM
-    wb = 1 if s.get("path", "fp8") == "fp8" else 2
-    return wb * (G * R * K + N * G * R) + T * H * HEAD_DIM * 2 + T * (8 + ROPE_DIM * 4) + 2 * T * N
-
-
 def _o_proj_configs():
     from ds4lab_kernels.o_proj import CONFIGS
     return {a: {"decode": {"rope": t["rope_small"], "einsum": t["decode"], "wo_b": t["decode"]},
@@ -404,8 +371,8 @@ register(KernelSpec(
                  {"T": 33, "H": 8, "R": 128, "N": 128, "path": "fp8", "scale_fmt": "pow2"},
                  {"T": 7, "H": 8, "R": 128, "N": 128, "path": "bf16"}],
     bench_shapes=o_proj_bench_shapes,
-    flops=o_proj_flops,
-    min_bytes=o_proj_min_bytes,
+    flops=costs.FLOPS["o_proj"],
+    min_bytes=costs.MIN_BYTES["o_proj"],
     check=o_proj_check,
     configs=_o_proj_configs(),
     baselines={"torch_bf16_upcast": _o_proj_torch_bf16},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ds4lab.geometry import op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import compare
 from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
 from ds4lab.harness.specs.mla_cache import block_bytes
@@ -134,10 +135,6 @@ def check(out, ref, inputs) -> list:
     return reps
 
 
-def _n(s):
-    return s.get("W", 0) + s["Kc"]
-
-
 def decode_bench_shapes(cfg, tp: int) -> list[dict]:
     op = op_shapes(cfg, tp)["sparse_mla"].dims
     H, W, K = op["H"], op["window"], op["topk"]
@@ -173,10 +170,8 @@ register(KernelSpec(
     test_shapes=[{"T": 3, "H": 16, "W": 20, "Kc": 37, "comp_bs": 2},
                  {"T": 2, "H": 64, "W": 33, "Kc": 0}],
     bench_shapes=decode_bench_shapes,
-    # QK^T and PV over the 512-d latent
-    flops=lambda s: 4.0 * s["T"] * s["H"] * _n(s) * 512,
-    # every candidate's 584 cache bytes + its int32 index, q in, out
-    min_bytes=lambda s: s["T"] * (_n(s) * (584 + 4) + 2 * s["H"] * 512 * 2),
+    flops=costs.FLOPS["sparse_mla_decode"],      # QK^T and PV over the 512-d latent
+    min_bytes=costs.MIN_BYTES["sparse_mla_decode"],  # each candidate's cache entry + index, q, out
     check=check,
     configs=kernel_configs("sparse_mla"),
     config_for=_config_for,
@@ -198,8 +193,8 @@ register(KernelSpec(
     cases=CASES,
     test_shapes=[{"Tq": 3, "H": 16, "N": 70, "Kc": 45}],
     bench_shapes=prefill_bench_shapes,
-    flops=lambda s: 4.0 * s["Tq"] * s["H"] * s["Kc"] * 512,
-    min_bytes=lambda s: min(s["N"], s["Tq"] * s["Kc"]) * 1024 + s["Tq"] * (s["Kc"] * 4 + 2 * s["H"] * 1024),
+    flops=costs.FLOPS["sparse_mla_prefill"],
+    min_bytes=costs.MIN_BYTES["sparse_mla_prefill"],
     check=check,
     configs=kernel_configs("sparse_mla"),
     config_for=_config_for,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ds4lab.geometry import op_shapes
+from ds4lab.harness import costs
 from ds4lab.harness.numerics import compare_topk
 from ds4lab.harness.registry import KernelSpec, kernel_configs, register
 
@@ -79,8 +80,8 @@ register(KernelSpec(
     cases=CASES,
     test_shapes=[{"R": 4, "N": 2000, "k": 512}, {"R": 3, "N": 300, "k": 512}],
     bench_shapes=_bench,
-    flops=lambda s: 0.0,
-    min_bytes=lambda s: s["R"] * s["N"] * 4 + s["R"] * s["k"] * 4,
+    flops=costs.FLOPS["topk_indices"],
+    min_bytes=costs.MIN_BYTES["topk_indices"],
     check=check,
     configs=kernel_configs("topk"),
     baselines={"torch_topk": _torch_topk},

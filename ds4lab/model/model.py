@@ -1,0 +1,218 @@
+"""The DeepSeek-V4 composition of one TP rank over an op backend (:mod:`ds4lab.model.ops`).
+
+Decode and prefill are one token-level step (``_forward``): the step's tokens (request ``req[t]``,
+position ``pos[t]``) first write their SWA entries, compressor states and (at ratio boundaries)
+compressed / indexer entries into the caches, then attend causally by position, as vLLM 0.32
+does within a step. A decode step is ``B * next_n`` tokens; a prefill chunk is one request's
+next ``chunk`` tokens. Every index the step needs (SWA window slots, compressed slots, indexer
+bounds, write slots) is computed on the device from ``positions`` with static shapes, so a
+decode step has no host sync on the kernel backend (CUDA-graph capturable).
+
+Per layer (vLLM ``models/deepseek_v4/cpu/model.py`` ``DeepseekV4DecoderLayer``,
+``attention.py`` ``DeepseekV4Attention``, ``cpu/cpu_sparse.py``):
+mHC pre (+attn_norm) -> ``wqkv_a`` -> q_norm / kv_norm -> ``wq_b`` -> per-head RMSNorm + RoPE (q),
+RoPE + fp8_ds_mla insert (kv) -> [compressor (+ indexer compressor, indexer q, logits, top-512)]
+-> sparse MLA with sink over SWA (+ compressed) -> o_proj -> mHC post -> mHC pre (+ffn_norm) ->
+router (hash ``tid2eid`` in layers < num_hash_layers, else sqrtsoftplus + bias) -> routed
+experts + shared expert (SwiGLU clamp) -> mHC post. Then hc_head, final norm, LM head (bf16
+logits, as vLLM's bf16 ``lm_head``). MTP (``vllm/models/deepseek_v4/nvidia/mtp.py``):
+``x = h_proj(hnorm(h_prev)) + e_proj(enorm(embed(tok) zeroed at pos 0))``, one SWA-only block,
+its own hc_head and norm, the shared head.
+"""
+from __future__ import annotations
+
+import torch
+
+from ds4lab.geometry import ModelConfig
+from ds4lab.model.cache import Caches, new_caches
+from ds4lab.model.ops import op_group
+from ds4lab.reference.rope import layer_cos_sin
+
+__all__ = ["RankModel", "make_backend"]
+
+
+def make_backend(backend):
+    if not isinstance(backend, str):
+        return backend
+    if backend == "reference":
+        from ds4lab.model.backend_ref import ReferenceBackend
+        return ReferenceBackend()
+    if backend == "kernel":
+        raise NotImplementedError("backend='kernel': not built yet (issue 19 item 1 is open; the reference "
+                                  "twin runs: backend='reference')")
+    raise ValueError(f"backend={backend!r}: expected 'kernel' or 'reference'")
+
+
+class RankModel:
+    """One rank of DeepSeek-V4 (see the module doc). ``weights``: :mod:`ds4lab.model.weights`."""
+
+    def __init__(self, cfg: ModelConfig, tp: int, rank: int, weights: dict, device="cpu", backend="kernel",
+                 max_pos: int | None = None, chunk: int = 256):
+        self.cfg, self.tp, self.rank, self.W = cfg, tp, rank, weights
+        self.device = torch.device(device)
+        self.ops = make_backend(backend)
+        self.chunk = chunk
+        self.H = cfg.num_attention_heads // tp
+        self.G = cfg.o_groups // tp
+        self.max_pos = max_pos or min(cfg.max_position_embeddings, 1 << 17)
+        self.cos_sin = {r: layer_cos_sin(cfg, r, self.max_pos, device=self.device) for r in (0, 4, 128)}
+        self.layers = weights["layers"]
+        self.hidden: list | None = None   # set to [] to collect per-layer residuals (checks)
+
+    # ---- caches ----------------------------------------------------------------------------
+    def new_caches(self, batch: int, max_ctx: int) -> Caches:
+        return new_caches(self.cfg, batch, max_ctx, self.chunk, self.device)
+
+    def fill_caches(self, caches: Caches, ctx: int, seed: int = 0):
+        """Benchmark fill: every request holds ``ctx`` tokens of random (unit-RMS) latents, written
+        by the backend's own writers (SWA ring, compressed KV, indexer K; the compressor states are
+        left as they are, zeros)."""
+        raise NotImplementedError("fill_caches: not built yet (issue 19, open)")
+
+    # ---- index maps (device, static shapes) --------------------------------------------------
+    def _maps(self, pos, req, caches: Caches):
+        W = self.cfg.sliding_window
+        R = caches.swa_ring
+        start = (pos - W + 1).clamp_min(0)
+        w = torch.arange(W, device=pos.device)
+        p = start[:, None] + w[None, :]
+        swa_lens = (pos - start + 1).to(torch.int32)
+        swa_idx = torch.where(p <= pos[:, None], req[:, None] * R + p % R, torch.full_like(p, -1)).to(torch.int32)
+        return {"swa_slots": (req * R + pos % R), "swa_idx": swa_idx, "swa_lens": swa_lens}
+
+    # ---- the step ----------------------------------------------------------------------------
+    def _attention(self, i, L, x, pos, req, C, maps, ids):
+        o, cfg = self.ops, self.cfg
+        T = x.shape[0]
+        ratio = L["ratio"]
+        cs = self.cos_sin[ratio]
+        hd, ql = cfg.head_dim, cfg.q_lora_rank
+        qkv = o.linear(x, L["wqkv_a"], "attn.wqkv_a")
+        qr = o.rmsnorm(qkv[:, :ql], L["q_norm"], cfg.rms_norm_eps, "attn.q_norm")
+        kv = o.rmsnorm(qkv[:, ql:], L["kv_norm"], cfg.rms_norm_eps, "attn.kv_norm")
+        q = o.linear(qr, L["wq_b"], "attn.wq_b").reshape(T, self.H, hd)
+        q = o.q_norm_rope(q, pos, cs, cfg.rms_norm_eps)
+        kv = o.rope(kv, pos, cs, "attn.kv_rope")
+        o.mla_cache_write(kv, maps["swa_slots"], C.swa, 64, "attn.swa_insert")
+        comp_cache = comp_slots = comp_lens = None
+        if ratio:
+            ncomp = (pos + 1) // ratio
+            boundary = (pos + 1) % ratio == 0
+            comp_w = torch.where(boundary, req * C.n_comp + ncomp - 1, torch.full_like(pos, -1))
+            c = self._compress(L["comp"], x, pos, req, C.state, C.state_ring, ratio, cs, "attn.compressor")
+            o.mla_cache_write(c, comp_w, C.comp, C.comp_block, "attn.comp_insert")
+            comp_cache = C.comp
+            if ratio == 4:
+                I = L["idx"]
+                ic = self._compress(I["comp"], x, pos, req, C.idx_state, C.idx_state_ring, 4, cs, "indexer.compressor")
+                o.indexer_cache_write(ic, comp_w, C.idx, "indexer.k_insert")
+                iw = o.linear(x, I["weights_proj"], "indexer.weights_proj")
+                iq = o.linear(qr, I["wq_b"], "indexer.wq_b").reshape(T, cfg.index_n_heads, cfg.index_head_dim)
+                qf, wf = o.indexer_q(iq, pos, cs, iw)
+                top = o.indexer_topk(qf, wf, C.idx, C.idx_block_table, req, ncomp.to(torch.int32), C.n_comp,
+                                     cfg.index_topk, "indexer.logits_topk")
+                with op_group("indexer.slots", "torch:where"):
+                    comp_slots = torch.where(top >= 0, req[:, None].to(torch.int32) * C.n_comp + top,
+                                             torch.full_like(top, -1))
+            else:
+                with op_group("attn.c128_slots", "torch:arange"):
+                    j = torch.arange(C.n_comp, device=pos.device, dtype=torch.int32)
+                    comp_slots = (req[:, None].to(torch.int32) * C.n_comp + j[None, :]).contiguous()
+                    comp_lens = ncomp.clamp_max(C.n_comp).to(torch.int32)
+        a = o.sparse_mla(q, C.swa, maps["swa_idx"], maps["swa_lens"], L["attn_sink"], comp_cache, comp_slots,
+                         comp_lens, 64, C.comp_block, hd ** -0.5)
+        return o.o_proj(a, pos, cs, L["wo_a"], L["wo_b"], self.G)
+
+    def _compress(self, P, x, pos, req, state, ring, ratio, cs, name):
+        o = self.ops
+        coff = 2 if ratio == 4 else 1
+        with op_group(name + ".slots", "torch:arange"):
+            win = pos[:, None] - coff * ratio + 1 + torch.arange(coff * ratio, device=pos.device)[None, :]
+            valid = win >= 0
+            wslots = req[:, None] * ring + win.clamp_min(0) % ring
+            sslots = req * ring + pos % ring
+        ks = o.linear(x, P["wkv_gate"], name + ".wkv_gate").float()
+        return o.compressor(ks, pos, state, sslots, wslots, valid, P["ape"], P["norm"], self.cfg.rms_norm_eps,
+                            ratio, cs, name)
+
+    def _moe(self, L, x, ids):
+        o, cfg = self.ops, self.cfg
+        lg = o.linear(x, L["gate"], "moe.gate", out_dtype=torch.float32)
+        w, e = o.route(lg, L["bias"], cfg.num_experts_per_tok, cfg.routed_scaling_factor, ids, L["tid2eid"])
+        r = o.experts(x, L["experts"], w, e, cfg.swiglu_limit)
+        gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
+        h = o.swiglu(gu, cfg.swiglu_limit, "moe.shared_act")
+        s = o.linear(h, L["shared_w2"], "moe.shared_w2")
+        return o.add(r, s, "moe.add")
+
+    def _block(self, i, L, resid, ids, pos, req, C, maps):
+        o, cfg = self.ops, self.cfg
+        post, comb, x = o.mhc_pre(resid, L["hc_attn_fn"], L["hc_attn_scale"], L["hc_attn_base"], L["attn_norm"],
+                                  cfg, "mhc.pre_attn")
+        a = self._attention(i, L, x, pos, req, C, maps, ids)
+        resid = o.mhc_post(a, resid, post, comb, "mhc.post_attn")
+        post, comb, x = o.mhc_pre(resid, L["hc_ffn_fn"], L["hc_ffn_scale"], L["hc_ffn_base"], L["ffn_norm"],
+                                  cfg, "mhc.pre_ffn")
+        f = self._moe(L, x, ids)
+        return o.mhc_post(f, resid, post, comb, "mhc.post_ffn")
+
+    def forward(self, ids, pos, req, caches: Caches):
+        """``ids, pos, req (T,)`` -> the pre-hc_head residual ``(T, 4, D)`` bf16 after the last layer."""
+        o = self.ops
+        ids, pos, req = (t.to(self.device).long() for t in (ids, pos, req))
+        maps = self._maps(pos, req, caches)
+        x = o.embed(ids, self.W["embed"])
+        resid = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for i, L in enumerate(self.layers):
+            resid = self._block(i, L, resid, ids, pos, req, caches.layers[i], maps)
+            if self.hidden is not None:
+                self.hidden.append(resid)
+        return resid
+
+    def logits(self, resid, W=None) -> torch.Tensor:
+        """``(T, 4, D)`` residual -> float32 ``(T, V/tp)`` logits of this rank's vocab shard."""
+        o, W = self.ops, W or self.W
+        h = o.hc_head(resid, W["hc_head_fn"], W["hc_head_scale"], W["hc_head_base"], self.cfg)
+        h = o.rmsnorm(h, W["norm"], self.cfg.rms_norm_eps, "head.norm")
+        return o.linear(h, self.W["head"], "head.lm_head").float()
+
+    def prefill(self, tokens, caches: Caches, req: int = 0, start: int = 0):
+        """One request's prompt ``tokens (L,)`` from position ``start``, in chunks of ``self.chunk``.
+        Returns ``(last logits (V/tp,) float32, residual (L, 4, D))``."""
+        tokens = torch.as_tensor(tokens, device=self.device).long()
+        res = []
+        for c0 in range(0, len(tokens), self.chunk):
+            t = tokens[c0:c0 + self.chunk]
+            pos = torch.arange(start + c0, start + c0 + len(t), device=self.device)
+            res.append(self.forward(t, pos, torch.full_like(pos, req), caches))
+        resid = torch.cat(res)
+        return self.logits(resid[-1:])[0], resid
+
+    def decode(self, tokens, positions, caches: Caches, return_hidden: bool = False):
+        """``tokens, positions (B, next_n)`` (request b = row b) -> logits ``(B, next_n, V/tp)`` float32."""
+        tokens = torch.as_tensor(tokens, device=self.device).long()
+        positions = torch.as_tensor(positions, device=self.device).long()
+        B, n = tokens.shape
+        req = torch.arange(B, device=self.device)[:, None].expand(B, n).reshape(-1)
+        resid = self.forward(tokens.reshape(-1), positions.reshape(-1), req, caches)
+        lg = self.logits(resid).reshape(B, n, -1)
+        return (lg, resid) if return_hidden else lg
+
+    def mtp_draft(self, tokens, positions, prev_resid, caches: Caches, req=None):
+        """MTP: ``tokens, positions (T,)`` (the next token of each position's request), the main
+        model's pre-hc_head residual ``prev_resid (T, 4, D)`` there -> draft logits ``(T, V/tp)``."""
+        o, cfg, M = self.ops, self.cfg, self.W["mtp"]
+        ids = torch.as_tensor(tokens, device=self.device).long().reshape(-1)
+        pos = torch.as_tensor(positions, device=self.device).long().reshape(-1)
+        req = torch.zeros_like(pos) if req is None else torch.as_tensor(req, device=self.device).long().reshape(-1)
+        maps = self._maps(pos, req, caches)
+        e = o.embed(ids, self.W["embed"], "mtp.embed")
+        with op_group("mtp.zero_pos0", "torch:where"):
+            e = torch.where(pos[:, None] == 0, torch.zeros_like(e), e)
+        e = o.rmsnorm(e, M["enorm"], cfg.rms_norm_eps, "mtp.enorm")
+        h = o.rmsnorm(prev_resid, M["hnorm"], cfg.rms_norm_eps, "mtp.hnorm")
+        hp = o.linear(h.reshape(-1, cfg.hidden_size), M["h_proj"], "mtp.h_proj").reshape(h.shape)
+        ep = o.linear(e, M["e_proj"], "mtp.e_proj")
+        resid = o.add(hp, ep[:, None, :].expand_as(hp), "mtp.add")
+        resid = self._block(cfg.num_hidden_layers, M, resid, ids, pos, req, caches.mtp, maps)
+        return self.logits(resid, W=M)

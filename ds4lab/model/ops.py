@@ -1,0 +1,222 @@
+"""The primitive-op interface the DeepSeek-V4 composition (:mod:`ds4lab.model.model`) calls.
+
+One composition runs over two op backends with the same methods (:class:`Backend`):
+
+- ``kernel`` (:mod:`ds4lab.model.backend_kernel`): every op a ds4lab Triton launcher where one
+  exists, else a torch op labelled as such;
+- ``reference`` (:mod:`ds4lab.model.backend_ref`): the reference twin, built only from
+  :mod:`ds4lab.reference` (float64 over the dequantized weights, the model's bf16 boundaries kept).
+
+Every op call runs inside :func:`op_group` ``(name, kind)``: ``name`` is the op group of the step
+profile (``"attn.wq_b"``, ``"moe.experts"``, ...; the composition passes it), ``kind`` says what
+runs it: ``"kernel:<ds4lab launcher>"`` or ``"torch:<what>"`` (a profile can therefore list what
+still has no kernel). A module-level hook (:func:`set_hook`, default none) sees every group's
+entry and exit, so the step benchmark can record CUDA events or count launches per group::
+
+    class Hook:
+        def enter(self, name: str, kind: str) -> None: ...
+        def exit(self, name: str, kind: str) -> None: ...
+
+Weights reach the ops as :class:`Linear` (FP8 e4m3 with 128x128 UE8M0 block scales, or bf16) and
+:class:`Experts` (packed INT4 W4A16, or bf16 for the tiny checkpoint as vLLM-CPU serves it).
+A linear with an FP8 weight quantizes its activation 1x128 (UE8M0 scale) first (vLLM
+``W8A8BlockFp8LinearOp``, DeepGEMM ``fp8_gemm_nt``); a bf16 weight multiplies the bf16 input as is.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+__all__ = ["Hook", "set_hook", "get_hook", "op_group", "Linear", "Experts", "Backend", "GROUP"]
+
+GROUP = 128  # FP8 block / activation group
+
+
+class Hook(Protocol):
+    """What :func:`op_group` calls around every op (both methods must be cheap and sync-free)."""
+
+    def enter(self, name: str, kind: str) -> None: ...
+
+    def exit(self, name: str, kind: str) -> None: ...
+
+
+_HOOK: Hook | None = None
+
+
+def set_hook(hook: Hook | None) -> Hook | None:
+    """Install ``hook`` (or None to remove it) for every later :func:`op_group`; returns the old one."""
+    global _HOOK
+    old, _HOOK = _HOOK, hook
+    return old
+
+
+def get_hook() -> Hook | None:
+    return _HOOK
+
+
+@contextlib.contextmanager
+def op_group(name: str, kind: str):
+    """Run the enclosed op(s) as group ``name`` executed by ``kind`` (``kernel:<launcher>`` or
+    ``torch:<what>``); the installed hook (if any) sees ``enter`` before and ``exit`` after."""
+    h = _HOOK
+    if h is None:
+        yield
+        return
+    h.enter(name, kind)
+    try:
+        yield
+    finally:
+        h.exit(name, kind)
+
+
+@dataclass
+class Linear:
+    """One linear ``y = x W^T``: ``weight`` ``(N, K)`` float8_e4m3fn with ``scale``
+    ``(ceil(N/128), K/128)`` uint8 UE8M0 exponents (``2^(b-127)``), or bfloat16 with ``scale=None``."""
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.scale is not None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def dequant(self, dtype=torch.float64) -> torch.Tensor:
+        """``(N, K)`` in ``dtype``: bf16 upcast, or e4m3 times its block scale (exact)."""
+        w = self.weight.to(dtype)
+        if self.scale is None:
+            return w
+        s = (self.scale.to(torch.int32) << 23).view(torch.float32).to(dtype)
+        s = s.repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)
+        return w * s[: w.shape[0], : w.shape[1]]
+
+
+@dataclass
+class Experts:
+    """One layer's routed experts at one rank. INT4 (compressed-tensors pack-quantized, the
+    ``moe_w4a16`` layout): ``w13_packed (E, 2I, D/8)`` int32, ``w13_scale (E, 2I, D/128)``,
+    ``w2_packed (E, D, I/8)``, ``w2_scale (E, D, I/128)``; or dense bf16 ``w13 (E, 2I, D)``,
+    ``w2 (E, D, I)`` (rows ``[0, I)`` of w13 are the gate ``w1``, ``[I, 2I)`` the up ``w3``)."""
+    w13_packed: torch.Tensor | None = None
+    w13_scale: torch.Tensor | None = None
+    w2_packed: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13: torch.Tensor | None = None
+    w2: torch.Tensor | None = None
+
+    @property
+    def int4(self) -> bool:
+        return self.w13_packed is not None
+
+    @property
+    def num_experts(self) -> int:
+        return (self.w13_packed if self.int4 else self.w13).shape[0]
+
+
+class Backend:
+    """The primitive ops. Shapes: ``T`` tokens of the step, ``D`` hidden, ``H`` local heads,
+    ``hd`` = 512 head dim, ``r`` = 64 rope dims (the LAST r of a head, GPT-J interleaved pairs).
+    ``cos_sin`` is a ``(max_pos, r)`` float32 table ``cos || sin`` (:mod:`ds4lab.reference.rope`).
+    Every method takes ``name`` (its op group) and returns new tensors unless it says "in place".
+    """
+
+    name = "abstract"
+
+    # ---- dense glue ------------------------------------------------------------------------
+    def embed(self, ids, table, name="embed"):
+        """``ids (T,)`` int -> ``table[ids]`` ``(T, D)`` bf16."""
+        raise NotImplementedError
+
+    def rmsnorm(self, x, weight, eps, name):
+        """``bf16(x rsqrt(mean(x^2) + eps) w)`` over the last dim (fp32/fp64 math)."""
+        raise NotImplementedError
+
+    def linear(self, x, lin: Linear, name, out_dtype=torch.bfloat16):
+        """``x (T, K)`` bf16 -> ``x W^T`` ``(T, N)`` in ``out_dtype`` (FP8 weight: 1x128 UE8M0
+        activation quant + block-scaled GEMM; bf16 weight: bf16 product, fp32 accumulate)."""
+        raise NotImplementedError
+
+    def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
+        """``q (T, H, hd)`` bf16: per-head weight-free RMSNorm, then forward RoPE on the last r
+        dims at ``positions`` -> bf16 (vLLM ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``, Q side)."""
+        raise NotImplementedError
+
+    def rope(self, x, positions, cos_sin, name):
+        """Forward GPT-J RoPE on the last r dims of ``x (T, ..., d)`` at ``positions`` -> bf16."""
+        raise NotImplementedError
+
+    # ---- caches ----------------------------------------------------------------------------
+    def mla_cache_write(self, kv, slots, cache, block_size, name):
+        """fp8_ds_mla insert of ``kv (T, 512)`` bf16 at ``slots (T,)`` (-1 skips), in place."""
+        raise NotImplementedError
+
+    def indexer_cache_write(self, k, slots, cache, name):
+        """Indexer K insert of ``k (T, 128)`` bf16 (e4m3 + fp32 pow2 scale), in place."""
+        raise NotImplementedError
+
+    def compressor(self, kv_score, positions, state, state_slots, window_slots, window_valid, ape,
+                   norm_weight, eps, ratio, cos_sin, name):
+        """The DeepSeek-V4 compressor (see :mod:`ds4lab.reference.compressor`): saves each
+        token's ``(kv, score + ape[pos % ratio])`` (``kv_score (T, 2*coff*hd)`` fp32) into ``state``
+        (in place, rows ``state_slots (T,)``), then for every token compresses the state rows
+        ``window_slots (T, coff*ratio)`` (``window_valid`` masks positions < 0) and returns the
+        normed, rotated entry ``(T, hd)`` bf16 (meaningful where ``(pos + 1) % ratio == 0``; the
+        caller writes only those)."""
+        raise NotImplementedError
+
+    # ---- indexer ---------------------------------------------------------------------------
+    def indexer_q(self, q, positions, cos_sin, weights, name="indexer.q_quant"):
+        """``q (T, 64, 128)`` bf16, ``weights (T, 64)`` -> ``(q_fp8, w fp32)``: RoPE, bf16
+        round, per-(token, head) pow2 scale folded into ``w`` with ``128^-0.5 * 64^-0.5``."""
+        raise NotImplementedError
+
+    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name):
+        """Indexer logits over request ``req[t]``'s compressed entries ``j < limits[t]`` and the
+        top-``topk`` local indices ``(T, topk)`` int32 (ascending, -1 padded)."""
+        raise NotImplementedError
+
+    # ---- attention -------------------------------------------------------------------------
+    def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
+                   swa_block, comp_block, scale, name="attn.sparse_mla"):
+        """Sparse MLA with sink over the fp8_ds_mla caches -> ``(T, H, 512)`` bf16."""
+        raise NotImplementedError
+
+    def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
+        """Inverse RoPE -> grouped ``wo_a`` -> ``wo_b`` -> ``(T, D)`` bf16."""
+        raise NotImplementedError
+
+    # ---- mHC -------------------------------------------------------------------------------
+    def mhc_pre(self, residual, fn, scale, base, norm_weight, cfg, name):
+        """``(post (T,4,1), comb (T,4,4), layer_input (T, D) bf16)`` (attn/ffn norm fused)."""
+        raise NotImplementedError
+
+    def mhc_post(self, x, residual, post, comb, name):
+        """``new residual (T, 4, D)`` bf16."""
+        raise NotImplementedError
+
+    def hc_head(self, residual, fn, scale, base, cfg, name="head.hc_head"):
+        """``(T, D)`` bf16 collapse of the 4 streams."""
+        raise NotImplementedError
+
+    # ---- MoE -------------------------------------------------------------------------------
+    def route(self, logits, bias, topk, scaling, ids, tid2eid, name="moe.route"):
+        """sqrtsoftplus (+bias) or hash routing -> ``(weights fp32 (T,k), ids int32 (T,k))``."""
+        raise NotImplementedError
+
+    def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts"):
+        """Routed experts with the SwiGLU clamp -> ``(T, D)`` bf16."""
+        raise NotImplementedError
+
+    def swiglu(self, gu, limit, name):
+        """``gu (T, 2I)`` -> ``bf16(silu(min(g, L)) * clamp(u, -L, L))``."""
+        raise NotImplementedError
+
+    def add(self, a, b, name):
+        """``bf16(a + b)``."""
+        raise NotImplementedError

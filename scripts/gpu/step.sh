@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The decode step on the H200 (issue 19 item 3), from a plain copy of the tree with the image's own
+# python3 (torch 2.11, triton 3.6.0; no vLLM, no Jupyter, nothing to install):
+#   1. the model's real-shape check (layer 0 SWA, 2 C4A, 3 C128A of a TP=4 rank vs the reference),
+#   2. `ds4lab step` for each build (native, then sm_89 assembled for the H200), each in its own
+#      process (the build is chosen before triton is imported), rows -> $OUT/decode_step.csv,
+#   3. the table last.
+# Usage: OUT=DIR bash scripts/gpu/step.sh
+#   MODE=smoke (default: batch 1 and 16, ctx 8k and 32k, plain + MTP, TP=4; ~2-3 min a build)
+#   MODE=full  (batch 1/4/8/16, ctx 8k/32k/128k; one build per 10-minute run: BUILDS=sm89 MODE=full)
+#   BUILDS="native sm89" (default), TPS="4" (e.g. "4 8"), STEP_TIMEOUT (s, per build)
+#   RETIME_MOE=1: also re-time fused_moe_w4a16 at TP4 with the cold-L2 set count (rows -> $OUT/bench.csv)
+# Fail-soft: a failing check or build is reported and the rest still runs; exit 1 if any failed.
+set -uo pipefail
+OUT=${OUT:-${1:-results}}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1
+MODE=${MODE:-smoke}
+BUILDS=${BUILDS:-native sm89}
+TPS=${TPS:-4}
+if [ "$MODE" = smoke ]; then flag=--smoke; limit=${STEP_TIMEOUT:-200}; else flag=; limit=${STEP_TIMEOUT:-560}; fi
+tp_args=""; for t in $TPS; do tp_args="$tp_args --tp $t"; done
+export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+rc=0
+t0=$SECONDS
+# 1. numerics first: the model's layers at real shapes against the reference twin
+if python3 -c "import ds4lab.model.check" 2>/dev/null; then
+  timeout ${CHECK_TIMEOUT:-150} python3 -m ds4lab.model.check --tp 4 --layers 0 2 3 > "$OUT/model_check.log" 2>&1 \
+    || { echo "MODEL CHECK FAILED (see model_check.log)"; rc=1; }
+  tail -20 "$OUT/model_check.log"
+else
+  echo "ds4lab.model.check is not in this tree: real-shape check NOT run" | tee "$OUT/model_check.log"; rc=1
+fi
+echo "check: $((SECONDS - t0)) s"
+# 2. the step, one process per build
+for build in $BUILDS; do
+  tb=$SECONDS
+  timeout $limit python3 -m ds4lab.harness.step $flag $tp_args --arch $build --out "$OUT" \
+    > "$OUT/step_$build.log" 2>&1 || { echo "STEP $build: exit $? (see step_$build.log)"; rc=1; }
+  grep -E "roofs|built|p50|ERROR|Traceback|Error|rows ->" "$OUT/step_$build.log" | tail -40
+  echo "step $build: $((SECONDS - tb)) s"
+done
+# optional: re-time the MoE rows with the cold-L2 rotation of issue 19 item 4 (bench.n_sets)
+if [ "${RETIME_MOE:-0}" = 1 ]; then
+  for build in $BUILDS; do
+    timeout ${MOE_TIMEOUT:-120} python3 -m ds4lab.harness.bench fused_moe_w4a16 --tp 4 --arch $build --out "$OUT" \
+      > "$OUT/moe_$build.log" 2>&1 || { echo "MOE $build: exit $?"; rc=1; }
+    grep -E "fused_moe|FAIL|Error" "$OUT/moe_$build.log" | tail -12
+  done
+fi
+# 3. the table
+python3 - "$OUT/decode_step.csv" <<'PY'
+import sys
+from ds4lab.harness.step import load_rows, summary_table
+from ds4lab.tables import format_table
+print(format_table(summary_table(load_rows(sys.argv[1])), digits=4))
+PY
+echo "total: $((SECONDS - t0)) s"
+exit $rc

@@ -1,0 +1,190 @@
+"""ds4lab.harness.step on a CPU: the attribution code path for real (ds4lab kernels on the Triton
+interpreter inside the model's op groups), the trace parsing and alignment the GPU path uses, the
+rows/CSV, and - once the model composition has landed - the tiny model's step."""
+import os
+
+import pytest
+import torch
+
+from ds4lab.harness import step as S
+from ds4lab.model.ops import op_group
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---- the GPU path's pure parts -------------------------------------------------------------------
+
+def test_align_labels_maps_equal_sequences_and_aligns_the_rest():
+    eager = [("k_quant", "ffn.act_quant"), ("k_gemm", "attn.wq_b"), ("k_copy", "comm"), ("k_gemm", "attn.wo_b")]
+    assert S.align_labels(eager, ["k_quant", "k_gemm", "k_copy", "k_gemm"]) == [g for _, g in eager]
+    # a replay where capture replaced one kernel: the rest still maps, the odd one is unattributed
+    got = S.align_labels(eager, ["k_quant", "k_gemm", "memcpy_node", "k_gemm"])
+    assert got == ["ffn.act_quant", "attn.wq_b", "(unattributed)", "attn.wo_b"]
+
+
+def test_attribute_trace_uses_the_innermost_range_of_the_launch():
+    """The kineto chrome-trace shape: user_annotation ranges on the CPU thread, cuda_runtime launches
+    carrying a correlation id, kernels on the GPU with the same id."""
+    ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "moe", "ts": 0, "dur": 100, "tid": 1},
+        {"ph": "X", "cat": "user_annotation", "name": "moe.experts", "ts": 10, "dur": 50, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 20, "dur": 2, "tid": 1,
+         "args": {"correlation": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 80, "dur": 2, "tid": 1,
+         "args": {"correlation": 8}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 200, "dur": 2, "tid": 1,
+         "args": {"correlation": 9}},
+        {"ph": "X", "cat": "kernel", "name": "_moe_kernel", "ts": 1000, "dur": 40.0, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "kernel", "name": "_combine", "ts": 1050, "dur": 5.0, "args": {"correlation": 8}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 1060, "dur": 3.0, "args": {"correlation": 9}},
+    ]
+    assert S.attribute_trace(ev) == [("_moe_kernel", "moe.experts", 40.0), ("_combine", "moe", 5.0),
+                                     ("Memcpy DtoD", "(outside any group)", 3.0)]
+    assert [n for n, _, _ in S.replay_activities(ev)] == ["_moe_kernel", "_combine", "Memcpy DtoD"]
+
+
+def test_plan_smoke_and_link_assumptions():
+    p = S.plan(smoke=True)
+    assert p.batches == (1, 16) and p.ctxs == (8192, 32768) and p.tps == (4,)
+    assert len(list(p.points())) == 2 * 2 * 2
+    link = {r["card"]: r for r in S.link_assumptions(4, 1, 4096, 86)}
+    assert link["RTX 4090-48G"]["per step us"] > link["RTX 6000 Ada"]["per step us"]  # no P2P on GeForce
+
+
+# ---- the CPU path: real kernels on the interpreter inside op groups ------------------------------
+
+class KernelChain:
+    """A two-layer stand-in rank whose ops are real ds4lab kernels (activation quant + FP8 GEMM on
+    the interpreter) and torch ops, each in the model's op groups, with the step's face
+    (new_caches / fill_caches / decode). It exercises run_step's CPU path without the full model."""
+
+    def __init__(self, K=256, N=128):
+        from ds4lab.harness.specs.fp8_gemm import make_inputs
+        w = make_inputs({"M": 1, "N": N, "K": K, "a_fmt": "ue8m0_packed", "b_fmt": "ue8m0"})
+        self.b, self.b_scale, self.K = w["b"], w["b_scale"], K
+
+    def new_caches(self, batch, max_ctx):
+        return {"kv": torch.zeros(batch, 4)}
+
+    def fill_caches(self, caches, ctx):
+        caches["kv"].fill_(ctx)
+
+    def decode(self, tokens, positions, caches):
+        from ds4lab_kernels.fp8_gemm import fp8_gemm_nt
+        from ds4lab_kernels.fp8_quant import per_token_group_quant_fp8
+        x = torch.randn(tokens.numel(), self.K).bfloat16()
+        for _ in range(2):
+            with op_group("layer.attn", "torch:container"):
+                with op_group("attn.act_quant", "kernel:per_token_group_quant_fp8"):
+                    q, s = per_token_group_quant_fp8(x, 128, scale_fmt="ue8m0_packed")
+                with op_group("attn.o_proj", "kernel:fp8_gemm_nt"):
+                    y = fp8_gemm_nt(q, s, self.b, self.b_scale)
+            with op_group("moe.add", "torch:add"):
+                x = x + y.sum() * 0
+        return y
+
+
+@pytest.mark.interp
+@pytest.mark.skipif(not INTERP, reason="the CPU path runs on the Triton interpreter")
+def test_run_step_cpu_attributes_real_kernel_launches(tmp_path):
+    from ds4lab.geometry import DEFAULT_CONFIG
+    p = S.plan(tps=(4,), batches=(1,), ctxs=(64,), modes=("plain",))
+    p.replays = 1
+    path = tmp_path / "decode_step.csv"
+    rows = S.run_step(p, device="cpu", cfg=DEFAULT_CONFIG, csv_path=str(path), log=lambda *a: None,
+                      model=KernelChain())
+    step = rows[0]
+    assert step["group"] == S.STEP and step["status"] == "OK", step.get("note")
+    by = {r["group"]: r for r in rows[1:]}
+    assert by["attn.act_quant"]["launches"] >= 2 and by["attn.o_proj"]["launches"] >= 2   # 2 layers, >= 1 each
+    assert by["moe.add"]["launches"] == 0                                                 # torch: no Triton launch
+    assert by["attn.o_proj"]["kind"] == "kernel:fp8_gemm_nt"
+    # TP=4: an all-reduce stand-in after each o_proj and each MoE sum (2 per layer here)
+    assert step["allreduce_copies"] == 4 and by[S.ALLREDUCE_GROUP]["us"] > 0
+    # exclusive times: the container group holds only its own glue, and the groups sum to the step
+    assert by["layer.attn"]["us"] < by["attn.o_proj"]["us"]
+    assert 0.8 < step["sum_vs_p50"] <= 1.0 + 1e-6
+    assert step["launches"] == sum(r["launches"] for r in rows[1:])
+    # bytes from the decode model's formulas where the group maps to its ops (GROUP_OPS)
+    from ds4lab.planner.speed import step_bytes
+    sb = step_bytes(DEFAULT_CONFIG, 4, 1, 1, 64)
+    assert by["attn.o_proj"]["bytes"] == pytest.approx(sb["o_proj"] + sb["wo_b"])
+    assert by["attn.act_quant"]["bytes"] == "" and step["bytes"] == pytest.approx(sum(sb.values()))
+    back = S.load_rows(str(path))
+    assert len(back) == len(rows) and back[0]["p50_us"] == pytest.approx(step["p50_us"], rel=1e-3)
+    t = S.summary_table(back)
+    assert len(t) == 1 and t[0]["launches"] == step["launches"] and "attn.o_proj" in t[0]["top"]
+
+
+def test_failed_point_is_one_error_row(tmp_path):
+    class Broken(KernelChain):
+        def fill_caches(self, caches, ctx):
+            raise RuntimeError("no room for ctx")
+    p = S.plan(tps=(1,), batches=(1,), ctxs=(64,), modes=("mtp",))
+    rows = S.run_step(p, device="cpu", cfg=None, log=lambda *a: None, model=Broken.__new__(Broken))
+    assert len(rows) == 1 and rows[0]["status"] == "ERROR" and "no room for ctx" in rows[0]["note"]
+    assert rows[0]["next_n"] == 2
+
+
+def test_cli_without_a_gpu_says_what_to_do(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    from ds4lab.cli import main
+    assert main(["step", "--smoke"]) == 2
+    assert "--cpu --checkpoint" in capsys.readouterr().err
+    assert main(["step", "--cpu"]) == 2          # --cpu without a checkpoint: a named error
+    assert "--checkpoint" in capsys.readouterr().err
+
+
+# ---- the tiny model's step (runs once ds4lab.model's composition has landed) ---------------------
+
+@pytest.mark.interp
+@pytest.mark.skipif(S.model_missing() is not None, reason=f"{S.model_missing()} (branch model, not merged yet)")
+def test_tiny_model_step_on_the_interpreter(tmp_path):
+    from ds4lab.checkpoint.tiny import ensure_tiny_checkpoint
+    ck = str(ensure_tiny_checkpoint())
+    p = S.plan(tps=(1,), batches=(1,), ctxs=(16,), modes=("plain",))
+    p.replays = 1
+    rows = S.run_step(p, device="cpu", checkpoint=ck, log=lambda *a: None)
+    assert rows[0]["status"] == "OK", rows[0].get("note")
+    groups = {r["group"] for r in rows[1:]}
+    assert any(g.startswith("moe.") for g in groups) and any(g.startswith("attn.") for g in groups)
+    assert rows[0]["launches"] > 0 and 0.8 < rows[0]["sum_vs_p50"] <= 1.0 + 1e-6
+
+
+def test_recorder_ranges_reach_the_real_profiler_trace():
+    """The eager pass's half that runs on a CPU: the recorder's ranges appear in this torch's
+    exported chrome trace as the `user_annotation` X events attribute_trace reads (nested ones too)."""
+    from torch.profiler import ProfilerActivity, profile
+    rec = S.GroupRecorder(annotate=True)
+    with S._hooked(rec), profile(activities=[ProfilerActivity.CPU]) as prof:
+        with op_group("moe", "torch:container"):
+            with op_group("moe.experts", "torch:mm"):
+                torch.ones(8, 8) @ torch.ones(8, 8)
+    ann = {e["name"]: e for e in S._trace(prof) if e.get("cat") == "user_annotation" and e.get("ph") == "X"}
+    assert {"moe", "moe.experts"} <= set(ann)
+    outer, inner = ann["moe"], ann["moe.experts"]
+    assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
+    assert outer["tid"] == inner["tid"] and rec.kinds["moe.experts"] == "torch:mm"
+
+
+def test_reference_twin_step_on_the_real_composition():
+    """The whole CPU path over ds4lab.model's real composition (tiny checkpoint, reference twin, the
+    caches filled by a real prefill while the model has no benchmark fill): every layer's op groups
+    attributed, the groups summing to the step, MoE and attention groups present."""
+    missing = S.model_missing("reference")
+    if missing:
+        pytest.skip(missing)
+    from ds4lab.checkpoint.tiny import TINY_CONFIG, ensure_tiny_checkpoint
+    p = S.plan(tps=(1,), batches=(1,), ctxs=(8,), modes=("plain",), backend="reference")
+    p.replays = 1
+    rows = S.run_step(p, device="cpu", checkpoint=str(ensure_tiny_checkpoint()), log=lambda *a: None)
+    step = rows[0]
+    assert step["status"] == "OK", step.get("note")
+    by = {r["group"]: r for r in rows[1:]}
+    assert {"attn.sparse_mla", "attn.o_proj", "moe.experts", "mhc.pre_attn", "head.lm_head"} <= set(by)
+    assert all(r["kind"].startswith("torch:") for r in rows[1:] if r["kind"])   # the twin runs no kernel
+    assert step["launches"] == 0 and step["allreduce_copies"] == 0            # TP=1: no all-reduce point
+    assert 0.9 < step["sum_vs_p50"] <= 1.0 + 1e-6
+    assert by["attn.o_proj"]["bytes"] > 0 and "--backend reference" in step["repro"]
+    assert TINY_CONFIG.num_hidden_layers == 4 and step["launches_per_layer"] == 0
