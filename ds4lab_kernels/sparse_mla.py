@@ -389,7 +389,9 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 CONFIGS = {
     "sm_89": {
         "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
-        "h32n16": {"BLOCK_H": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1},
+        # h32n16 (never the sm_89 default) left the table: its one-pass form (SPLITS=1, what a 128-SM
+        # RTX 4090 takes for prefill at 64 tokens x 64 heads) spills 8/4 B on sm_89 (ds4lab aot; the
+        # split form the report used to build at 132 SMs does not)
     },
     "sm_90": {
         # ds4lab aot, ptxas for sm_90a: 64-head tiles (h64n32, h64n32p1, h64n32w16, h64n64: 131 KB smem,
