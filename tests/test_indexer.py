@@ -168,34 +168,14 @@ SHORT2 = {"B": 3, "next_n": 2, "ctx": 200, "H": 64}
 HW_REL = 8 * 2.0 ** -13  # the budget's rel on an FP8 tensor-core device (8 * numerics.fp8_mma_rel_error)
 
 
-def _poisoned(inp, byte):
-    """``inp`` with every cache byte outside the rows' valid entries (later entries of a used block,
-    unused blocks, the block padding) set to ``byte``: 0x7F = e4m3 NaN values and 3.4e38 scales,
-    0xFF = NaN values and NaN scales. A kernel that reads past a row's context turns them into
-    NaN / huge logits or NaN mask errors."""
-    cache, bt, L = inp["kv_cache"], inp["block_table"].cpu(), inp["max_context_len"]
-    B, nn = inp["q"].shape[:2]
-    nb = cache.shape[0]
-    store = torch.as_strided(cache, (nb, BLOCK_BYTES), (cache.stride(0), 1)).clone()
-    keep = torch.zeros(nb, BLOCK_BYTES, dtype=torch.bool)
-    lim = ref.paged_row_limits(inp["context_lens"].cpu(), nn).clamp(0, L).view(B, nn).amax(1)
-    for b in range(B):
-        for j in range(int(lim[b])):
-            blk, e = int(bt[b, j // BS]), j % BS
-            keep[blk, e * D:(e + 1) * D] = True
-            keep[blk, BS * D + 4 * e:BS * D + 4 * e + 4] = True
-    store = torch.where(keep.to(store.device), store, torch.full_like(store, byte))
-    return dict(inp, kv_cache=torch.as_strided(store, cache.shape, cache.stride()))
-
-
 @pytest.mark.parametrize("case", ["short_contexts", "block_boundaries"])
 def test_paged_logits_read_nothing_past_the_context(case):
-    from ds4lab.harness.specs.indexer import make_paged_inputs
+    from ds4lab.harness.specs.indexer import make_paged_inputs, poison_outside_context
     for shape in (SHORT, SHORT2):
         inp = make_paged_inputs(shape, case, 3, DEVICE)
         clean = K.fp8_paged_mqa_logits(**inp).cpu()
         for byte in (0x7F, 0xFF):
-            out = K.fp8_paged_mqa_logits(**_poisoned(inp, byte)).cpu()
+            out = K.fp8_paged_mqa_logits(**poison_outside_context(inp, byte)).cpu()
             assert torch.equal(out, clean), (shape, case, hex(byte))
 
 

@@ -287,6 +287,28 @@ def make_paged_inputs(shape: dict, case: str = "decode", seed: int = 0, device="
             "max_context_len": ctx}
 
 
+def poison_outside_context(inputs: dict, byte: int) -> dict:
+    """``inputs`` with a copy of the cache whose every byte outside the rows' valid entries (later
+    entries of a used block, blocks no request owns, the block padding) is ``byte``: 0x7F gives
+    e4m3 NaN values and 3.4e38 scales, 0xFF NaN values and NaN scales. A kernel that lets a byte
+    past a row's context into its output then differs from the clean run."""
+    cache, bt, L = inputs["kv_cache"], inputs["block_table"].cpu(), inputs["max_context_len"]
+    B, nn = inputs["q"].shape[:2]
+    nb, bs = cache.shape[0], cache.shape[1]
+    store = torch.as_strided(cache, (nb, cache.stride(0)), (cache.stride(0), 1)).clone()
+    keep = torch.zeros(store.numel(), dtype=torch.bool)
+    lim = R.paged_row_limits(inputs["context_lens"].cpu(), nn).clamp(0, L).view(B, nn).amax(1)
+    for b in range(B):
+        j = torch.arange(int(lim[b]))
+        base = bt[b].long()[j // bs] * store.shape[1]
+        e = j % bs
+        keep[(base + e * D)[:, None] + torch.arange(D)[None, :]] = True
+        keep[(base + bs * D + 4 * e)[:, None] + torch.arange(4)[None, :]] = True
+    keep = keep.view(store.shape)
+    store = torch.where(keep.to(store.device), store, torch.full_like(store, byte))
+    return dict(inputs, kv_cache=torch.as_strided(store, cache.shape, cache.stride()))
+
+
 def _tf32_paged(inputs):
     """The forks' formulation: gather blocks, dequantize to fp32, TF32 bmm, relu, weighted sum, mask."""
     q, cache, w = inputs["q"], inputs["kv_cache"], inputs["weights"]
