@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _checks
 from ._arch import arch_of
 
 __all__ = ["rmsnorm_rope", "swiglu_clamp", "CONFIGS"]
@@ -26,6 +27,9 @@ __all__ = ["rmsnorm_rope", "swiglu_clamp", "CONFIGS"]
 def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_token, D, max_pos, eps,
                          HAS_W: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
                          BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Grid ``(cdiv(n_rows, ROWS),)``.
+    One program owns ``ROWS`` whole rows of ``D`` bf16 values: the fp32 sum of squares, the scaled
+    body ``[0, D - R)`` and, with ``ROPE``, the ``R/2`` rotated (even, odd) pairs of the tail."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     half = tl.arange(0, R // 2)
@@ -70,6 +74,8 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
 
 @triton.jit
 def _swiglu_clamp_kernel(gu_ptr, y_ptr, I, stride_gu, limit, BLOCK: tl.constexpr):
+    """Grid ``(T, cdiv(I, BLOCK))``.
+    One program owns ``BLOCK`` output columns of one token (their gate and up inputs)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < I
@@ -134,8 +140,7 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float
         if not norm:
             raise ValueError("weight: given with norm=False (a gain without the norm is not this op)")
         weight = weight.contiguous()
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps: {eps!r} must be a non-negative float")
+    eps = _checks.fp32_scalar("eps", eps, nonnegative=True)
     rope = positions is not None
     R = 2
     if rope:
@@ -196,8 +201,7 @@ def swiglu_clamp(gu: torch.Tensor, limit: float, config: dict | None = None) -> 
         raise ValueError(f"gu: expected (T, 2I), got shape {tuple(gu.shape)}")
     if gu.shape[0] and gu.stride(1) != 1:
         raise ValueError(f"gu: last dim must be contiguous, got strides {tuple(gu.stride())}")
-    if not isinstance(limit, (int, float)) or not limit > 0:
-        raise ValueError(f"limit: {limit!r} must be a positive float")
+    limit = _checks.fp32_scalar("limit", limit, positive=True)
     T, I = gu.shape[0], gu.shape[1] // 2
     y = torch.empty(T, I, dtype=torch.bfloat16, device=gu.device)
     if T == 0 or I == 0:
