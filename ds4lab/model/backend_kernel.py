@@ -20,8 +20,9 @@ mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                   
 hc_head                     ``kernel:mhc.hc_head``                                             2
 route                       ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
+compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress)     2
 rmsnorm / q_norm_rope /     ``torch:rmsnorm`` / ``torch:q_norm+rope`` / ``torch:rope`` /
-rope / compressor /         ``torch:compressor`` / ``torch:embedding`` / ``torch:swiglu_clamp``
+rope / compressor T > 64 /  ``torch:compressor`` / ``torch:embedding`` / ``torch:swiglu_clamp``
 embed / swiglu / add        / ``torch:add``
 ==========================  =============================================================  ========
 
@@ -81,6 +82,7 @@ class KernelBackend(Backend):
     name = "kernel"
 
     def __init__(self, mhc_precision: str = "tf32"):
+        import ds4lab_kernels.compressor as comp
         import ds4lab_kernels.fp8_gemm as gemm
         import ds4lab_kernels.fp8_quant as quant
         import ds4lab_kernels.indexer as idx
@@ -91,7 +93,7 @@ class KernelBackend(Backend):
         import ds4lab_kernels.o_proj as oproj
         import ds4lab_kernels.sparse_mla as smla
         import ds4lab_kernels.topk as topk
-        self.k = dict(gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe, oproj=oproj,
+        self.k = dict(comp=comp, gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe, oproj=oproj,
                       smla=smla, topk=topk)
         self.mhc_precision = mhc_precision
 
@@ -140,7 +142,12 @@ class KernelBackend(Backend):
 
     def compressor(self, kv_score, positions, state, state_slots, window_slots, window_valid, ape,
                    norm_weight, eps, ratio, cos_sin, name):
-        with op_group(name, "torch:compressor"):
+        if kv_score.shape[0] <= DECODE_MAX_T:
+            with op_group(name, "kernel:compressor.compress_decode"):
+                return self.k["comp"].compress_decode(kv_score.contiguous(), positions, state, state_slots,
+                                                      window_slots, window_valid, ape, norm_weight, eps, ratio,
+                                                      cos_sin)
+        with op_group(name, "torch:compressor"):       # prefill chunks: boundary rows only
             return compress(kv_score, positions, state, state_slots, window_slots, window_valid, ape,
                             norm_weight, eps, ratio, cos_sin)
 
