@@ -37,7 +37,7 @@ screenshots: setup
 info: setup
 	$(PY) -m ds4lab info
 
-## sm_89 / sm_90 compile report of every registered kernel config
+## sm_89 / sm_90 / sm_120 compile report of every registered kernel config (sm_120: its table's GPU defaults)
 aot: setup
 	$(PY) -m ds4lab aot
 

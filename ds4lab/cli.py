@@ -13,12 +13,12 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("ds4lab.geometry_cli", "version banner and the model geometry's per-rank op shapes"),
-    "aot": ("ds4lab.harness.aot", "compile every registered kernel config for sm_89/sm_90 and report resources"),
+    "aot": ("ds4lab.harness.aot", "compile every registered kernel config for sm_89/sm_90/sm_120 and report resources"),
     "bench": ("ds4lab.harness.bench", "check-then-time registered kernels on a CUDA GPU; append rows to results/"),
     "step": ("ds4lab.harness.step", "time the whole decode step per op group (CUDA graph; --cpu: tiny model on the interpreter)"),
     "tiny": ("ds4lab.checkpoint.tiny", "write the tiny DeepSeek-V4 checkpoint used as the embedded default"),
     "plan": ("ds4lab.planner.cli", "plan GPU memory: gpu-memory-utilization against KV headroom"),
-    "serve": ("ds4lab.serve", "launch the OpenAI-compatible vLLM server (MTP speculative decoding)"),
+    "serve": ("ds4lab.serve.cli", "launch the OpenAI-compatible vLLM server (MTP speculative decoding)"),
     "doctor": ("ds4lab.doctor.cli", "check the serving stack for the known traps"),
     "tour": ("ds4lab.tour", "run the notebook tour headless and write build/tour/index.html"),
 }

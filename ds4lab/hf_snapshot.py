@@ -10,7 +10,7 @@ snapshot by ``huggingface_hub.try_to_load_from_cache``. ``scan_cache_dir`` warni
 (a ref naming a missing commit) are kept as evidence.
 
 Used by ``ds4lab doctor`` (the ``hf-offline`` row), ``ds4lab serve``
-(``serve.profiles.resolve_hf_snapshot``) and the generated ``serve.sh``
+(``serve.snapshot.resolve_hf_snapshot``) and the generated ``serve.sh``
 (``"$PYTHON" -m ds4lab.hf_snapshot MODEL``: prints the snapshot folder, the note on stderr, exit 1
 with the reason when there is none).
 """

@@ -1,4 +1,4 @@
-"""Stopping a server process group (shared by ds4lab.serve and the plugin's test server):
+"""Stopping a server process group (ds4lab.serve.server's subprocess variant):
 SIGTERM the group, wait, SIGKILL it, reap the child, and kill descendants that left the group."""
 from __future__ import annotations
 

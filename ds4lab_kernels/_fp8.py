@@ -1,4 +1,4 @@
-"""Shared FP8 device helpers: exact fp32 -> e4m3 rounding, power-of-two scales, UE8M0 decode.
+"""Shared FP8 device helpers: exact fp32 -> e4m3 rounding, power-of-two scales, the UE8M0 decoder.
 
 Why pre-round: Triton's own fp32 -> e4m3 cast rounds through fp16 on sm_89 (double rounding, ~0.35%
 of values one step off) and the CPU interpreter's cast neither rounds to nearest even nor saturates.
@@ -46,8 +46,14 @@ def ceil_pow2(y):
 
 @triton.jit
 def ue8m0_to_fp32(b):
-    """UE8M0 exponent byte (uint8/int32) -> fp32 scale 2^(b-127); b=0 decodes to 0.0 (not 2^-127)."""
-    return (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    """UE8M0 exponent byte (uint8, or int32 holding 0..255) -> fp32 scale ``2^(b-127)``.
+
+    The one UE8M0 decoder of the package. ``b=255`` -> NaN (OCP MX spec v1.0, E8M0: 0xFF is NaN;
+    also ``torch.float8_e8m0fnu``); ``b=0`` -> 0.0, not 2^-127 (a float32 subnormal that GPU math
+    flushes to zero anyway; DeepGEMM's ``b << 23`` decode and ds4lab.reference.quant.decode_ue8m0 agree);
+    1..254 exact."""
+    bi = b.to(tl.int32)
+    return tl.where(bi == 255, float("nan"), (bi << 23).to(tl.float32, bitcast=True))
 
 
 @triton.jit

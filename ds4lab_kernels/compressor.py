@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _checks as chk
 from ._arch import arch_of
 
 __all__ = ["compress_decode", "CONFIGS", "pick_config"]
@@ -35,6 +36,9 @@ HEAD_DIMS = (128, 512)
 @triton.jit
 def _state_write_kernel(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows,
                         RATIO: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(T,)``.
+    One program owns token ``t``'s state row ``state[state_slots[t]]`` (``2*WIDTH`` fp32): ``kv`` copied,
+    ``score + ape[pos % RATIO]``; a slot outside ``[0, n_rows)`` is skipped."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -56,6 +60,9 @@ def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
                      stride_st, stride_ws, stride_wv, stride_cs, stride_out, eps,
                      RATIO: tl.constexpr, COFF: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
                      BLOCK_W: tl.constexpr):
+    """Grid ``(T,)``.
+    One program owns output row ``t`` (all ``HD`` dims as ``(HD/2, 2)`` pairs): zeros off a boundary,
+    else the online-softmax window sum over ``COFF*RATIO`` state rows, RMSNorm, GPT-J RoPE, bf16."""
     t = tl.program_id(0)
     HALF: tl.constexpr = HD // 2
     W: tl.constexpr = COFF * RATIO
@@ -111,15 +118,6 @@ def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
         tl.store(orow + d, tl.zeros((HALF, 2), tl.bfloat16))
 
 
-def _need(name, t, dtypes, dim):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: dtype {t.dtype}, expected one of {[str(x) for x in dtypes]}")
-    if t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dims, got shape {tuple(t.shape)}")
-
-
 def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
                     window_slots: torch.Tensor, window_valid: torch.Tensor, ape: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float, ratio: int, cos_sin: torch.Tensor,
@@ -154,44 +152,40 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
     if ratio not in RATIOS:
         raise ValueError(f"ratio={ratio!r}: expected one of {RATIOS}")
     coff = 2 if ratio == 4 else 1
-    _need("kv_score", kv_score, (torch.float32,), 2)
+    chk.tensor("kv_score", kv_score, torch.float32, 2)
     width2 = kv_score.shape[1]
     if width2 % (2 * coff) or (width2 // (2 * coff)) not in HEAD_DIMS:
         raise ValueError(f"kv_score: width {width2} is not 2*coff*hd for coff={coff}, hd in {HEAD_DIMS}")
     hd = width2 // (2 * coff)
     T = kv_score.shape[0]
-    if T and kv_score.stride(1) != 1:
-        raise ValueError(f"kv_score: last dim must be contiguous, got strides {tuple(kv_score.stride())}")
-    _need("positions", positions, (torch.int32, torch.int64), 1)
-    _need("state", state, (torch.float32,), 2)
-    _need("state_slots", state_slots, (torch.int32, torch.int64), 1)
-    _need("window_slots", window_slots, (torch.int32, torch.int64), 2)
-    _need("window_valid", window_valid, (torch.bool,), 2)
-    _need("ape", ape, (torch.float32,), 2)
-    _need("norm_weight", norm_weight, (torch.float32, torch.bfloat16), 1)
-    _need("cos_sin", cos_sin, (torch.float32,), 2)
-    if state.shape[1] != width2 or state.stride(1) != 1:
-        raise ValueError(f"state: expected (N, {width2}) with a contiguous last dim, got shape "
-                         f"{tuple(state.shape)} strides {tuple(state.stride())}")
-    for name, t in (("positions", positions), ("state_slots", state_slots)):
-        if t.shape[0] != T:
-            raise ValueError(f"{name}: expected ({T},), got {tuple(t.shape)}")
+    chk.last_dim_contiguous("kv_score", kv_score)
+    chk.tensor("positions", positions, (torch.int32, torch.int64), 1)
+    chk.tensor("state", state, torch.float32, 2)
+    chk.tensor("state_slots", state_slots, (torch.int32, torch.int64), 1)
+    chk.tensor("window_slots", window_slots, (torch.int32, torch.int64), 2)
+    chk.tensor("window_valid", window_valid, torch.bool, 2)
+    chk.tensor("ape", ape, torch.float32, 2)
+    chk.tensor("norm_weight", norm_weight, (torch.float32, torch.bfloat16), 1)
+    chk.tensor("cos_sin", cos_sin, torch.float32, 2)
+    if state.shape[1] != width2:
+        raise ValueError(f"state: expected (N, {width2}) rows (2*coff*hd), got shape {tuple(state.shape)}")
+    chk.last_dim_contiguous("state", state)
+    chk.shape("positions", positions, (T,))
+    chk.shape("state_slots", state_slots, (T,))
     W = coff * ratio
-    for name, t in (("window_slots", window_slots), ("window_valid", window_valid)):
-        if tuple(t.shape) != (T, W):
-            raise ValueError(f"{name}: expected ({T}, {W}) (coff*ratio), got {tuple(t.shape)}")
-    if tuple(ape.shape) != (ratio, coff * hd) or ape.stride(1) != 1:
-        raise ValueError(f"ape: expected contiguous ({ratio}, {coff * hd}), got {tuple(ape.shape)}")
-    if tuple(norm_weight.shape) != (hd,):
-        raise ValueError(f"norm_weight: expected ({hd},), got {tuple(norm_weight.shape)}")
+    chk.shape("window_slots", window_slots, (T, W))
+    chk.shape("window_valid", window_valid, (T, W))
+    chk.shape("ape", ape, (ratio, coff * hd))
+    chk.last_dim_contiguous("ape", ape)
+    chk.shape("norm_weight", norm_weight, (hd,))
     R = cos_sin.shape[1]
-    if R % 2 or R > hd or cos_sin.stride(1) != 1:
-        raise ValueError(f"cos_sin: expected (max_pos, R) with even R <= {hd}, contiguous, got {tuple(cos_sin.shape)}")
-    for name, t in (("positions", positions), ("state", state), ("state_slots", state_slots),
-                    ("window_slots", window_slots), ("window_valid", window_valid), ("ape", ape),
-                    ("norm_weight", norm_weight), ("cos_sin", cos_sin)):
-        if t.device != kv_score.device:
-            raise ValueError(f"{name}: device {t.device} != kv_score device {kv_score.device}")
+    if R % 2 or R > hd:
+        raise ValueError(f"cos_sin: expected (max_pos, R) with even R <= {hd}, got {tuple(cos_sin.shape)}")
+    chk.last_dim_contiguous("cos_sin", cos_sin)
+    eps = chk.fp32_scalar("eps", eps, positive=True)
+    chk.same_device("kv_score", kv_score, positions=positions, state=state, state_slots=state_slots,
+                    window_slots=window_slots, window_valid=window_valid, ape=ape, norm_weight=norm_weight,
+                    cos_sin=cos_sin)
     out = torch.empty(T, hd, dtype=torch.bfloat16, device=kv_score.device)
     if T == 0:
         return out
@@ -207,7 +201,7 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
     bw = min(cfg["BLOCK_W"], W)
     _compress_kernel[(T,)](state, positions, window_slots, wv, norm_weight, cos_sin, out,
                            state.stride(0), window_slots.stride(0), wv.stride(0), cos_sin.stride(0), out.stride(0),
-                           float(eps), RATIO=ratio, COFF=coff, HD=hd, ROPE=R, BLOCK_W=bw,
+                           eps, RATIO=ratio, COFF=coff, HD=hd, ROPE=R, BLOCK_W=bw,
                            num_warps=cfg["num_warps"], num_stages=1)
     return out
 

@@ -16,22 +16,15 @@ Small M (decode) is weight-streaming: narrow tiles (16 x 32) and, when the tiles
 GPU, split-K into an fp32 workspace ``(split, M, N)`` followed by a reduce kernel (deterministic, no
 atomics, no host sync: CUDA-graph safe). Large M uses 128 x 128 tiles, grouped tile order for L2.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ._arch import arch_of
+from . import _checks as check
+from ._arch import arch_of, num_sms, require_fp8
+from ._fp8 import ue8m0_to_fp32
 
 BLOCK_K = 128
-
-
-@triton.jit
-def _ue8m0_decode(b):
-    """UE8M0 exponent byte (int32 0..255) -> fp32 ``2^(b-127)``; 0 -> 0.0, 255 -> NaN (OCP E8M0)."""
-    s = (b << 23).to(tl.float32, bitcast=True)
-    return tl.where(b == 255, float("nan"), s)
 
 
 @triton.jit
@@ -42,10 +35,10 @@ def _load_scale(ptr, kb, FMT: tl.constexpr):
     if FMT == 0:
         s = tl.load(ptr)
     elif FMT == 1:
-        s = _ue8m0_decode(tl.load(ptr).to(tl.int32))
+        s = ue8m0_to_fp32(tl.load(ptr))
     else:
         w = tl.load(ptr)
-        s = _ue8m0_decode((w >> ((kb % 4) * 8)) & 0xFF)
+        s = ue8m0_to_fp32((w >> ((kb % 4) * 8)) & 0xFF)
     return s
 
 
@@ -59,6 +52,8 @@ def _fp8_gemm_nt_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, OUT_FP32: tl.constexpr,
 ):
+    """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split)``: output tiles in GROUP_M order x k splits.
+    One program: a BLOCK_M x BLOCK_N tile of D over its split's k-blocks (fp32 to ``ws[pid_k]`` if split)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -122,7 +117,10 @@ def _fp8_gemm_nt_kernel(
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, d_ptr, M, N, stride_ws, stride_wm, stride_dm,
                           SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """``D[m, n] = bf16(sum_s ws[s, m, n])`` in a fixed order (deterministic)."""
+    """Grid ``(cdiv(N, BLOCK), M)``.
+    One program: BLOCK columns of one output row, summed over the SPLIT partials.
+
+    ``D[m, n] = bf16(sum_s ws[s, m, n])`` in a fixed order (deterministic)."""
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid * BLOCK + tl.arange(0, BLOCK)
@@ -135,26 +133,18 @@ def _splitk_reduce_kernel(ws_ptr, d_ptr, M, N, stride_ws, stride_wm, stride_dm,
 
 # ---- launcher ----------------------------------------------------------------------------------
 
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _FMT_OF = {torch.float32: 0, torch.uint8: 1, torch.int32: 2}
 _FMT_NAME = {0: "float32", 1: "uint8 UE8M0", 2: "int32 packed UE8M0"}
 
 
-def _check_scale(name: str, s, rows: int, groups: int, device) -> tuple[torch.Tensor, int]:
-    if not isinstance(s, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(s).__name__}")
-    if _E8M0 is not None and s.dtype == _E8M0:
-        s = s.view(torch.uint8)  # same bytes; Triton cannot bind float8_e8m0fnu
-    if s.dtype not in _FMT_OF:
-        raise TypeError(f"{name}: dtype {s.dtype} not supported (float32, uint8/float8_e8m0fnu UE8M0, "
-                        f"int32 packed UE8M0)")
+def _check_scale(name: str, s, rows: int, groups: int, a: torch.Tensor) -> tuple[torch.Tensor, int]:
+    s = check.scale_tensor(name, s, tuple(_FMT_OF))
     fmt = _FMT_OF[s.dtype]
     cols = groups if fmt != 2 else -(-groups // 4)
     if s.dim() != 2 or tuple(s.shape) != (rows, cols):
         raise ValueError(f"{name}: {_FMT_NAME[fmt]} scales must have shape ({rows}, {cols}), "
                          f"got {tuple(s.shape)}")
-    if s.device != device:
-        raise ValueError(f"{name}: on {s.device}, expected {device} (same device as a)")
+    check.same_device("a", a, **{name: s})
     if any(st < 0 for st in s.stride()):
         raise ValueError(f"{name}: negative strides {tuple(s.stride())} are not supported")
     return s, fmt
@@ -189,34 +179,28 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
         TypeError: a non-tensor argument, ``a``/``b`` not float8_e4m3fn, scale dtype not
             float32/uint8/float8_e8m0fnu/int32, ``out`` not bfloat16.
         ValueError: wrong ranks or shapes, ``K`` not a positive multiple of 128 (the scale block),
-            a non-unit last stride, tensors on different devices, a malformed ``config``.
+            a non-unit last stride, tensors on different devices, a malformed ``config``, a device
+            without FP8 tensor cores (compute capability < 8.9, ``_arch.require_fp8``).
 
     Split-K (decode, when the tiles cannot fill the GPU) writes fp32 partials to a workspace of
     ``split * num_tokens * N * 4`` bytes and reduces them in a second kernel; no host sync, so the
     call is CUDA-graph safe.
     """
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"{name}: dtype {t.dtype} not supported (float8_e4m3fn)")
-        if t.dim() != 2:
-            raise ValueError(f"{name}: expected 2 dims, got shape {tuple(t.shape)}")
+    check.tensor("a", a, torch.float8_e4m3fn, 2)
+    check.tensor("b", b, torch.float8_e4m3fn, 2)
     M, K = a.shape
     N, Kb = b.shape
     if Kb != K:
         raise ValueError(f"b: shape {tuple(b.shape)} has K={Kb}, a has K={K}")
     if K <= 0 or K % BLOCK_K:
         raise ValueError(f"a: K={K} must be a positive multiple of {BLOCK_K} (the scale block)")
-    if b.device != a.device:
-        raise ValueError(f"b: on {b.device}, expected {a.device} (same device as a)")
-    if M and a.stride(1) != 1:
-        raise ValueError(f"a: last dim must be contiguous (stride(1)=1), got strides {tuple(a.stride())}")
-    if N and b.stride(1) != 1:
-        raise ValueError(f"b: last dim must be contiguous (stride(1)=1), got strides {tuple(b.stride())}")
+    check.same_device("a", a, b=b)
+    check.last_dim_contiguous("a", a)
+    check.last_dim_contiguous("b", b)
     G = K // BLOCK_K
-    a_scale, a_fmt = _check_scale("a_scale", a_scale, M, G, a.device)
-    b_scale, b_fmt = _check_scale("b_scale", b_scale, triton.cdiv(N, 128), G, a.device)
+    a_scale, a_fmt = _check_scale("a_scale", a_scale, M, G, a)
+    b_scale, b_fmt = _check_scale("b_scale", b_scale, triton.cdiv(N, 128), G, a)
+    require_fp8("a", a.device, "fp8_gemm_nt")
     if out is None:
         out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
     else:
@@ -267,28 +251,13 @@ def _check_config(cfg: dict) -> tuple[int, int]:
     return BM, BN
 
 
-_SMS: dict = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """SM count (cached; a host attribute query, no sync). CPU tensors: the interpreter gets a
-    nominal 4 so the small test shapes exercise split-K with few programs; the compile report
-    (CPU tensors, no interpreter) models a 128-SM GPU (RTX 4090 class)."""
-    if device.type != "cuda":
-        return 4 if os.environ.get("TRITON_INTERPRET") == "1" else 128
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
 def _split_k(cfg: dict, tiles: int, kblocks: int, device: torch.device) -> int:
     """``SPLIT_K='auto'``: split only when the output tiles cannot fill one wave of SMs; aim at
     ~2 programs per SM, keeping at least 2 k-blocks per split (so the pipeline has work)."""
     s = cfg.get("SPLIT_K", "auto")
     if s != "auto":
         return max(1, min(int(s), kblocks))
-    sms = _num_sms(device)
+    sms = num_sms(device)
     if tiles >= sms:
         return 1
     return max(1, min(triton.cdiv(2 * sms, tiles), kblocks // 2))

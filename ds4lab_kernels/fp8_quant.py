@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._arch import arch_of
+from . import _checks as check
+from ._arch import arch_of, require_fp8
 from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3
 
 SCALE_FMTS = ("fp32", "pow2", "ue8m0", "ue8m0_packed")
@@ -23,6 +24,8 @@ def _per_token_group_quant_fp8_kernel(
     eps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, SCALE_FMT: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_tokens * groups_per_row, BLOCK_G),)``.
+    One program: BLOCK_G consecutive (token, group) pairs in flat order: their e4m3 values and scales."""
     pid = tl.program_id(0)
     gid = pid * BLOCK_G + tl.arange(0, BLOCK_G)            # flat group ids [BLOCK_G]
     gmask = gid < n_groups
@@ -53,7 +56,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128, scale_fmt:
             of two, DeepGEMM ``scale_fmt: ue8m0`` math), ``"ue8m0"`` (the pow2 scale's exponent
             byte, ``scale = 2^(b-127)``, uint8), ``"ue8m0_packed"`` (four exponent bytes per int32,
             little-endian along the group axis, groups zero-padded to a multiple of 4).
-        eps: amax floor: an all-zero group gets scale ``eps/448`` and zeros, never NaN.
+        eps: amax floor: an all-zero group gets scale ``eps/448`` and zeros, never NaN. A positive
+            normal float32 (``2^-126 <= eps <= 3.4e38``; it reaches the kernel as an fp32 argument).
         config: a row of ``CONFIGS`` to force (benchmarks); default picks by size.
 
     Returns:
@@ -65,12 +69,11 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128, scale_fmt:
 
     Raises:
         TypeError: ``x`` dtype not bf16/fp16/fp32.
-        ValueError: wrong rank, non-unit last stride, ``hidden % group_size``, unknown ``scale_fmt``.
+        ValueError: wrong rank, non-unit last stride, ``hidden % group_size``, unknown ``scale_fmt``,
+            ``eps`` not a positive normal float32 (NaN, inf, <= 0, subnormal), a device without FP8
+            (compute capability < 8.9).
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"x: dtype {x.dtype} not supported (bfloat16, float16, float32)")
+    check.tensor("x", x, (torch.bfloat16, torch.float16, torch.float32))
     if x.dim() != 2:
         raise ValueError(f"x: expected 2 dims (num_tokens, hidden), got shape {tuple(x.shape)}")
     if scale_fmt not in SCALE_FMTS:
@@ -80,10 +83,10 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128, scale_fmt:
     M, K = x.shape
     if K % group_size:
         raise ValueError(f"x: hidden={K} is not a multiple of group_size={group_size}")
-    if M and x.stride(1) != 1:
-        raise ValueError(f"x: last dim must be contiguous (stride(1)=1), got strides {tuple(x.stride())}")
-    if not eps > 0:
-        raise ValueError(f"eps={eps}: must be > 0 (it is the amax floor that keeps zero groups finite)")
+    check.last_dim_contiguous("x", x)
+    # the amax floor that keeps zero groups finite: > 0, and a normal float32 (the kernel's type)
+    eps = check.fp32_scalar("eps", eps, positive=True)
+    require_fp8("x", x.device, "per_token_group_quant_fp8")
     G = K // group_size
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     if scale_fmt in ("fp32", "pow2"):
@@ -99,7 +102,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128, scale_fmt:
     cfg = config or pick_config(n_groups, x.device)
     grid = (triton.cdiv(n_groups, cfg["BLOCK_G"]),)
     _per_token_group_quant_fp8_kernel[grid](
-        x, q, s_buf, n_groups, G, x.stride(0), q.stride(0), s_buf.stride(0), float(eps),
+        x, q, s_buf, n_groups, G, x.stride(0), q.stride(0), s_buf.stride(0), eps,
         GROUP=group_size, BLOCK_G=cfg["BLOCK_G"], SCALE_FMT=_FMT_CODE[scale_fmt],
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     return q, s
@@ -115,6 +118,11 @@ CONFIGS = {
     "sm_90": {"small": {"BLOCK_G": 1, "num_warps": 1}, "mid": {"BLOCK_G": 4, "num_warps": 4},
               "large": {"BLOCK_G": 16, "num_warps": 4}, "xlarge": {"BLOCK_G": 32, "num_warps": 8}},
 }
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("small", "mid", "large"), "sm_90": ("small", "mid", "large")}
 
 
 def pick_config(n_groups: int, device: torch.device) -> dict:

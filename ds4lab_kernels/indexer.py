@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._arch import arch_of
+from . import _checks as check
+from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import quant_rows_e4m3
 
 HEAD_DIM = 128
@@ -31,6 +32,8 @@ def _indexer_k_cache_insert_kernel(
     T, stride_kt, stride_blk8, stride_blk32,
     D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_tokens, BLOCK_T),)``.
+    One program: BLOCK_T tokens: quantize each key row and write its 128 e4m3 bytes and fp32 scale to its slot."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, D)
@@ -52,6 +55,8 @@ def _fp8_mqa_logits_kernel(
     M, N, stride_qm, stride_qh, stride_kn, stride_wm, stride_om,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_k, BLOCK_N), cdiv(num_q, BLOCK_Q))``.
+    One program: one K tile of BLOCK_N keys (loaded once) against BLOCK_Q consecutive query rows: those logits."""
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -83,6 +88,7 @@ def _fp8_mqa_logits_kernel(
 @triton.jit
 def _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row, lim, offs, omask, stride_qr, stride_qh, stride_wr, stride_or,
                H: tl.constexpr, D: tl.constexpr):
+    """One query row against one cache block tile: ``sum_h w[h] relu(k . q[h]) * k_scale``, -inf past ``lim``."""
     h = tl.arange(0, H)
     d = tl.arange(0, D)
     row64 = row.to(tl.int64)
@@ -102,6 +108,8 @@ def _fp8_paged_mqa_logits_kernel(
     stride_or,
     NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILES: tl.constexpr,
 ):
+    """Grid ``(batch, cdiv(cdiv(max_context_len, block_size), TILES))``.
+    One program: TILES consecutive cache blocks of one request, for all its next_n query rows (-inf past the limit)."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     e = tl.arange(0, BS)
@@ -140,24 +148,9 @@ def _fp8_paged_mqa_logits_kernel(
 
 
 # ---- launchers ---------------------------------------------------------------------------------
-def _check_tensor(name, t, dtypes, ndim=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: dtype {t.dtype} not supported (expected {', '.join(map(str, dtypes))})")
-    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
-        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
-
-
-def _same_device(device, **tensors):
-    for n, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{n}: on {t.device}, expected {device} (all inputs on one device)")
-
-
 def _cache_views(kv_cache: torch.Tensor, head_dim: int = HEAD_DIM):
     """Validate an indexer K cache and return (fp8 view, fp32 view, block stride bytes, block size)."""
-    _check_tensor("kv_cache", kv_cache, (torch.uint8,), (3, 4))
+    check.tensor("kv_cache", kv_cache, (torch.uint8,), (3, 4))
     if kv_cache.dim() == 4:
         if kv_cache.shape[2] != 1:
             raise ValueError(f"kv_cache: 4-D cache must be (num_blocks, block_size, 1, {head_dim + 4}), "
@@ -206,10 +199,11 @@ def indexer_k_cache_insert(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping
     Raises:
         TypeError / ValueError: naming the offending argument (dtype, shape, strides, device, slots).
     """
-    _check_tensor("k", k, (torch.bfloat16, torch.float16, torch.float32), 2)
-    _check_tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64), 1)
+    check.tensor("k", k, (torch.bfloat16, torch.float16, torch.float32), 2)
+    check.tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64), 1)
     kv8, kv32, stride, bs = _cache_views(kv_cache)
-    _same_device(k.device, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    check.same_device("k", k, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    require_fp8("k", k.device, "indexer_k_cache_insert")
     T, D = k.shape
     if D != HEAD_DIM:
         raise ValueError(f"k: head dim {D}, expected {HEAD_DIM}")
@@ -233,7 +227,7 @@ def indexer_k_cache_insert(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping
 
 
 def _check_q(q, ndim):
-    _check_tensor("q", q, (torch.float8_e4m3fn,), ndim)
+    check.tensor("q", q, (torch.float8_e4m3fn,), ndim)
     H, D = q.shape[-2], q.shape[-1]
     if D != HEAD_DIM:
         raise ValueError(f"q: head dim {D}, expected {HEAD_DIM}")
@@ -273,12 +267,13 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple, weights: torch.Tensor, cu_seqlen_
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise TypeError("kv: expected a (k, k_scale) pair")
     k, ks = kv
-    _check_tensor("kv[0] (k)", k, (torch.float8_e4m3fn,), 2)
-    _check_tensor("kv[1] (k_scale)", ks, (torch.float32,), (1, 2))
-    _check_tensor("weights", weights, (torch.float32,), 2)
-    _check_tensor("cu_seqlen_ks", cu_seqlen_ks, (torch.int32,), 1)
-    _check_tensor("cu_seqlen_ke", cu_seqlen_ke, (torch.int32,), 1)
-    _same_device(q.device, k=k, k_scale=ks, weights=weights, cu_seqlen_ks=cu_seqlen_ks, cu_seqlen_ke=cu_seqlen_ke)
+    check.tensor("kv[0] (k)", k, (torch.float8_e4m3fn,), 2)
+    check.tensor("kv[1] (k_scale)", ks, (torch.float32,), (1, 2))
+    check.tensor("weights", weights, (torch.float32,), 2)
+    check.tensor("cu_seqlen_ks", cu_seqlen_ks, (torch.int32,), 1)
+    check.tensor("cu_seqlen_ke", cu_seqlen_ke, (torch.int32,), 1)
+    check.same_device("q", q, k=k, k_scale=ks, weights=weights, cu_seqlen_ks=cu_seqlen_ks, cu_seqlen_ke=cu_seqlen_ke)
+    require_fp8("q", q.device, "fp8_mqa_logits")
     M, N = q.shape[0], k.shape[0]
     if k.shape[1] != D:
         raise ValueError(f"kv[0] (k): shape {tuple(k.shape)}, expected ({N}, {D})")
@@ -347,10 +342,11 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     """
     H, D = _check_q(q, 4)
     kv8, kv32, stride, bs = _cache_views(kv_cache)
-    _check_tensor("weights", weights, (torch.float32,), 2)
-    _check_tensor("context_lens", context_lens, (torch.int32,), (1, 2))
-    _check_tensor("block_table", block_table, (torch.int32,), 2)
-    _same_device(q.device, kv_cache=kv_cache, weights=weights, context_lens=context_lens, block_table=block_table)
+    check.tensor("weights", weights, (torch.float32,), 2)
+    check.tensor("context_lens", context_lens, (torch.int32,), (1, 2))
+    check.tensor("block_table", block_table, (torch.int32,), 2)
+    check.same_device("q", q, kv_cache=kv_cache, weights=weights, context_lens=context_lens, block_table=block_table)
+    require_fp8("q", q.device, "fp8_paged_mqa_logits")
     B, nn = q.shape[0], q.shape[1]
     if nn not in (1, 2):
         raise ValueError(f"q: next_n={nn} not supported (1 or 2)")
@@ -428,4 +424,4 @@ def pick_paged_config(B: int, max_context_len: int, device: torch.device) -> dic
     """Enough programs to fill the GPU (>= ~4 per SM) with as many blocks per program as allowed."""
     t = CONFIGS["paged"][arch_of(device)]
     n_tiles = -(-max_context_len // 64)
-    return t["t16"] if B * n_tiles >= 16 * 4 * 132 else t["t4"]
+    return t["t16"] if B * n_tiles >= 16 * 4 * num_sms(device) else t["t4"]

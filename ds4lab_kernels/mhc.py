@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._arch import arch_of
+from . import _checks as check
+from ._arch import arch_of, num_sms
 
 HC = 4  # DeepSeek-V4 hc_mult
 PRECISIONS = ("tf32", "ieee")
@@ -34,7 +35,10 @@ def _hc_prenorm_gemm_kernel(
     stride_xt, stride_fn, stride_ms, stride_mt, stride_ss,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Split-K partials: program (m, s) sums k in [s*k_per_split, (s+1)*k_per_split)."""
+    """Grid ``(cdiv(T, BLOCK_M), S)``.
+    One program: BLOCK_M tokens x one K split: partial mixes ``[BLOCK_M, N]`` and partial sums of squares.
+
+    Split-K partials: program (m, s) sums k in ``[s*k_per_split, (s+1)*k_per_split)``."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,7 +83,8 @@ def _mhc_post_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRENORM: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Program (m, s): tokens [m*BLOCK_M, ...), hidden columns [s*d_per_split, ...) of all 4 streams.
+    """Grid ``(cdiv(T, BLOCK_M), S)``.
+    One program: BLOCK_M tokens x hidden columns ``[s*d_per_split, +d_per_split)`` of all 4 streams.
 
     Writes ``out = post(x, res)`` in bf16; with PRENORM also the split-K partials of the next sublayer's
     pre-norm GEMM over the bf16-rounded new residual (fn column ``j*D + d`` meets stream j, column d).
@@ -135,7 +140,10 @@ def _mhc_apply_kernel(
     HC_: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, BROADCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Per token block: reduce the S partials, gates (+ Sinkhorn unless HEAD), collapse (+ RMSNorm).
+    """Grid ``(cdiv(T, BLOCK_T),)``.
+    One program: BLOCK_T tokens, each with its whole hidden row (reduce, gates, Sinkhorn, collapse).
+
+    Per token block: reduce the S partials, gates (+ Sinkhorn unless HEAD), collapse (+ RMSNorm).
 
     HEAD: hc_head (4 mixes, pre gates only, no norm). BROADCAST: the residual is one ``[T, D]`` row read for
     every stream (layer 0); the 4 copies are written to ``res_out``.
@@ -205,28 +213,6 @@ def _mhc_apply_kernel(
 
 
 # ---- input checks --------------------------------------------------------------------------------
-def _tensor(name, t, dtypes, ndim=None, device=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: dtype {t.dtype} not supported ({', '.join(str(d) for d in dtypes)})")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: on {t.device}, expected {device} (same device as the residual)")
-    return t
-
-
-def _shape(name, t, shape):
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-
-
-def _contig(name, t):
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous, got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
-
-
 def _check_hidden(name, D):
     if D % 16 or D <= 0 or D > 16384:
         raise ValueError(f"{name}: hidden size {D} must be a positive multiple of 16, at most 16384")
@@ -237,50 +223,47 @@ def _check_precision(precision):
         raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
 
 
-def _check_mhc_params(fn, hc_scale, hc_base, norm_weight, K, D, dev, n_mix=(2 + HC) * HC, n_scale=3):
-    _tensor("fn", fn, (torch.float32,), 2, dev)
-    _shape("fn", fn, (n_mix, K))
-    if fn.stride(1) != 1:
-        raise ValueError(f"fn: last dim must be contiguous, got strides {tuple(fn.stride())}")
-    _tensor("hc_scale", hc_scale, (torch.float32,), 1, dev)
-    _shape("hc_scale", hc_scale, (n_scale,))
-    _contig("hc_scale", hc_scale)
-    _tensor("hc_base", hc_base, (torch.float32,), 1, dev)
-    _shape("hc_base", hc_base, (n_mix,))
-    _contig("hc_base", hc_base)
+def _check_mhc_params(fn, hc_scale, hc_base, norm_weight, K, D, ref, n_mix=(2 + HC) * HC, n_scale=3):
+    """``ref``: ``(name, tensor)`` whose device every parameter must share."""
+    check.tensor("fn", fn, torch.float32, 2)
+    check.shape("fn", fn, (n_mix, K))
+    check.last_dim_contiguous("fn", fn)
+    for name, t, n in (("hc_scale", hc_scale, n_scale), ("hc_base", hc_base, n_mix)):
+        check.tensor(name, t, torch.float32, 1)
+        check.shape(name, t, (n,))
+        check.contiguous(name, t)
     if norm_weight is not None:
-        _tensor("norm_weight", norm_weight, (torch.bfloat16, torch.float32), 1, dev)
-        _shape("norm_weight", norm_weight, (D,))
-        _contig("norm_weight", norm_weight)
+        check.tensor("norm_weight", norm_weight, (torch.bfloat16, torch.float32), 1)
+        check.shape("norm_weight", norm_weight, (D,))
+        check.contiguous("norm_weight", norm_weight)
+    check.same_device(*ref, fn=fn, hc_scale=hc_scale, hc_base=hc_base, norm_weight=norm_weight)
 
 
-def _check_eps(**kw):
-    for k, v in kw.items():
-        if not (isinstance(v, (int, float)) and v >= 0 and v == v and v != float("inf")):
-            raise ValueError(f"{k}={v!r}: must be a finite number >= 0")
+def _check_scalars(sinkhorn_iters=None, hc_post_mult=None, **eps):
+    """Every float the apply kernel takes: the eps terms (finite, >= 0, zero or normal float32) and
+    the post multiplier (finite normal float32); returns them as floats, in the order given."""
+    out = {k: check.fp32_scalar(k, v, nonnegative=True) for k, v in eps.items()}
+    if hc_post_mult is not None:
+        out["hc_post_mult"] = check.fp32_scalar("hc_post_mult", hc_post_mult)
+    if sinkhorn_iters is not None and (isinstance(sinkhorn_iters, bool) or int(sinkhorn_iters) < 1):
+        raise ValueError(f"sinkhorn_iters={sinkhorn_iters}: must be >= 1")
+    return out
 
 
 def _check_residual(name, residual):
-    _tensor(name, residual, (torch.bfloat16,), 3)
+    check.tensor(name, residual, torch.bfloat16, 3)
     if residual.shape[1] != HC:
         raise ValueError(f"{name}: hc_mult={residual.shape[1]} (shape {tuple(residual.shape)}); "
                          f"these kernels are built for DeepSeek-V4's hc_mult={HC}")
     _check_hidden(name, residual.shape[2])
-    _contig(name, residual)
+    check.contiguous(name, residual)
     return residual.shape[0], residual.shape[2]
 
 
 # ---- config plumbing -----------------------------------------------------------------------------
-_SMS: dict = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: a few splits, so split-K is exercised without many program instances
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("decode", "prefill"), "sm_90": ("decode", "prefill", "fused_m64k16")}
 
 
 def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> dict:
@@ -299,7 +282,7 @@ def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> d
 
 def _splits(n_tiles_m: int, n_blocks_k: int, device, cfg) -> int:
     """Split count so that about ``WAVES`` x SMs programs run, each with >= MIN_K_BLOCKS k-blocks."""
-    want = max(1, (cfg["WAVES"] * _num_sms(device)) // max(n_tiles_m, 1))
+    want = max(1, (cfg["WAVES"] * num_sms(device)) // max(n_tiles_m, 1))
     return max(1, min(want, n_blocks_k // cfg["MIN_K_BLOCKS"], 128))
 
 
@@ -397,18 +380,17 @@ def _post(x, residual, post_mix, comb_mix, out, cfg, fn=None, precision="tf32", 
 
 def _check_post_inputs(x, residual, post_mix, comb_mix):
     T, D = _check_residual("residual", residual)
-    dev = residual.device
-    _tensor("x", x, (torch.bfloat16,), 2, dev)
-    _shape("x", x, (T, D))
-    if x.stride(1) != 1:
-        raise ValueError(f"x: last dim must be contiguous, got strides {tuple(x.stride())}")
-    _tensor("post_mix", post_mix, (torch.float32,), None, dev)
+    check.tensor("x", x, torch.bfloat16, 2)
+    check.shape("x", x, (T, D))
+    check.last_dim_contiguous("x", x)
+    check.tensor("post_mix", post_mix, torch.float32)
     if tuple(post_mix.shape) not in ((T, HC), (T, HC, 1)):
         raise ValueError(f"post_mix: expected shape ({T}, {HC}) or ({T}, {HC}, 1), got {tuple(post_mix.shape)}")
-    _contig("post_mix", post_mix)
-    _tensor("comb_mix", comb_mix, (torch.float32,), 3, dev)
-    _shape("comb_mix", comb_mix, (T, HC, HC))
-    _contig("comb_mix", comb_mix)
+    check.contiguous("post_mix", post_mix)
+    check.tensor("comb_mix", comb_mix, torch.float32, 3)
+    check.shape("comb_mix", comb_mix, (T, HC, HC))
+    check.contiguous("comb_mix", comb_mix)
+    check.same_device("residual", residual, x=x, post_mix=post_mix, comb_mix=comb_mix)
     return T, D
 
 
@@ -441,9 +423,10 @@ def hc_prenorm_gemm(x: torch.Tensor, fn: torch.Tensor, num_splits: int | None = 
     Raises:
         TypeError: wrong dtypes. ValueError: shapes, strides, devices, ``K % 16``, precision, num_splits < 1.
     """
-    _tensor("x", x, (torch.bfloat16,), 2)
+    check.tensor("x", x, torch.bfloat16, 2)
     T, K = x.shape
-    _tensor("fn", fn, (torch.float32,), 2, x.device)
+    check.tensor("fn", fn, torch.float32, 2)
+    check.same_device("x", x, fn=fn)
     if fn.shape[1] != K or not 1 <= fn.shape[0] <= 64:
         raise ValueError(f"fn: expected shape (N <= 64, {K}), got {tuple(fn.shape)}")
     if K % 16 or K == 0:
@@ -476,6 +459,8 @@ def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc
         rms_eps: eps of the mix pre-norm (``rms_norm_eps``). hc_pre_eps / hc_sinkhorn_eps: ``hc_eps``.
         hc_post_mult: post gate multiplier (2.0). sinkhorn_iters: ``hc_sinkhorn_iters`` (20), >= 1.
         norm_eps: eps of the layer-input RMSNorm. precision: ``"tf32"`` or ``"ieee"`` for the GEMM.
+            The eps terms are 0 or positive normal float32s, ``hc_post_mult`` a finite normal float32
+            (they reach the kernel as fp32 arguments; ``ValueError`` naming the argument otherwise).
         config: a row of ``CONFIGS``.
 
     Returns:
@@ -486,11 +471,10 @@ def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc
         TypeError / ValueError naming the offending argument (dtype, shape, contiguity, device, hc_mult != 4).
     """
     T, D = _check_residual("residual", residual)
-    _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, residual.device)
-    _check_eps(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
+    _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, ("residual", residual))
+    _check_scalars(sinkhorn_iters, hc_post_mult, rms_eps=rms_eps, hc_pre_eps=hc_pre_eps,
+                   hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
     _check_precision(precision)
-    if int(sinkhorn_iters) < 1:
-        raise ValueError(f"sinkhorn_iters={sinkhorn_iters}: must be >= 1")
     cfg = config or pick_config(T, residual.device)
     mixes, sqrsum = _prenorm_partials(residual.view(T, HC * D), fn, None, precision, cfg)
     return _apply(mixes, sqrsum, hc_scale, hc_base, residual, (residual.stride(0), residual.stride(1)),
@@ -521,22 +505,22 @@ def mhc_pre_broadcast(x: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor,
     Raises:
         TypeError / ValueError naming the offending argument.
     """
-    _tensor("x", x, (torch.bfloat16,), 2)
+    check.tensor("x", x, torch.bfloat16, 2)
     T, D = x.shape
     _check_hidden("x", D)
-    _contig("x", x)
-    _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, x.device)
-    _check_eps(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
+    check.contiguous("x", x)
+    _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, ("x", x))
+    _check_scalars(sinkhorn_iters, hc_post_mult, rms_eps=rms_eps, hc_pre_eps=hc_pre_eps,
+                   hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
     _check_precision(precision)
-    if int(sinkhorn_iters) < 1:
-        raise ValueError(f"sinkhorn_iters={sinkhorn_iters}: must be >= 1")
     n_mix = fn.shape[0]
     if fn_broadcast is None:
         fn_broadcast = fn.view(n_mix, HC, D).sum(dim=1)
     else:
-        _tensor("fn_broadcast", fn_broadcast, (torch.float32,), 2, x.device)
-        _shape("fn_broadcast", fn_broadcast, (n_mix, D))
-        _contig("fn_broadcast", fn_broadcast)
+        check.tensor("fn_broadcast", fn_broadcast, torch.float32, 2)
+        check.shape("fn_broadcast", fn_broadcast, (n_mix, D))
+        check.contiguous("fn_broadcast", fn_broadcast)
+        check.same_device("x", x, fn_broadcast=fn_broadcast)
     cfg = config or pick_config(T, x.device)
     res_out = torch.empty((T, HC, D), dtype=torch.bfloat16, device=x.device)
     mixes, sqrsum = _prenorm_partials(x, fn_broadcast, None, precision, cfg)
@@ -570,9 +554,10 @@ def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, co
     if out is None:
         out = torch.empty_like(residual)
     else:
-        _tensor("out", out, (torch.bfloat16,), 3, residual.device)
-        _shape("out", out, residual.shape)
-        _contig("out", out)
+        check.tensor("out", out, torch.bfloat16, 3)
+        check.shape("out", out, residual.shape)
+        check.contiguous("out", out)
+        check.same_device("residual", residual, out=out)
         if out.data_ptr() == residual.data_ptr() and T:
             raise ValueError("out: must not alias residual (other programs still read it)")
     cfg = config or pick_config(T, residual.device)
@@ -605,11 +590,10 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
         TypeError / ValueError naming the offending argument.
     """
     T, D = _check_post_inputs(x, residual, post_mix, comb_mix)
-    _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, residual.device)
-    _check_eps(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
+    _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, ("residual", residual))
+    _check_scalars(sinkhorn_iters, hc_post_mult, rms_eps=rms_eps, hc_pre_eps=hc_pre_eps,
+                   hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
     _check_precision(precision)
-    if int(sinkhorn_iters) < 1:
-        raise ValueError(f"sinkhorn_iters={sinkhorn_iters}: must be >= 1")
     cfg = config or pick_config(T, residual.device, fused=True)
     res_cur = torch.empty_like(residual)
     mixes, sqrsum = _post(x, residual, post_mix, comb_mix, res_cur, cfg, fn=fn, precision=precision)
@@ -639,8 +623,8 @@ def hc_head(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc
         TypeError / ValueError naming the offending argument.
     """
     T, D = _check_residual("residual", residual)
-    _check_mhc_params(fn, hc_scale, hc_base, None, HC * D, D, residual.device, n_mix=HC, n_scale=1)
-    _check_eps(rms_eps=rms_eps, hc_eps=hc_eps)
+    _check_mhc_params(fn, hc_scale, hc_base, None, HC * D, D, ("residual", residual), n_mix=HC, n_scale=1)
+    _check_scalars(rms_eps=rms_eps, hc_eps=hc_eps)
     _check_precision(precision)
     cfg = config or pick_config(T, residual.device)
     mixes, sqrsum = _prenorm_partials(residual.view(T, HC * D), fn, None, precision, cfg)

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._arch import arch_of
+from . import _checks as check
+from ._arch import arch_of, require_fp8
 from ._fp8 import ceil_pow2, fp32_pow2_to_ue8m0, to_e4m3
 
 HEAD_DIM = 512
@@ -40,6 +41,8 @@ def _fp8_ds_mla_insert_kernel(
     stride_kv, stride_blk, n_slots,
     BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr,
 ):
+    """Grid ``(num_tokens // TOKENS,)``.
+    One program: TOKENS consecutive tokens: each token's 576-byte entry and its 8 scale bytes."""
     pid = tl.program_id(0)
     g = tl.arange(0, 8)                    # 7 NoPE tiles + the RoPE tile
     c = tl.arange(0, 64)
@@ -68,12 +71,15 @@ def _fp8_ds_mla_insert_kernel(
             tl.store(c_bf16_ptr + (ent + 448) // 2 + r, rope)
 
 
-def _check_cache(name: str, cache: torch.Tensor, block_size: int) -> int:
-    """Validate an fp8_ds_mla cache tensor; return its block stride in bytes."""
-    if not isinstance(cache, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
-    if cache.dtype != torch.uint8:
-        raise TypeError(f"{name}: dtype {cache.dtype}, expected torch.uint8 (fp8_ds_mla bytes)")
+def check_cache(name: str, cache: torch.Tensor, block_size: int) -> int:
+    """Validate an fp8_ds_mla cache tensor (the writer's and the readers' one check, e.g.
+    ``sparse_mla``); return its block stride in bytes.
+
+    Raises:
+        TypeError: not a uint8 tensor. ValueError: rank, ``block_size``, non-contiguous block
+        bytes, blocks smaller than ``block_size * 584``, odd strides or storage offset.
+    """
+    check.tensor(name, cache, torch.uint8)
     if cache.dim() < 2:
         raise ValueError(f"{name}: expected (num_blocks, block_bytes) or (num_blocks, block_size, 584), "
                          f"got shape {tuple(cache.shape)}")
@@ -98,8 +104,9 @@ def _check_cache(name: str, cache: torch.Tensor, block_size: int) -> int:
     return stride
 
 
-def _flat_views(cache: torch.Tensor, stride: int):
-    """uint8 / fp8 / bf16 1-D views over the cache's bytes (indexed in bytes, bytes, bf16 elements)."""
+def flat_views(cache: torch.Tensor, stride: int):
+    """uint8 / fp8 / bf16 1-D views over the bytes of a cache that passed :func:`check_cache`
+    (``stride`` its block stride; indexed in bytes, bytes, bf16 elements)."""
     n = (cache.shape[0] - 1) * stride + cache[0].numel()
     u8 = torch.as_strided(cache, (n,), (1,))
     return u8, u8.view(torch.float8_e4m3fn), u8.view(torch.bfloat16)
@@ -126,32 +133,28 @@ def fp8_ds_mla_insert(kv: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: to
         are unspecified).
 
     Raises:
-        TypeError: wrong dtypes. ValueError: wrong shapes/strides, too-small blocks.
+        TypeError: wrong dtypes. ValueError: wrong shapes/strides, too-small blocks, a device without
+        FP8 (compute capability < 8.9).
 
     Semantics: vLLM ``quantize_and_insert_k_cache`` (fp8_ds_mla, UE8M0), DeepSeek-V4 / FlashMLA
     sparse FP8 KV layout.
     """
-    if not isinstance(kv, torch.Tensor) or kv.dtype != torch.bfloat16:
-        raise TypeError(f"kv: expected a bfloat16 tensor, got {getattr(kv, 'dtype', type(kv).__name__)}")
+    check.tensor("kv", kv, torch.bfloat16)
     if kv.dim() != 2 or kv.shape[1] != HEAD_DIM:
         raise ValueError(f"kv: expected shape (num_tokens, {HEAD_DIM}), got {tuple(kv.shape)}")
-    if kv.shape[0] and kv.stride(1) != 1:
-        raise ValueError(f"kv: last dim must be contiguous, got strides {tuple(kv.stride())}")
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_mapping: expected int32/int64 tensor, got "
-                        f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)}")
+    check.last_dim_contiguous("kv", kv)
+    check.tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64))
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] > kv.shape[0]:
         raise ValueError(f"slot_mapping: expected shape (num_tokens,) with num_tokens <= {kv.shape[0]}, "
                          f"got {tuple(slot_mapping.shape)}")
-    stride = _check_cache("kv_cache", kv_cache, block_size)
-    for n, t in (("kv", kv), ("slot_mapping", slot_mapping)):
-        if t.device != kv_cache.device:
-            raise ValueError(f"{n}: device {t.device} != kv_cache device {kv_cache.device}")
+    stride = check_cache("kv_cache", kv_cache, block_size)
+    check.same_device("kv_cache", kv_cache, kv=kv, slot_mapping=slot_mapping)
+    require_fp8("kv_cache", kv_cache.device, "fp8_ds_mla_insert")
     T = slot_mapping.shape[0]  # vLLM: DP padding may leave kv longer than slot_mapping
     if T == 0 or kv_cache.shape[0] == 0:
         return kv_cache
     slot_mapping = slot_mapping.contiguous()
-    u8, f8, bf = _flat_views(kv_cache, stride)
+    u8, f8, bf = flat_views(kv_cache, stride)
     cfg = config or pick_config(T, kv_cache.device)
     tokens = cfg["TOKENS"]
     if T % tokens:

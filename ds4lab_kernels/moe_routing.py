@@ -10,11 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _checks as check
 from ._arch import arch_of
 
 
 @triton.jit
 def _sqrt_softplus(x):
+    """``sqrt(softplus(x))`` in fp32 without libdevice (DeepSeek-V4 router score)."""
     # softplus(x) = max(x, 0) + log1p(exp(-|x|)); log1p through Goldberg's trick
     # (log(u) * z / (u - 1), u = 1 + z) keeps full fp32 accuracy for tiny z without libdevice.
     # NaN stays NaN; +inf -> inf; -inf -> 0.
@@ -32,6 +34,8 @@ def _sqrtsoftplus_topk_kernel(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_tokens, BLOCK_T),)``.
+    One program: BLOCK_T tokens x all experts: scores, the top-k selection (or hash lookup) and weights."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
@@ -89,7 +93,7 @@ def sqrtsoftplus_topk(router_logits: torch.Tensor, e_score_correction_bias: torc
         e_score_correction_bias: ``(num_experts,)`` float32 or None; added to the scores for the
             selection only ("noaux_tc").
         topk: experts per token (6), at most ``min(num_experts, 16)``.
-        routed_scaling_factor: multiplies the renormalised weights (1.5).
+        routed_scaling_factor: multiplies the renormalised weights (1.5); a positive normal float32.
         input_ids, tid2eid: hash layers: ``input_ids`` ``(num_tokens,)`` int32/int64 token ids,
             ``tid2eid`` ``(vocab, topk)`` int32/int64 contiguous; the ids are ``tid2eid[input_ids]``
             (no selection). A token id outside ``[0, vocab)`` or a table entry outside
@@ -106,10 +110,7 @@ def sqrtsoftplus_topk(router_logits: torch.Tensor, e_score_correction_bias: torc
     Raises:
         TypeError / ValueError: dtypes, shapes, strides, devices, or a half-given hash table.
     """
-    if not isinstance(router_logits, torch.Tensor):
-        raise TypeError(f"router_logits: expected a torch.Tensor, got {type(router_logits).__name__}")
-    if router_logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"router_logits: dtype {router_logits.dtype} not supported (float32, bfloat16, float16)")
+    check.tensor("router_logits", router_logits, (torch.float32, torch.bfloat16, torch.float16))
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits: expected (num_tokens, num_experts), got shape {tuple(router_logits.shape)}")
     T, E = router_logits.shape
@@ -117,31 +118,27 @@ def sqrtsoftplus_topk(router_logits: torch.Tensor, e_score_correction_bias: torc
         raise ValueError(f"router_logits: num_experts={E} outside 1..1024")
     if not isinstance(topk, int) or not 1 <= topk <= min(E, 16):
         raise ValueError(f"topk={topk!r}: must be an int in 1..min(num_experts, 16)")
-    if T and router_logits.stride(1) != 1:
-        raise ValueError(f"router_logits: last dim must be contiguous, strides {tuple(router_logits.stride())}")
+    check.last_dim_contiguous("router_logits", router_logits)
+    scaling = check.fp32_scalar("routed_scaling_factor", routed_scaling_factor, positive=True)
     dev = router_logits.device
     hashed = tid2eid is not None or input_ids is not None
     if hashed:
         if tid2eid is None or input_ids is None:
             raise ValueError("input_ids and tid2eid: give both (hash layer) or neither")
-        for name, t in (("input_ids", input_ids), ("tid2eid", tid2eid)):
-            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"{name}: expected an int32/int64 tensor, got {getattr(t, 'dtype', type(t))}")
-            if t.device != dev:
-                raise ValueError(f"{name}: on {t.device}, router_logits on {dev}")
+        check.tensor("input_ids", input_ids, (torch.int32, torch.int64))
+        check.tensor("tid2eid", tid2eid, (torch.int32, torch.int64))
+        check.same_device("router_logits", router_logits, input_ids=input_ids, tid2eid=tid2eid)
         if input_ids.shape != (T,):
             raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected ({T},)")
         if tid2eid.dim() != 2 or tid2eid.shape[1] != topk or tid2eid.stride(1) != 1:
             raise ValueError(f"tid2eid: expected a (vocab, topk={topk}) table with contiguous rows, "
                              f"got shape {tuple(tid2eid.shape)} strides {tuple(tid2eid.stride())}")
     if e_score_correction_bias is not None:
-        b = e_score_correction_bias
-        if not isinstance(b, torch.Tensor) or b.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"e_score_correction_bias: expected a float tensor, got {getattr(b, 'dtype', type(b))}")
+        b = check.tensor("e_score_correction_bias", e_score_correction_bias,
+                         (torch.float32, torch.bfloat16, torch.float16))
         if b.shape != (E,) or (E and b.stride(0) != 1):
             raise ValueError(f"e_score_correction_bias: shape {tuple(b.shape)}, expected contiguous ({E},)")
-        if b.device != dev:
-            raise ValueError(f"e_score_correction_bias: on {b.device}, router_logits on {dev}")
+        check.same_device("router_logits", router_logits, e_score_correction_bias=b)
     w = torch.empty((T, topk), dtype=torch.float32, device=dev)
     ids = torch.empty((T, topk), dtype=torch.int32, device=dev)
     if T:
@@ -151,7 +148,7 @@ def sqrtsoftplus_topk(router_logits: torch.Tensor, e_score_correction_bias: torc
             router_logits, e_score_correction_bias if e_score_correction_bias is not None else dummy,
             input_ids if hashed else dummy, tid2eid if hashed else dummy, w, ids,
             T, E, tid2eid.shape[0] if hashed else 0, router_logits.stride(0),
-            tid2eid.stride(0) if hashed else 0, float(routed_scaling_factor),
+            tid2eid.stride(0) if hashed else 0, scaling,
             TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), BLOCK_T=cfg["BLOCK_T"], BLOCK_E=triton.next_power_of_2(E),
             HAS_BIAS=e_score_correction_bias is not None, HASH=hashed, num_warps=cfg["num_warps"])
     return w, ids
@@ -166,6 +163,11 @@ CONFIGS = {
     "sm_90": {"row": {"BLOCK_T": 1, "num_warps": 1}, "rows4": {"BLOCK_T": 4, "num_warps": 4},
               "rows16": {"BLOCK_T": 16, "num_warps": 8}},
 }
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("row", "rows4"), "sm_90": ("row", "rows4")}
 
 
 def pick_config(T: int, device: torch.device) -> dict:

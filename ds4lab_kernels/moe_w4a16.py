@@ -24,10 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _checks as check
 from ._arch import arch_of
 
 GROUP = 128
 PACK = 8
+# largest swiglu_limit L the fp16 h of the prefill path holds: |h| <= L * silu(L) ~ L^2 = 65,025 < 65,504
+SWIGLU_LIMIT_MAX = 255.0
 
 
 @triton.jit
@@ -59,6 +62,7 @@ def _gemv_tile(w_ptr, s_ptr, row_off, s_row_off, rmask, xv, k0, stride_sk,
 
 @triton.jit
 def _swiglu(g, u, limit):
+    """``silu(min(g, limit)) * clamp(u, -limit, limit)`` in fp32, NaN propagating."""
     # where, not minimum/maximum: NaN must propagate (PTX min/max drop a NaN operand)
     g = tl.where(g > limit, limit, g)
     u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
@@ -72,7 +76,10 @@ def _decode_w13_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ps, stride_pp,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """part[split, pair, n] = sum over this split's K of dequant(w13[e, n, :]) . x[t, :]."""
+    """Grid ``(pairs, cdiv(2*inter, BLOCK_N), SPLIT_K)``.
+    One program: one (token, expert) pair x BLOCK_N rows of w13 x one K split: fp32 partials.
+
+    part[split, pair, n] = sum over this split's K of dequant(w13[e, n, :]) . x[t, :]."""
     pair = tl.program_id(0)
     nb = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,7 +109,10 @@ def _decode_w2_kernel(
     stride_ps, stride_pp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ot,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . swiglu(sum_split part[:, pair_j, :])."""
+    """Grid ``(num_tokens, cdiv(hidden, BLOCK_N))``.
+    One program: one token x BLOCK_N output columns, summed over its top-k experts in slot order.
+
+    out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . swiglu(sum_split part[:, pair_j, :])."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -151,7 +161,10 @@ def _decode_w13_h_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Decode variant "h" (config ``"unpack": "2d"``): h[pair, n] = swiglu(gate_e[n] . x_t,
+    """Grid ``(pairs, cdiv(inter, BLOCK_N))``.
+    One program: one (token, expert) pair x BLOCK_N columns of h (gate and up rows, whole K).
+
+    Decode variant "h" (config ``"unpack": "2d"``): h[pair, n] = swiglu(gate_e[n] . x_t,
     up_e[n] . x_t) over the whole K (no K split: gate and up rows in one program, SwiGLU fused, no
     partials). The packed words stay in the 2-D ``[BLOCK_N, BLOCK_K/8]`` load layout (contiguous
     along K, vector loads); nibble j of every word is multiplied by x[8c+j] (8 FMAs per word, no 3-D
@@ -199,7 +212,10 @@ def _decode_w2_h_kernel(
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ot,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Decode variant "h": out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . h[pair_j, :] (h from
+    """Grid ``(num_tokens, cdiv(hidden, BLOCK_N))``.
+    One program: one token x BLOCK_N output columns over its top-k pairs' rows of h.
+
+    Decode variant "h": out[t, n] = sum_j w[t,j] * dequant(w2[e_j, n, :]) . h[pair_j, :] (h from
     ``_decode_w13_h_kernel``: one fp32 row per pair, no split partials to re-sum per program),
     same 2-D nibble loop; top-k unrolled with masks, summed in slot order."""
     t = tl.program_id(0)
@@ -241,7 +257,10 @@ def _prefill_w13_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ht,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """h[r, n] (sorted pair order) = swiglu(x_t . gate_e[n], x_t . up_e[n]) for one expert tile."""
+    """Grid ``(cdiv(pairs, BLOCK_M) + num_experts, cdiv(inter, BLOCK_N))`` (unused tail tiles exit).
+    One program: one ragged tile of <= BLOCK_M expert-sorted pairs of one expert x BLOCK_N columns of h.
+
+    h[r, n] (sorted pair order) = swiglu(x_t . gate_e[n], x_t . up_e[n]) for one expert tile."""
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     nrows = tl.load(tile_n_ptr + tile)
@@ -285,7 +304,10 @@ def _prefill_w2_kernel(
     stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """y[pair, n] = topk_weight[pair] * (h[r] . down_e[n]) for one expert tile (r sorted order)."""
+    """Grid ``(cdiv(pairs, BLOCK_M) + num_experts, cdiv(hidden, BLOCK_N))``.
+    One program: one expert tile of sorted pairs x BLOCK_N columns of y (weighted down projection).
+
+    y[pair, n] = topk_weight[pair] * (h[r] . down_e[n]) for one expert tile (r sorted order)."""
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     nrows = tl.load(tile_n_ptr + tile)
@@ -317,7 +339,10 @@ def _prefill_w2_kernel(
 @triton.jit
 def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, T, N, E, stride_yp, stride_ot,
                      TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t, n] = sum_{j in slot order, ids[t,j] >= 0} y[t*TOPK+j, n] (rows of skipped pairs are
+    """Grid ``(cdiv(num_tokens, BLOCK_T), cdiv(hidden, BLOCK_N))``.
+    One program: BLOCK_T tokens x BLOCK_N columns of out, summing their top-k rows of y.
+
+    out[t, n] = sum_{j in slot order, ids[t,j] >= 0} y[t*TOPK+j, n] (rows of skipped pairs are
     never read: they were never written)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -335,21 +360,16 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, T, N, E, stride_yp, stride_ot,
 
 
 # ---- launchers ------------------------------------------------------------------------------------
-def _check_weights(name, packed, scale, E, N, K, dev):
-    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
-        raise TypeError(f"{name}_packed: expected int32 (8 nibbles per word), got {getattr(packed, 'dtype', type(packed))}")
+def _check_weights(name, packed, scale, E, N, K, x):
+    check.tensor(f"{name}_packed", packed, torch.int32)  # 8 nibbles per word
     if packed.dim() != 3 or tuple(packed.shape[1:]) != (N, K // PACK) or packed.shape[0] != E:
         raise ValueError(f"{name}_packed: shape {tuple(packed.shape)}, expected ({E}, {N}, {K // PACK})")
-    if packed.stride(2) != 1:
-        raise ValueError(f"{name}_packed: last dim must be contiguous, strides {tuple(packed.stride())}")
-    if not isinstance(scale, torch.Tensor) or scale.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"{name}_scale: expected bf16/fp16/fp32 group scales, got {getattr(scale, 'dtype', type(scale))}")
+    check.last_dim_contiguous(f"{name}_packed", packed)
+    check.tensor(f"{name}_scale", scale, (torch.bfloat16, torch.float16, torch.float32))
     if scale.dim() != 3 or tuple(scale.shape) != (E, N, K // GROUP):
         raise ValueError(f"{name}_scale: shape {tuple(scale.shape)}, expected ({E}, {N}, {K // GROUP}) "
                          f"(one scale per {GROUP} K-elements)")
-    for t, tn in ((packed, f"{name}_packed"), (scale, f"{name}_scale")):
-        if t.device != dev:
-            raise ValueError(f"{tn}: on {t.device}, x on {dev}")
+    check.same_device("x", x, **{f"{name}_packed": packed, f"{name}_scale": scale})
 
 
 def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor,
@@ -371,7 +391,8 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         topk_weights: ``(num_tokens, topk)`` float32 contiguous (from ``sqrtsoftplus_topk``).
         topk_ids: ``(num_tokens, topk)`` int32 contiguous; ids < 0 are skipped (padding tokens,
             invalid hash entries), and so are ids ``>= num_experts`` (checked in-kernel, no host sync).
-        swiglu_limit: the clamp ``L`` (DeepSeek-V4: 10.0).
+        swiglu_limit: the clamp ``L`` (DeepSeek-V4: 10.0): a positive normal float32 <= 255 (the
+            bound that keeps the prefill path's fp16 ``h`` finite).
         config: a row of ``CONFIGS``; ``config["path"]`` is ``"decode"`` or ``"prefill"``;
             default: decode for ``num_tokens * topk <= 128`` pairs, prefill above.
         out: optional ``(num_tokens, hidden)`` bfloat16 output.
@@ -389,17 +410,16 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         TypeError / ValueError: dtypes, shapes, strides, devices, ``hidden``/``inter`` not multiples
         of 128, unknown ``config["path"]``.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-        raise TypeError(f"x: expected a bfloat16 tensor, got {getattr(x, 'dtype', type(x))}")
+    check.tensor("x", x, torch.bfloat16)
     if x.dim() != 2:
         raise ValueError(f"x: expected (num_tokens, hidden), got shape {tuple(x.shape)}")
     T, D = x.shape
-    if T and x.stride(1) != 1:
-        raise ValueError(f"x: last dim must be contiguous, strides {tuple(x.stride())}")
+    check.last_dim_contiguous("x", x)
     if D % GROUP:
         raise ValueError(f"x: hidden={D} is not a multiple of the {GROUP}-element quant group")
     dev = x.device
-    if not isinstance(w13_packed, torch.Tensor) or w13_packed.dim() != 3:
+    check.tensor("w13_packed", w13_packed, torch.int32)
+    if w13_packed.dim() != 3:
         raise ValueError(f"w13_packed: expected (num_experts, 2*inter, hidden/8), got {getattr(w13_packed, 'shape', None)}")
     E, N2 = w13_packed.shape[0], w13_packed.shape[1]
     if N2 % 2:
@@ -407,20 +427,20 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     I = N2 // 2
     if I % GROUP or I == 0:
         raise ValueError(f"w13_packed: inter={I} is not a positive multiple of {GROUP}")
-    _check_weights("w13", w13_packed, w13_scale, E, N2, D, dev)
-    _check_weights("w2", w2_packed, w2_scale, E, D, I, dev)
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int32:
-        raise TypeError(f"topk_ids: expected int32, got {getattr(topk_ids, 'dtype', type(topk_ids))}")
+    _check_weights("w13", w13_packed, w13_scale, E, N2, D, x)
+    _check_weights("w2", w2_packed, w2_scale, E, D, I, x)
+    check.tensor("topk_ids", topk_ids, torch.int32)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids: expected contiguous ({T}, topk), got shape {tuple(topk_ids.shape)}")
     K_TOP = topk_ids.shape[1]
-    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
-        raise TypeError(f"topk_weights: expected float32, got {getattr(topk_weights, 'dtype', type(topk_weights))}")
+    check.tensor("topk_weights", topk_weights, torch.float32)
     if topk_weights.shape != topk_ids.shape or not topk_weights.is_contiguous():
         raise ValueError(f"topk_weights: expected contiguous {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
-    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if t.device != dev:
-            raise ValueError(f"{name}: on {t.device}, x on {dev}")
+    check.same_device("x", x, topk_ids=topk_ids, topk_weights=topk_weights)
+    limit = check.fp32_scalar("swiglu_limit", swiglu_limit, positive=True)
+    if limit > SWIGLU_LIMIT_MAX:
+        raise ValueError(f"swiglu_limit={swiglu_limit!r}: at most {SWIGLU_LIMIT_MAX} (the prefill path keeps "
+                         f"h = silu(min(g, L)) * clamp(u, -L, L) in fp16, |h| <= L * silu(L) < 65504)")
     if out is None:
         out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
     elif out.dtype != torch.bfloat16 or out.shape != (T, D) or (T and out.stride(1) != 1) or out.device != dev:
@@ -430,10 +450,10 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     cfg = config or pick_config(T * K_TOP, dev)
     path = cfg.get("path")
     if path == "decode":
-        _decode(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, swiglu_limit, cfg,
+        _decode(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, limit, cfg,
                 out, workspace)
     elif path == "prefill":
-        _prefill(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, swiglu_limit, cfg,
+        _prefill(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, limit, cfg,
                  out, workspace)
     else:
         raise ValueError(f"config['path']={path!r}: expected 'decode' or 'prefill'")
@@ -622,6 +642,11 @@ _INTERP = {
 }
 
 DECODE_MAX_PAIRS = 128
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("decode", "prefill"), "sm_90": ("decode_2d_n8", "prefill")}
 
 
 def pick_config(pairs: int, device: torch.device) -> dict:

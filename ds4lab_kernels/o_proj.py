@@ -16,14 +16,13 @@ cosines then ``rope_dim/2`` sines, mscale already folded in). Pair ``i`` of the 
 ``y[2i] = x[2i] cos + x[2i+1] sin``, ``y[2i+1] = x[2i+1] cos - x[2i] sin`` (each product rounded
 to fp32, then the sum: no FMA contraction, so the result is bit-reproducible against torch).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ._arch import arch_of
-from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3
+from . import _checks as check
+from ._arch import arch_of, num_sms, require_fp8
+from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3, ue8m0_to_fp32
 
 SCALE_FMTS = ("fp32", "pow2", "ue8m0")
 _FMT_CODE = {"fp32": 0, "pow2": 1, "ue8m0": 2}
@@ -40,7 +39,8 @@ def _inv_rope_quant_kernel(
     HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
     QUANTIZE: tl.constexpr, SCALE_FMT: tl.constexpr,
 ):
-    """One program: BLOCK_R (token, head) rows x HEAD_DIM, walked in GROUP-wide chunks.
+    """Grid ``(cdiv(num_tokens * num_heads, BLOCK_R),)``.
+    One program: BLOCK_R (token, head) rows x HEAD_DIM, walked in GROUP-wide chunks (rotate back, quantize).
 
     Row ``r = t*H + h``. Output layout ``[T, H*HEAD_DIM]`` (== ``[T, G, HPG*HEAD_DIM]``), scales
     ``[T, H*HEAD_DIM/GROUP]``. A token whose position is outside ``[0, n_pos)`` gets NaN (never an
@@ -90,11 +90,9 @@ def _inv_rope_quant_kernel(
 
 @triton.jit
 def _decode_scale(v, IS_UE8M0: tl.constexpr):
-    """fp32 scale, or a UE8M0 byte -> 2^(b-127) (0 -> 0.0, 255 -> NaN)."""
+    """fp32 scale, or a UE8M0 byte -> 2^(b-127) (0 -> 0.0, 255 -> NaN; ``_fp8.ue8m0_to_fp32``)."""
     if IS_UE8M0:
-        b = v.to(tl.int32)
-        f = (b << 23).to(tl.float32, bitcast=True)
-        return tl.where(b == 255, float("nan"), f)
+        return ue8m0_to_fp32(v)
     else:
         return v
 
@@ -110,9 +108,12 @@ def _grouped_gemm_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
 ):
-    """``out[t, g, n] = sum_k x[t, g, k] xs[t, g, k/128] * w[g, n, k] ws[g, n/128, k/128]``.
+    """Grid ``(cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), G * SPLIT_K)``.
+    One program: a BLOCK_M x BLOCK_N tile of one group's output over one K split.
 
-    Grid ``(N/BLOCK_N, T/BLOCK_M, G*SPLIT_K)``; program ``(n, m, g*SPLIT_K + s)`` covers k in
+    ``out[t, g, n] = sum_k x[t, g, k] xs[t, g, k/128] * w[g, n, k] ws[g, n/128, k/128]``.
+
+    Program ``(n, m, g*SPLIT_K + s)`` covers k in
     ``[s*K_SPLIT, (s+1)*K_SPLIT)``. With scales, BLOCK_K == SCALE_BLOCK and BLOCK_N divides it, so
     each k step has one weight scale and one activation scale per row (DeepGEMM promotion: the fp8
     MMA result of one 128-deep block is scaled in fp32 and added). SPLIT_K > 1 writes fp32 partials
@@ -158,7 +159,10 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, out_ptr, n_elem, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """``out.flat[i] = bf16(sum_s part[s].flat[i])`` in a fixed order (deterministic)."""
+    """Grid ``(cdiv(T * G * N, BLOCK),)``.
+    One program: BLOCK consecutive output elements, summed over the SPLIT_K partials.
+
+    ``out.flat[i] = bf16(sum_s part[s].flat[i])`` in a fixed order (deterministic)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elem
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -168,17 +172,6 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, n_elem, SPLIT_K: tl.constexpr, BLOC
 
 
 # ---- launchers ---------------------------------------------------------------------------------
-def _need_tensor(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-
-
-def _same_device(ref_name, ref, **others):
-    for n, t in others.items():
-        if t is not None and t.device != ref.device:
-            raise ValueError(f"{n}: on {t.device}, but {ref_name} is on {ref.device}")
-
-
 def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -203,7 +196,8 @@ def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         scale_fmt: ``"fp32"`` (``s = max(amax, eps)/448``), ``"pow2"`` (rounded up to a power of
             two; DeepSeek-V4 ``scale_fmt: ue8m0`` math) or ``"ue8m0"`` (that power of two's exponent
             byte, ``s = 2^(b-127)``, uint8).
-        eps: amax floor (an all-zero group gets scale ``eps/448`` and zeros).
+        eps: amax floor (an all-zero group gets scale ``eps/448`` and zeros); a positive normal
+            float32 (it reaches the kernel as an fp32 argument).
         check_positions: check ``0 <= positions < max_positions`` on the host (one device sync;
             skipped automatically while a CUDA graph is being captured). Unchecked out-of-range
             positions never read outside the cache: their tokens come out NaN.
@@ -219,16 +213,12 @@ def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         TypeError: wrong dtypes (o not bf16, positions not int32/int64, cos_sin_cache not fp32).
         ValueError: wrong ranks, head count not a multiple of ``heads_per_group``, ``head_dim`` not
             a multiple of 128, cos/sin width, non-contiguous last dims, length mismatch,
-            positions outside the cache, unknown ``scale_fmt``, devices that differ.
+            positions outside the cache, unknown ``scale_fmt``, devices that differ, ``eps`` not a
+            positive normal float32, ``quantize=True`` on a device without FP8 (compute capability < 8.9).
     """
-    for n, t in (("o", o), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
-        _need_tensor(n, t)
-    if o.dtype != torch.bfloat16:
-        raise TypeError(f"o: dtype {o.dtype} not supported (bfloat16)")
-    if positions.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"positions: dtype {positions.dtype} not supported (int64, int32)")
-    if cos_sin_cache.dtype != torch.float32:
-        raise TypeError(f"cos_sin_cache: dtype {cos_sin_cache.dtype} not supported (float32, cos||sin)")
+    check.tensor("o", o, torch.bfloat16)
+    check.tensor("positions", positions, (torch.int64, torch.int32))
+    check.tensor("cos_sin_cache", cos_sin_cache, torch.float32)
     if o.dim() != 3:
         raise ValueError(f"o: expected 3 dims (num_tokens, num_heads, head_dim), got shape {tuple(o.shape)}")
     T, H, D = o.shape
@@ -245,15 +235,14 @@ def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         raise ValueError(f"cos_sin_cache: rope_dim={R} must be even, <= {QUANT_GROUP} and <= head_dim={D}")
     if scale_fmt not in SCALE_FMTS:
         raise ValueError(f"scale_fmt={scale_fmt!r}: expected one of {SCALE_FMTS}")
-    if not eps > 0:
-        raise ValueError(f"eps={eps}: must be > 0")
-    if T and o.stride(2) != 1:
-        raise ValueError(f"o: last dim must be contiguous (stride(2)=1), got strides {tuple(o.stride())}")
-    if P and cos_sin_cache.stride(1) != 1:
-        raise ValueError(f"cos_sin_cache: last dim must be contiguous, got strides {tuple(cos_sin_cache.stride())}")
+    eps = check.fp32_scalar("eps", eps, positive=True)
+    check.last_dim_contiguous("o", o)
+    check.last_dim_contiguous("cos_sin_cache", cos_sin_cache)
     if positions.stride(0) != 1 and T > 1:
         raise ValueError(f"positions: must be contiguous, got stride {positions.stride(0)}")
-    _same_device("o", o, positions=positions, cos_sin_cache=cos_sin_cache)
+    check.same_device("o", o, positions=positions, cos_sin_cache=cos_sin_cache)
+    if quantize:
+        require_fp8("o", o.device, "inv_rope_fp8_quant(quantize=True)")
     if T and check_positions and not _capturing(o.device):
         if P == 0:
             raise ValueError("cos_sin_cache: has no rows (max_positions=0)")
@@ -276,19 +265,11 @@ def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
     _inv_rope_quant_kernel[grid](
         o, positions, cos_sin_cache, q, s,
         T * H, H, P, o.stride(0), o.stride(1), cos_sin_cache.stride(0), G * K,
-        s.stride(0) if quantize else 0, float(eps),
+        s.stride(0) if quantize else 0, eps,
         HEAD_DIM=D, ROPE=R, GROUP=QUANT_GROUP, BLOCK_R=cfg["BLOCK_R"],
         QUANTIZE=bool(quantize), SCALE_FMT=_FMT_CODE[scale_fmt],
         num_warps=cfg["num_warps"], num_stages=1, enable_fp_fusion=False)
     return (q, s) if quantize else q
-
-
-def _scale_dtype_ok(name, t):
-    if t.dtype == getattr(torch, "float8_e8m0fnu", None):
-        return t.view(torch.uint8)
-    if t.dtype not in (torch.float32, torch.uint8):
-        raise TypeError(f"{name}: dtype {t.dtype} not supported (float32 scales or uint8/float8_e8m0fnu UE8M0 bytes)")
-    return t
 
 
 def fp8_einsum_bhr_hdr_bhd(x: torch.Tensor, x_s: torch.Tensor | None, wo_a: torch.Tensor,
@@ -320,10 +301,11 @@ def fp8_einsum_bhr_hdr_bhd(x: torch.Tensor, x_s: torch.Tensor | None, wo_a: torc
     Raises:
         TypeError: dtypes (fp8 operands with scales, bf16 without; scale dtypes).
         ValueError: ranks/shapes that disagree, K or N not multiples of 128, only one of the two
-            scales given, non-contiguous last dims, a bad ``out``, devices that differ.
+            scales given, non-contiguous last dims, a bad ``out``, devices that differ, the fp8 path
+            on a device without FP8 (compute capability < 8.9).
     """
-    _need_tensor("x", x)
-    _need_tensor("wo_a", wo_a)
+    check.tensor("x", x, (torch.float8_e4m3fn, torch.bfloat16))
+    check.tensor("wo_a", wo_a, (torch.float8_e4m3fn, torch.bfloat16))
     has_scales = x_s is not None or wo_a_s is not None
     if has_scales and (x_s is None or wo_a_s is None):
         raise ValueError(f"x_s / wo_a_s: give both scales (fp8 path) or neither (bf16 path); "
@@ -347,16 +329,17 @@ def fp8_einsum_bhr_hdr_bhd(x: torch.Tensor, x_s: torch.Tensor | None, wo_a: torc
         raise ValueError(f"wo_a: N={N} must be a positive multiple of {W_BLOCK}")
     if N == 0:
         raise ValueError("wo_a: N=0")
-    if T and x.stride(2) != 1:
-        raise ValueError(f"x: last dim must be contiguous, got strides {tuple(x.stride())}")
+    check.last_dim_contiguous("x", x)
     if wo_a.stride(2) != 1:
-        raise ValueError(f"wo_a: last dim must be contiguous, got strides {tuple(wo_a.stride())}")
-    _same_device("x", x, wo_a=wo_a, x_s=x_s, wo_a_s=wo_a_s, out=out)
+        raise ValueError(f"wo_a: last dim must be contiguous (stride(-1)=1), got strides {tuple(wo_a.stride())}")
     if has_scales:
-        _need_tensor("x_s", x_s)
-        _need_tensor("wo_a_s", wo_a_s)
-        x_s = _scale_dtype_ok("x_s", x_s)
-        wo_a_s = _scale_dtype_ok("wo_a_s", wo_a_s)
+        x_s = check.scale_tensor("x_s", x_s, (torch.float32, torch.uint8))
+        wo_a_s = check.scale_tensor("wo_a_s", wo_a_s, (torch.float32, torch.uint8))
+    if out is not None:
+        check.tensor("out", out, torch.bfloat16)
+    check.same_device("x", x, wo_a=wo_a, x_s=x_s, wo_a_s=wo_a_s, out=out)
+    if has_scales:
+        require_fp8("x", x.device, "fp8_einsum_bhr_hdr_bhd")
         if tuple(x_s.shape) != (T, G, K // W_BLOCK):
             raise ValueError(f"x_s: shape {tuple(x_s.shape)}, expected ({T}, {G}, {K // W_BLOCK}) (1x128 scales)")
         if tuple(wo_a_s.shape) != (G, N // W_BLOCK, K // W_BLOCK):
@@ -365,8 +348,7 @@ def fp8_einsum_bhr_hdr_bhd(x: torch.Tensor, x_s: torch.Tensor | None, wo_a: torc
     if out is None:
         out = torch.empty((T, G, N), dtype=torch.bfloat16, device=x.device)
     else:
-        _need_tensor("out", out)
-        if out.dtype != torch.bfloat16 or tuple(out.shape) != (T, G, N) or not out.is_contiguous():
+        if tuple(out.shape) != (T, G, N) or not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous bfloat16 tensor of shape ({T}, {G}, {N}), got "
                              f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
     if T == 0 or G == 0:
@@ -485,9 +467,9 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     Raises:
         TypeError / ValueError: from the parts, plus ``wo_a``/``wo_b`` shapes that do not fit ``o``.
     """
-    _need_tensor("o", o)
-    _need_tensor("wo_a", wo_a)
-    _need_tensor("wo_b", wo_b)
+    check.tensor("o", o, torch.bfloat16)
+    check.tensor("wo_a", wo_a, (torch.float8_e4m3fn, torch.bfloat16))
+    check.tensor("wo_b", wo_b, (torch.float8_e4m3fn, torch.bfloat16))
     if o.dim() != 3:
         raise ValueError(f"o: expected 3 dims (num_tokens, num_heads, head_dim), got shape {tuple(o.shape)}")
     T, H, D = o.shape
@@ -504,7 +486,7 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
                          f"{H} heads of {D} (wrong head count for this rank?)")
     R = wo_a.shape[1]
     if wo_a_s is not None:
-        _need_tensor("wo_a_s", wo_a_s)
+        wo_a_s = check.scale_tensor("wo_a_s", wo_a_s, (torch.float32, torch.uint8))
         if wo_a_s.dim() == 2 and wo_a_s.shape[0] == G * (R // W_BLOCK):
             wo_a_s = wo_a_s.view(G, R // W_BLOCK, wo_a_s.shape[1])
     if wo_b.dim() != 2 or wo_b.shape[1] != G * R:
@@ -556,20 +538,12 @@ EINSUM_LABELS = ("decode", "prefill")
 DECODE_MAX_T = 64
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        # interpreter: a small pretend machine (few programs, still splits); a CPU-tensor launch
-        # without the interpreter is an ahead-of-time compile: size the split like an H200
-        return 4 if os.environ.get("TRITON_INTERPRET") == "1" else 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def auto_split_k(T, G, N, K, BM, BN, BK, device) -> int:
     """Power-of-two split of the k-steps so that about 2 programs per SM stream the weight, keeping
     at least 2 k-steps per program and the fp32 partials under 1/8 of the weight bytes."""
     tiles = G * triton.cdiv(N, BN) * triton.cdiv(T, BM)
     steps = K // BK
-    target = 2 * _num_sms(device)
+    target = 2 * num_sms(device)
     split = 1
     while (tiles * split < target and steps % (2 * split) == 0 and steps // (2 * split) >= 2
            and 2 * split * T * N * 4 <= N * K // 8):

@@ -15,15 +15,14 @@ are read as bf16, giving one ``(BLOCK_N, 512)`` bf16 tile used for ``S = Q K^T``
 un-normalised ``O``, max and sum (fp32) and a second kernel merges them with the sink
 (log-sum-exp merge). The split count depends only on tensor shapes (CUDA-graph safe).
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ._arch import arch_of
+from . import _checks as check
+from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import ue8m0_to_fp32
-from .mla_cache import _check_cache, _flat_views
+from .mla_cache import check_cache, flat_views
 
 HEAD_DIM = 512
 LOG2E = 1.4426950408889634
@@ -57,6 +56,7 @@ def _load_kv_tile(c_u8_ptr, c_bf16_ptr, idx, valid, stride_blk,
 def _attend_tiles(acc, m_i, l_i, q, c_u8_ptr, c_bf16_ptr, idx_row_ptr, n_len, n_slots, stride_blk,
                   t_lo, t_hi, qk_scale,
                   BS: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Online-softmax (base 2) accumulation over candidate tiles ``[t_lo, t_hi)`` of one source."""
     for t in range(t_lo, t_hi):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         inb = offs_n < n_len
@@ -85,6 +85,8 @@ def _sparse_mla_split_kernel(
     A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr, SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_heads, BLOCK_H), SPLITS, num_tokens)``.
+    One program: BLOCK_H heads of one token over one contiguous split of its candidate tiles."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     tok = tl.program_id(2).to(tl.int64)
@@ -144,6 +146,8 @@ def _sparse_mla_merge_kernel(
     out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh,
     SPLITS: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
 ):
+    """Grid ``(cdiv(num_heads, BLOCK_H), num_tokens)``.
+    One program: BLOCK_H heads of one token: merges the SPLITS partials with the sink."""
     hg = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -179,65 +183,41 @@ def _sparse_mla_merge_kernel(
 
 
 # ---- launchers ---------------------------------------------------------------------------------
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the benchmark GPU (H200); only shapes the split choice on the interpreter
-
-
-def _check_dtype(name: str, t, dtype: torch.dtype) -> None:
-    """TypeError naming ``name`` unless ``t`` is a tensor of ``dtype``."""
-    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-        word = str(dtype).removeprefix("torch.")  # "an int32", "a bfloat16", "a float32"
-        raise TypeError(f"{name}: expected {'an' if word[0] in 'aeio' else 'a'} {word} tensor, "
-                        f"got {getattr(t, 'dtype', type(t).__name__)}")
-
-
-def _check_last_contig(name: str, t: torch.Tensor) -> None:
-    """ValueError naming ``name`` unless a non-empty ``t`` has a unit stride in its last dim."""
-    if t.numel() and t.stride(-1) != 1:
-        raise ValueError(f"{name}: last dim must be contiguous, got strides {tuple(t.stride())}")
-
-
-def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    """ValueError naming ``name`` unless ``t`` is on ``device`` (q's)."""
-    if t.device != device:
-        raise ValueError(f"{name}: device {t.device} != q device {device}")
-
-
 def _check_q(q, attn_sink, scale):
-    _check_dtype("q", q, torch.bfloat16)
+    check.tensor("q", q, torch.bfloat16)
     if q.dim() != 3 or q.shape[2] != HEAD_DIM:
         raise ValueError(f"q: expected shape (num_tokens, num_heads, {HEAD_DIM}), got {tuple(q.shape)}")
-    _check_last_contig("q", q)
-    _check_dtype("attn_sink", attn_sink, torch.float32)
+    check.last_dim_contiguous("q", q)
+    check.tensor("attn_sink", attn_sink, torch.float32)
     if tuple(attn_sink.shape) != (q.shape[1],):
         raise ValueError(f"attn_sink: expected shape ({q.shape[1]},) (num_heads), got {tuple(attn_sink.shape)}")
-    _check_device("attn_sink", attn_sink, q.device)
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale={scale!r}: expected a positive finite float")
+    check.same_device("q", q, attn_sink=attn_sink)
+    # the kernel takes scale * log2(e) as an fp32 argument: a positive normal float32 that stays one
+    if check.fp32_scalar("scale", scale, positive=True) * LOG2E > check.FP32_MAX:
+        raise ValueError(f"scale={scale!r}: scale * log2(e) overflows float32")
 
 
-def _check_idx(name, idx, lname, lens, T, device, optional_len=False):
-    _check_dtype(name, idx, torch.int32)
+def _check_idx(name, idx, lname, lens, q, optional_len=False):
+    T = q.shape[0]
+    check.tensor(name, idx, torch.int32)
     if idx.dim() != 2 or idx.shape[0] != T:
         raise ValueError(f"{name}: expected shape ({T}, num_candidates), got {tuple(idx.shape)}")
-    _check_last_contig(name, idx)
-    _check_device(name, idx, device)
+    check.last_dim_contiguous(name, idx)
+    check.same_device("q", q, **{name: idx})
     if lens is None:
         if not optional_len:
             raise ValueError(f"{lname}: required")
         return
-    _check_dtype(lname, lens, torch.int32)
+    check.tensor(lname, lens, torch.int32)
     if tuple(lens.shape) != (T,) or (T and lens.stride(0) != 1):
         raise ValueError(f"{lname}: expected a contiguous ({T},) tensor, got shape {tuple(lens.shape)}")
-    _check_device(lname, lens, device)
+    check.same_device("q", q, **{lname: lens})
 
 
 def _splits(n_base: int, n_tiles: int, device, cfg: dict) -> int:
     if cfg.get("SPLITS"):
         return max(1, min(int(cfg["SPLITS"]), n_tiles))
-    target = cfg.get("PROGS_PER_SM", 2) * _num_sms(device)
+    target = cfg.get("PROGS_PER_SM", 2) * num_sms(device)
     if n_base >= (target + 1) // 2:
         return 1
     per = max(cfg.get("MIN_TILES", 2), triton.cdiv(n_tiles * n_base, target))
@@ -336,18 +316,19 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
     _check_q(q, attn_sink, scale)
     T, H, _ = q.shape
     dev = q.device
-    sw_stride = _check_cache("swa_cache", swa_cache, swa_block_size)
-    _check_device("swa_cache", swa_cache, dev)
-    _check_idx("swa_indices", swa_indices, "swa_lens", swa_lens, T, dev)
-    su8, _, sbf = _flat_views(swa_cache, sw_stride)
+    sw_stride = check_cache("swa_cache", swa_cache, swa_block_size)
+    check.same_device("q", q, swa_cache=swa_cache)
+    _check_idx("swa_indices", swa_indices, "swa_lens", swa_lens, q)
+    require_fp8("swa_cache", dev, "sparse_mla_decode (fp8_ds_mla cache)")
+    su8, _, sbf = flat_views(swa_cache, sw_stride)
     srcs = [(su8, sbf, swa_indices, swa_lens, sw_stride, swa_cache.shape[0] * swa_block_size, swa_block_size)]
     if comp_cache is not None:
-        c_stride = _check_cache("comp_cache", comp_cache, comp_block_size)
-        _check_device("comp_cache", comp_cache, dev)
+        c_stride = check_cache("comp_cache", comp_cache, comp_block_size)
+        check.same_device("q", q, comp_cache=comp_cache)
         if comp_indices is None:
             raise ValueError("comp_indices: required with comp_cache")
-        _check_idx("comp_indices", comp_indices, "comp_lens", comp_lens, T, dev, optional_len=True)
-        cu8, _, cbf = _flat_views(comp_cache, c_stride)
+        _check_idx("comp_indices", comp_indices, "comp_lens", comp_lens, q, optional_len=True)
+        cu8, _, cbf = flat_views(comp_cache, c_stride)
         srcs.append((cu8, cbf, comp_indices, comp_lens, c_stride, comp_cache.shape[0] * comp_block_size,
                      comp_block_size))
     elif comp_indices is not None:
@@ -387,12 +368,12 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     """
     _check_q(q, attn_sink, scale)
     T, H, D = q.shape
-    _check_dtype("kv", kv, torch.bfloat16)
+    check.tensor("kv", kv, torch.bfloat16)
     if kv.dim() != 2 or kv.shape[1] != D:
         raise ValueError(f"kv: expected shape (num_kv, {D}), got {tuple(kv.shape)}")
-    _check_last_contig("kv", kv)
-    _check_device("kv", kv, q.device)
-    _check_idx("indices", indices, "lengths", lengths, T, q.device, optional_len=True)
+    check.last_dim_contiguous("kv", kv)
+    check.same_device("q", q, kv=kv)
+    _check_idx("indices", indices, "lengths", lengths, q, optional_len=True)
     kv_arg = kv if kv.numel() else torch.zeros((1, D), dtype=kv.dtype, device=kv.device)
     srcs = [(None, kv_arg, indices, lengths, kv_arg.stride(0), kv.shape[0], 1)]
     cfg = config or pick_config(H, q.device)
@@ -408,7 +389,9 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 CONFIGS = {
     "sm_89": {
         "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
-        "h32n16": {"BLOCK_H": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1},
+        # h32n16 (never the sm_89 default) left the table: its one-pass form (SPLITS=1, what a 128-SM
+        # RTX 4090 takes for prefill at 64 tokens x 64 heads) spills 8/4 B on sm_89 (ds4lab aot; the
+        # split form the report used to build at 132 SMs does not)
     },
     "sm_90": {
         # ds4lab aot, ptxas for sm_90a: 64-head tiles (h64n32, h64n32p1, h64n32w16, h64n64: 131 KB smem,
@@ -420,6 +403,11 @@ CONFIGS = {
         "h32n32p1": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PROGS_PER_SM": 1},
     },
 }
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("h16n16",), "sm_90": ("h16n32s2", "h32n32")}
 
 
 def pick_config(num_heads: int, device: torch.device, num_tokens: int | None = None) -> dict:

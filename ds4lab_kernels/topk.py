@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._arch import arch_of
+from . import _checks as check
+from ._arch import arch_of, num_sms
 
 
 @triton.jit
@@ -27,6 +28,7 @@ def _skey(v):
 
 @triton.jit
 def _load_keys(row_ptr, offs, L):
+    """Order-preserving int32 keys of ``row[offs]`` and which of them are selectable (in range, not NaN/-inf)."""
     m = offs < L
     v = tl.load(row_ptr + offs, mask=m, other=float("-inf"))
     valid = m & (v == v) & (v != float("-inf"))
@@ -126,6 +128,8 @@ def _pad_tail(out_row, k_eff, K: tl.constexpr, KP2: tl.constexpr):
 @triton.jit
 def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
                  K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(num_rows,)``.
+    One program: one whole row (4 radix passes, then the output pass)."""
     r = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + r * stride_xr
     out_row = out_ptr + r * stride_or
@@ -157,6 +161,8 @@ def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
 @triton.jit
 def _split_hist_kernel(x_ptr, len_ptr, hist_ptr, state_ptr, N, stride_xr, chunk, P,
                        LVL: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(num_rows, P)``.
+    One program: one chunk of one row: its 256-bin histogram of radix level LVL."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
@@ -177,6 +183,8 @@ def _split_hist_kernel(x_ptr, len_ptr, hist_ptr, state_ptr, N, stride_xr, chunk,
 
 @triton.jit
 def _split_select_kernel(hist_ptr, state_ptr, P, K: tl.constexpr, LVL: tl.constexpr):
+    """Grid ``(num_rows,)``.
+    One program: one row: merges the P chunk histograms and advances that row's radix state."""
     r = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, 256)
     h = tl.zeros((256,), tl.int32)
@@ -209,6 +217,8 @@ def _split_select_kernel(hist_ptr, state_ptr, P, K: tl.constexpr, LVL: tl.conste
 @triton.jit
 def _split_count_kernel(x_ptr, len_ptr, cnt_ptr, state_ptr, N, stride_xr, chunk, P,
                         HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(num_rows, P)``.
+    One program: one chunk of one row: how many of its keys are > and == the row's threshold."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
@@ -231,6 +241,8 @@ def _split_count_kernel(x_ptr, len_ptr, cnt_ptr, state_ptr, N, stride_xr, chunk,
 def _split_write_kernel(x_ptr, len_ptr, out_ptr, cnt_ptr, state_ptr, N, stride_xr, stride_or, chunk, P,
                         K: tl.constexpr, KP2: tl.constexpr, PP2: tl.constexpr, HAS_LEN: tl.constexpr,
                         BLOCK: tl.constexpr):
+    """Grid ``(num_rows, P)``.
+    One program: one chunk of one row: writes its selected indices at the chunk's output offset."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
@@ -252,17 +264,11 @@ def _split_write_kernel(x_ptr, len_ptr, out_ptr, cnt_ptr, state_ptr, N, stride_x
         _pad_tail(out_row, k_eff, K, KP2)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the benchmark GPU (H200); only shapes the split choice on the interpreter
-
-
 def _launch_split(logits, lengths, out, k, cfg):
     R, N = logits.shape
     BLOCK = cfg["BLOCK"]
     n_blk = max(1, triton.cdiv(N, BLOCK))
-    P = cfg.get("P") or triton.cdiv(cfg.get("PROGS_PER_SM", 4) * _num_sms(logits.device), R)
+    P = cfg.get("P") or triton.cdiv(cfg.get("PROGS_PER_SM", 4) * num_sms(logits.device), R)
     P = max(1, min(P, n_blk, 64))
     chunk = triton.cdiv(n_blk, P) * BLOCK
     P = triton.cdiv(n_blk * BLOCK, chunk)
@@ -306,10 +312,7 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
     Raises:
         TypeError / ValueError: naming the offending argument.
     """
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
-    if logits.dtype != torch.float32:
-        raise TypeError(f"logits: dtype {logits.dtype} not supported (float32)")
+    check.tensor("logits", logits, torch.float32)
     if logits.dim() != 2:
         raise ValueError(f"logits: expected 2 dims (num_rows, num_cols), got shape {tuple(logits.shape)}")
     if not isinstance(k, int) or not 1 <= k <= 4096:
@@ -317,16 +320,12 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
     R, N = logits.shape
     if N >= 2**31 - 1:
         raise ValueError(f"logits: {N} columns, at most 2^31 - 2 supported")
-    if R and N and logits.stride(1) != 1:
-        raise ValueError(f"logits: last dim must be contiguous, strides {tuple(logits.stride())}")
+    check.last_dim_contiguous("logits", logits)
     if lengths is not None:
-        if not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int32:
-            raise TypeError(f"lengths: expected an int32 tensor, got "
-                            f"{lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__}")
+        check.tensor("lengths", lengths, torch.int32)
         if tuple(lengths.shape) != (R,):
             raise ValueError(f"lengths: shape {tuple(lengths.shape)}, expected ({R},)")
-        if lengths.device != logits.device:
-            raise ValueError(f"lengths: on {lengths.device}, logits on {logits.device}")
+        check.same_device("logits", logits, lengths=lengths)
         lengths = lengths.contiguous()
     if out is None:
         out = torch.empty((R, k), dtype=torch.int32, device=logits.device)
@@ -356,6 +355,11 @@ CONFIGS = {
     "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_SPLIT},
     "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_SPLIT},
 }
+
+
+# the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
+# the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
+GPU_DEFAULTS = {"sm_89": ("b1024", "s2048"), "sm_90": ("b1024", "b4096")}
 
 
 def pick_config(N: int, device: torch.device) -> dict:

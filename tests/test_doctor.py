@@ -311,7 +311,7 @@ def test_hf_offline_agrees_with_huggingface_hub_and_vllm(venv):
     """A real HF cache layout: refs/main without newline, with one (`echo $SHA > refs/main`), dangling,
     and a --revision pin. The doctor, serve's resolution and the installed vLLM's own
     get_model_path (HF_HUB_OFFLINE=1, real huggingface_hub) must agree on what loads."""
-    from ds4lab.serve.profiles import resolve_hf_snapshot
+    from ds4lab.serve.snapshot import resolve_hf_snapshot
     cache = venv.root / "hf"
     sha, gone = "c" * 40, "d" * 40
     hf_repo(cache, "org/clean", [sha], main=sha)

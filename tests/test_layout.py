@@ -78,3 +78,67 @@ def test_stacks_data_readable():
     import pytest
     with pytest.raises(ValueError, match="known stacks"):
         stack("nope")
+
+
+# ---- layering: who may import whom (read from the source, lazy imports inside functions included) ----
+def _imported(path: str) -> set[str]:
+    """Every module an ``import``/``from ... import`` in the file names (absolute; any nesting)."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def _module_file(mod: str) -> str | None:
+    base = os.path.join(ROOT, *mod.split("."))
+    for p in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def _reach(package: str) -> dict[str, str]:
+    """Modules reachable by imports from every file of ``package`` (ds4lab's own followed
+    transitively): module -> the first ds4lab file that imports it."""
+    todo = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, *package.split("."))):
+        todo += [os.path.join(dirpath, f) for f in files if f.endswith(".py")]
+    seen_files, found = set(), {}
+    while todo:
+        f = todo.pop()
+        if f in seen_files:
+            continue
+        seen_files.add(f)
+        for mod in _imported(f):
+            found.setdefault(mod, os.path.relpath(f, ROOT))
+            if mod.split(".")[0] in ("ds4lab", "ds4lab_kernels"):
+                p = _module_file(mod)
+                if p:
+                    todo.append(p)
+    return found
+
+
+def test_serve_never_imports_the_kernels():
+    """A server process gets kernels only through the vLLM plugin: ds4lab.serve (and everything of
+    ds4lab it imports, however lazily) never reaches ds4lab_kernels."""
+    bad = {m: f for m, f in _reach("ds4lab.serve").items() if m.split(".")[0] == "ds4lab_kernels"}
+    assert not bad, f"ds4lab.serve reaches the kernels: {bad}"
+
+
+def test_plugin_never_imports_serve():
+    """ds4lab/vllm_plugin/ is code that runs inside vLLM: it never imports the launcher side."""
+    bad = {m: f for m, f in _reach("ds4lab.vllm_plugin").items()
+           if m == "ds4lab.serve" or m.startswith("ds4lab.serve.")}
+    assert not bad, f"the vLLM plugin imports ds4lab.serve: {bad}"
+
+
+def test_serve_measure_and_server_import_one_way():
+    """serve.server never imports serve.measure (measure drives a server, not the reverse)."""
+    assert not {m for m in _imported(os.path.join(ROOT, "ds4lab", "serve", "server.py"))
+                if m.startswith("ds4lab.serve.measure")}

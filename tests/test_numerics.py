@@ -75,3 +75,18 @@ def test_exact_treats_any_nan_as_nan():
     assert nm.compare_exact(a, b.view(torch.float8_e4m3fn)).ok
     b[1] = 0x39
     assert not nm.compare_exact(a, b.view(torch.float8_e4m3fn)).ok
+
+
+def test_fp8_mma_emulated_truncates_each_k_step_to_acc_bits():
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(3, 16, 128, generator=g) * 4).to(torch.float8_e4m3fn).double()
+    b = (torch.randn(3, 40, 128, generator=g) * 4).to(torch.float8_e4m3fn).double()
+    exact = a @ b.mT
+    assert torch.equal(nm.fp8_mma_emulated(a, b, acc_bits=52), exact)  # products and sums exact in fp64
+    emu = nm.fp8_mma_emulated(a, b, acc_bits=13)
+    m, _ = torch.frexp(emu)
+    assert torch.equal(m * 2.0 ** 14, torch.trunc(m * 2.0 ** 14))  # 14 significant bits
+    one = nm.fp8_mma_emulated(a[..., :32], b[..., :32], acc_bits=13)  # one step: truncation toward zero
+    assert (one.abs() <= (a[..., :32] @ b[..., :32].mT).abs()).all()
+    rel = ((emu - exact).norm() / exact.norm()).item()
+    assert 2.0 ** -16 < rel < 2.0 ** -11, rel  # ~2^-13 relative: the hardware's accumulation error

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ds4lab.planner import memory as M
-from ds4lab.serve.profiles import load_profiles
+from ds4lab.config.profiles import load_profiles
 from ds4lab.config.stacks import stack
 
 ADA = ("rtx4090", "rtx4090-48g", "rtx6000ada", "l40s")

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ds4lab.serve import artifacts, measure, profiles, startup
-from ds4lab.serve.profiles import Launch, SnapshotError, build_launch, resolve_hf_snapshot
+from ds4lab.config import profiles
+from ds4lab.serve import artifacts, logs, measure, startup
+from ds4lab.serve.launch import Launch, build_launch, free_port, option_value
 from ds4lab.serve.server import Server, ServerError
-from ds4lab.vllm_plugin.server import free_port
+from ds4lab.serve.snapshot import SnapshotError, resolve_hf_snapshot
 
 ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root")}
 
@@ -38,11 +39,11 @@ def test_tiny_launch_argv_and_env():
     L = build_launch("tiny-cpu", base_env=ENV, port=1234)
     a = L.argv
     assert a[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert profiles.option_value(a, "--port") == "1234"
-    assert Path(profiles.option_value(a, "--model"), "config.json").is_file()
-    assert json.loads(profiles.option_value(a, "--speculative-config")) == {
+    assert option_value(a, "--port") == "1234"
+    assert Path(option_value(a, "--model"), "config.json").is_file()
+    assert json.loads(option_value(a, "--speculative-config")) == {
         "method": "mtp", "num_speculative_tokens": 1}
-    assert profiles.option_value(a, "--max-num-batched-tokens") == "4096"
+    assert option_value(a, "--max-num-batched-tokens") == "4096"
     assert L.env["VLLM_PLUGINS"] == "ds4lab" and L.env["HF_HUB_OFFLINE"] == "1"
     off = build_launch("tiny-cpu", {"num_speculative_tokens": 0}, base_env=ENV, port=1)
     assert "--speculative-config" not in off.argv
@@ -54,11 +55,11 @@ def test_community_recipe_corner_and_scrub():
     env = dict(ENV, VLLM_TRITON_MLA_SPARSE_BLOCK_N="64", VLLM_TRITON_MLA_SPARSE_TOPK="1024")
     L = build_launch("community-sm89-fork", base_env=env, port=8000, resolve_model=False)
     a = L.argv
-    assert profiles.option_value(a, "--max-num-seqs") == "1"
-    assert profiles.option_value(a, "--max-model-len") == "98304"
-    assert profiles.option_value(a, "--gpu-memory-utilization") == "0.95"
-    assert profiles.option_value(a, "--kv-cache-dtype") == "fp8_ds_mla"
-    assert profiles.option_value(a, "--block-size") == "256"
+    assert option_value(a, "--max-num-seqs") == "1"
+    assert option_value(a, "--max-model-len") == "98304"
+    assert option_value(a, "--gpu-memory-utilization") == "0.95"
+    assert option_value(a, "--kv-cache-dtype") == "fp8_ds_mla"
+    assert option_value(a, "--block-size") == "256"
     assert a.count("--speculative-config") == 1 and a.count("--tokenizer-mode") == 1
     assert L.env["VLLM_TRITON_MLA_SPARSE"] == "1"
     assert not [k for k in L.env if k.startswith("VLLM_TRITON_MLA_SPARSE_")]
@@ -66,7 +67,7 @@ def test_community_recipe_corner_and_scrub():
     assert any("scrubbed" in n for n in L.notes)
     watched = build_launch("community-sm89-fork", {"gpu_memory_utilization": 0.97}, base_env=ENV,
                            port=8000, resolve_model=False)
-    assert profiles.option_value(watched.argv, "--gpu-memory-utilization") == "0.97"
+    assert option_value(watched.argv, "--gpu-memory-utilization") == "0.97"
     with pytest.raises(ValueError, match="--attention-backend"):
         build_launch("ada-upstream", {"extra_args": ["--attention-backend", "FLASHMLA"]}, base_env=ENV,
                      port=8000, resolve_model=False)
@@ -103,8 +104,8 @@ def test_snapshot_resolution_distrusts_dangling_refs_main(tmp_path):
     # build_launch uses it when offline
     L = build_launch("ada-upstream", base_env=dict(ENV, HF_HUB_OFFLINE="1"), port=8000,
                      hf_cache=tmp_path, overrides={"model": "org/stale"})
-    assert profiles.option_value(L.argv, "--model").endswith("snapshots/old2")
-    assert profiles.option_value(L.argv, "--served-model-name") == "deepseek-v4-flash"
+    assert option_value(L.argv, "--model").endswith("snapshots/old2")
+    assert option_value(L.argv, "--served-model-name") == "deepseek-v4-flash"
 
 
 # ---- start-up log -----------------------------------------------------------------------------
@@ -198,7 +199,8 @@ def test_prompts_deterministic_and_table():
 def test_artifacts_for_each_profile(name, tmp_path):
     L = build_launch(name, base_env=ENV, port=8000, resolve_model=False)
     files = artifacts.write_artifacts(L, tmp_path, port=8000)
-    assert set(files) == {"serve.sh", "warmup.sh", "canary.sh", f"ds4lab-serve-{name}.service"}
+    assert set(files) == {"serve.sh", "warmup.sh", "canary.sh", "api-key", f"ds4lab-serve-{name}.service"}
+    assert oct(files["api-key"].stat().st_mode & 0o777) == "0o600"
     for n, p in files.items():
         if n.endswith(".sh"):
             assert os.access(p, os.X_OK)
@@ -313,7 +315,8 @@ def _fake_launch(script: str, *args: str) -> Launch:
 def test_chatty_server_does_not_block(tmp_path):
     import psutil
 
-    srv = Server(_fake_launch(FAKE, "16"), log_path=tmp_path / "log", on_progress=None)
+    # log_cap: this server writes ~64 MB/s; the cap (test_log_cap_keeps_head_and_tail) is not the point here
+    srv = Server(_fake_launch(FAKE, "16"), log_path=tmp_path / "log", on_progress=None, log_cap=1 << 30)
     t = time.time()
     with srv:
         assert time.time() - t < 120  # ~2 s on an idle box
@@ -467,7 +470,7 @@ def test_print_is_pasteable_bash(tmp_path):
 def test_log_paths_are_unique_per_run(tmp_path):
     """Two runs of the same profile never share a log file (a fixed name let a concurrent run
     truncate the file and the start-up parser read the other server's lines)."""
-    a, b = (measure.new_log_path("tiny-cpu", "mtp1", tmp_path) for _ in range(2))
+    a, b = (logs.new_log_path("tiny-cpu", "mtp1", tmp_path) for _ in range(2))
     assert a != b and os.path.isfile(a) and os.path.getsize(a) == 0
     assert os.path.basename(a).startswith("ds4lab-serve-tiny-cpu-mtp1-") and a.endswith(".log")
     L = _fake_launch(DIES)
@@ -490,3 +493,251 @@ def test_compare_checks_arguments_before_starting(kw, msg, tmp_path):
     with pytest.raises(ValueError, match=msg):
         measure.compare("tiny-cpu", log_dir=tmp_path, **kw)
     assert not list(tmp_path.iterdir())   # nothing started, nothing logged
+
+
+# ---- log cap, log clean-up, heartbeat (fake servers) -------------------------------------------
+LOOPY = r'''
+import http.server, os, sys, threading, time
+port, delay = int(sys.argv[1]), float(sys.argv[2])
+print("FIRST LINE of the start-up", flush=True)
+def loop():                      # a looping server: ~20 MB/s of numbered lines
+    i = 0
+    while True:
+        os.write(1, b"".join(b"line %09d %s\n" % (i + k, b"y" * 100) for k in range(2000)))
+        i += 2000
+        time.sleep(0.01)
+if delay < 0:
+    threading.Thread(target=loop, daemon=True).start()
+time.sleep(abs(delay))
+print("(EngineCore pid=1) INFO x [kv_cache_utils.py:2327] CPU KV cache size: 2,048 tokens, "
+      "Maximum concurrency for 512 tokens per request: 4.00x", flush=True)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_log_cap_keeps_head_and_tail(tmp_path):
+    """A looping server (~20 MB/s) cannot grow its log past the cap: the watchdog keeps the head
+    (how it started) and the tail (what it does now) around one marker line."""
+    from ds4lab.serve.logs import MARKER
+
+    cap = 2 << 20
+    log = tmp_path / "log"
+    with Server(_fake_launch(LOOPY, "-0.5"), log_path=log, log_cap=cap, on_progress=None) as srv:
+        time.sleep(3.0)              # ~60 MB written
+        size = log.stat().st_size
+        data = log.read_bytes()
+        assert srv.ready_s is not None   # (lines cut from the middle before the parser read them are gone)
+    assert size < cap + (8 << 20), size    # at most one 0.2 s watchdog interval over the cap
+    assert data.startswith(b"FIRST LINE of the start-up\n")
+    assert MARKER in data and b"bytes of the middle dropped" in data
+    last = [ln for ln in data.splitlines() if ln.startswith(b"line ")][-1]
+    assert int(last.split()[1]) > 100_000   # the tail is recent: well past the first 100k lines
+    with pytest.raises(ValueError, match="log_cap=10"):
+        Server(_fake_launch(LOOPY, "0"), log_path=log, log_cap=10)
+
+
+def test_cap_log_unit(tmp_path):
+    from ds4lab.serve.logs import MARKER, cap_log
+
+    p = tmp_path / "l"
+    p.write_bytes(b"".join(b"%06d\n" % i for i in range(10_000)))   # 70,000 B
+    assert cap_log(p, 1 << 20) == 0
+    dropped = cap_log(p, 8192)
+    data = p.read_bytes()
+    assert dropped > 0 and len(data) <= 8192 + 200
+    assert data.startswith(b"000000\n") and data.endswith(b"009999\n") and data.count(MARKER) == 1
+    with p.open("ab") as f:
+        f.write(b"".join(b"x%05d\n" % i for i in range(5000)))
+    cap_log(p, 8192)
+    data = p.read_bytes()
+    assert data.startswith(b"000000\n") and data.endswith(b"x04999\n") and data.count(MARKER) == 1
+
+
+def test_launcher_log_removed_when_the_run_ends_well_kept_when_it_fails(tmp_path, capsys):
+    """/tmp log files the launcher created: gone after a good run, kept (path printed) after a failure."""
+    srv = Server(_fake_launch(LOOPY, "0"), on_progress=None)
+    assert srv.own_log and srv.log_path.is_file()
+    with srv:
+        assert srv.log_path.is_file()
+    assert not srv.log_path.exists()
+    bad = Server(_fake_launch(DIES), on_progress=None)
+    with pytest.raises(ServerError, match=str(bad.log_path)):
+        bad.start()
+    try:
+        assert bad.log_path.is_file() and "boom" in bad.log_path.read_text()
+    finally:
+        bad.log_path.unlink()
+    mine = Server(_fake_launch(LOOPY, "0"), log_path=tmp_path / "mine.log", on_progress=None)
+    with mine:
+        pass
+    assert (tmp_path / "mine.log").is_file()   # a path the caller chose is the caller's
+
+
+def test_heartbeat_while_the_log_is_silent(tmp_path):
+    """Nothing in the log for 2.5 s: heartbeats say the elapsed time, the stage and the last line."""
+    events = []
+    with Server(_fake_launch(LOOPY, "2.5"), log_path=tmp_path / "log", heartbeat_s=0.5,
+                on_progress=events.append) as srv:
+        pass
+    beats = [e for e in events if e.stage == "heartbeat"]
+    assert len(beats) >= 3, [(e.t, e.stage) for e in events]
+    assert all("stage launch" in b.message and " s, " in b.message for b in beats)
+    assert any("FIRST LINE of the start-up" in b.message for b in beats)
+    assert events[0].stage == "launch" and events[-1].stage == "ready"
+    assert beats[-1].t >= 1.5 and srv.ready_s >= 2.5
+
+
+def test_start_is_torn_down_on_keyboard_interrupt(tmp_path, capsys):
+    """A KeyboardInterrupt (or cancellation) at any point of the start: the group is gone before it
+    propagates and the message says so (the real-server, real-kernel version: test_serve_interrupt)."""
+    import asyncio
+
+    import psutil
+
+    srv = Server(_fake_launch(LOOPY, "30"), log_path=tmp_path / "log", on_progress=None)
+    orig = srv._check_ready
+    calls = []
+
+    def interrupted(*a):
+        calls.append(srv.pids())
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return orig(*a)
+    srv._check_ready = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        srv.start()
+    assert calls[-1] and not [p for p in calls[-1] if psutil.pid_exists(p)
+                              and psutil.Process(p).status() != "zombie"]
+    assert "interrupted; server stopped" in capsys.readouterr().out
+
+    async def cancel_during_start():
+        s = Server(_fake_launch(LOOPY, "30"), log_path=tmp_path / "log2", on_progress=None)
+        t = asyncio.ensure_future(s.astart())
+        await asyncio.sleep(1.5)
+        pids = s.pids()
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        return pids
+    pids = asyncio.run(cancel_during_start())
+    assert pids and not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert "interrupted; server stopped" in capsys.readouterr().out
+
+
+# ---- fit_to_machine, --print port, waterfall rows ----------------------------------------------
+def test_fit_to_machine_says_the_switch(capsys):
+    from ds4lab.serve import fit_to_machine
+
+    got = fit_to_machine("community-sm89-fork", gpu=False, max_tokens=256, n_prompts=16, concurrency=1)
+    assert got == {"profile": "tiny-cpu", "max_tokens": 64, "n_prompts": 8, "concurrency": 1}
+    out = capsys.readouterr().out
+    assert "'community-sm89-fork' -> 'tiny-cpu'" in out and "no CUDA GPU" in out
+    assert "max_tokens 256 -> 64" in out and "n_prompts 16 -> 8" in out and "concurrency" not in out.split("capped")[1]
+    assert fit_to_machine("community-sm89-fork", gpu=True, max_tokens=256)["profile"] == "community-sm89-fork"
+    assert capsys.readouterr().out == ""
+
+
+def test_print_and_run_agree_on_the_port(capsys):
+    """No --port: --print shows the port the run would listen on (the profile's, else 8000)."""
+    from ds4lab.cli import main
+    from ds4lab.serve import cli
+
+    assert main(["serve", "--print", "--profile", "tiny-cpu"]) == 0
+    assert "--port 8000" in capsys.readouterr().out
+    import argparse
+    ns = argparse.Namespace(port=None, profile="tiny-cpu")
+    assert cli._port(ns, {}) == 8000 and cli._port(ns, {"port": 9001}) == 9001
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--port {busy}: 127.0.0.1:{busy} is not free"):
+            cli._check_port_free(build_launch("tiny-cpu", base_env=ENV, port=busy, resolve_model=False))
+
+
+def test_stage_rows_are_a_waterfall():
+    i = startup.StartupInfo(stages_s={"weights": 9.0, "kv_cache": 20.0, "api": 25.5, "ready": 31.0})
+    rows = startup.stage_rows(i)
+    assert [r["stage"] for r in rows] == ["launch", "weights", "kv_cache", "api", "ready"]
+    assert all(a["end_s"] == b["start_s"] for a, b in zip(rows, rows[1:]))
+    assert rows[1]["seconds"] == 11.0 and rows[-1]["seconds"] == 0
+    from ds4lab.views.serve import startup_figure
+    bar = startup_figure(i).data[0]
+    assert list(bar.base) == [0.0, 9.0, 20.0, 25.5] and list(bar.x) == [9.0, 11.0, 5.5, 5.5]
+
+
+# ---- API key beyond loopback -------------------------------------------------------------------
+def test_api_key_required_beyond_loopback(tmp_path):
+    from ds4lab.serve import apikey
+
+    with pytest.raises(ValueError, match="host='0.0.0.0' is not a loopback address.*api_key_file"):
+        build_launch("tiny-cpu", {"host": "0.0.0.0"}, base_env=ENV, port=8000, resolve_model=False)
+    assert apikey.is_loopback("127.0.0.1") and apikey.is_loopback("::1") and apikey.is_loopback("localhost")
+    assert not apikey.is_loopback("0.0.0.0") and not apikey.is_loopback("10.0.0.5")
+    key = tmp_path / "api-key"
+    assert apikey.write_api_key(key) and not apikey.write_api_key(key)   # an existing key is kept
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    secret = key.read_text().strip()
+    L = build_launch("tiny-cpu", {"host": "0.0.0.0", "api_key_file": str(key)}, base_env=ENV, port=8000,
+                     resolve_model=False)
+    assert L.url == "http://127.0.0.1:8000"
+    srv = Server(L, log_path=tmp_path / "log", on_progress=None)
+    assert srv.api_key == secret and srv.headers == {"Authorization": f"Bearer {secret}"}
+    assert srv._child_env()["VLLM_API_KEY"] == secret
+    assert secret not in " ".join(L.argv) and secret not in L.describe() and "VLLM_API_KEY" not in L.env
+    assert f'VLLM_API_KEY="$(cat {key})"' in L.describe()
+    key.chmod(0o644)
+    with pytest.raises(ValueError, match="mode 0644 lets others read the key"):
+        Server(L, log_path=tmp_path / "log")
+
+
+def test_serve_sh_needs_the_key_beyond_loopback_and_scripts_send_it(tmp_path):
+    L = build_launch("tiny-cpu", base_env=ENV, port=8000, resolve_model=False)
+    files = artifacts.write_artifacts(L, tmp_path, port=8000)
+    secret = files["api-key"].read_text().strip()
+    for n in ("serve.sh", "warmup.sh", "canary.sh"):
+        assert secret not in files[n].read_text()
+    stub = tmp_path / "py"
+    stub.write_text("#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > \"$OUT_ARGS\"\nenv > \"$OUT_ENV\"\n")
+    stub.chmod(0o755)
+    env = dict(ENV, PYTHON=str(stub), OUT_ARGS=str(tmp_path / "a"), OUT_ENV=str(tmp_path / "e"), MODEL=str(tmp_path))
+    r = subprocess.run(["bash", str(files["serve.sh"])], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "VLLM_API_KEY" not in (tmp_path / "e").read_text()   # loopback: no key
+    r = subprocess.run(["bash", str(files["serve.sh"])], env=dict(env, HOST="0.0.0.0"), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"VLLM_API_KEY={secret}" in (tmp_path / "e").read_text() and secret not in (tmp_path / "a").read_text()
+    files["api-key"].chmod(0o644)
+    r = subprocess.run(["bash", str(files["serve.sh"])], env=dict(env, HOST="0.0.0.0"), capture_output=True, text=True)
+    assert r.returncode == 1 and "readable by others" in r.stderr
+    files["api-key"].unlink()
+    r = subprocess.run(["bash", str(files["serve.sh"])], env=dict(env, HOST="0.0.0.0"), capture_output=True, text=True)
+    assert r.returncode == 1 and "an API key is required" in r.stderr
+
+
+def test_inprocess_routes_vllm_records_before_vllm_configures_logging(tmp_path, capsys):
+    """vLLM 0.32 logs at import ("Triton is installed, but doesn't include CPU backend") and in
+    run_server ("Found ulimit ... Too many open files") before it configures its logger; those records
+    went to logging.lastResort, i.e. the notebook cell's stderr. In-process they go to the log file."""
+    import logging
+
+    from ds4lab.serve.server import InProcessServer
+
+    srv = InProcessServer(_fake_launch(DIES), log_path=tmp_path / "log", on_progress=None)
+    lg = logging.getLogger("vllm")
+    before = list(lg.handlers)
+    if before:
+        pytest.skip("vLLM's logger is already configured in this process")
+    with open(tmp_path / "log", "ab", buffering=0) as log:
+        srv._redirect_vllm_logging(log)
+        logging.getLogger("vllm.triton_utils.importing").warning("Triton is installed, but doesn't include CPU backend.")
+        while srv._restore:
+            srv._restore.pop()()
+    assert "doesn't include CPU backend" in (tmp_path / "log").read_text()
+    assert "CPU backend" not in capsys.readouterr().err
+    assert lg.handlers == before

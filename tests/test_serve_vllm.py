@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import textwrap
 import time
 
@@ -22,6 +23,7 @@ import psutil
 import pytest
 
 from ds4lab.serve import Server, StartupInfo, artifacts, build_launch, measure
+from ds4lab.serve.apikey import write_api_key
 
 pytestmark = pytest.mark.vllm
 
@@ -44,13 +46,13 @@ def _vllm_procs_on(port: int | None = None, pids=()) -> list[psutil.Process]:
 LAUNCHER = textwrap.dedent(r'''
     import asyncio, json, sys
     from ds4lab.serve import Server, build_launch
-    mode, logp, nspec = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    mode, logp, nspec, over = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     events = []
-    srv = Server(build_launch("tiny-cpu", {"num_speculative_tokens": nspec}), mode=mode, log_path=logp,
+    srv = Server(build_launch("tiny-cpu", {"num_speculative_tokens": nspec, **over}), mode=mode, log_path=logp,
                  on_progress=events.append)
     async def main():
         await srv.astart()
-        print("READY " + json.dumps({"url": srv.url, "model": srv.model, "port": srv.launch.port,
+        print("READY " + json.dumps({"url": srv.url, "model": srv.model, "port": srv.launch.port, "key": srv.api_key,
                                      "pids": srv.pids(), "startup": srv.startup.as_dict(),
                                      "stages": [e.stage for e in events]}), flush=True)
         while True:
@@ -62,8 +64,10 @@ LAUNCHER = textwrap.dedent(r'''
 class _Launcher:
     """A process standing in for a notebook kernel: it starts a Server and then just lives."""
 
-    def __init__(self, mode: str, log, nspec: int = 1):
-        self.p = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, str(log), str(nspec)],
+    def __init__(self, mode: str, log, nspec: int = 1, overrides: dict | None = None):
+        self.log = log
+        self.p = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, str(log), str(nspec),
+                                   json.dumps(overrides or {})],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines = []
         deadline = time.time() + 600
@@ -100,7 +104,11 @@ class _Launcher:
 def mtp_server(tmp_path_factory):
     """The shared MTP server, started (subprocess mode) by a launcher process; the teardown is the
     subprocess-mode kill test: SIGKILL the launcher, check no API server/EngineCore/worker remains."""
-    srv = _Launcher("subprocess", tmp_path_factory.mktemp("serve") / "mtp.log")
+    d = tmp_path_factory.mktemp("serve")
+    # listening on every interface, so behind the API key (issue 23 item 6): the key tests cost no extra start
+    write_api_key(d / "api-key")
+    srv = _Launcher("subprocess", d / "mtp.log", overrides={"host": "0.0.0.0", "api_key_file": str(d / "api-key")})
+    srv.key_file = d / "api-key"
     try:
         yield srv
     finally:
@@ -120,19 +128,20 @@ def test_startup_numbers_and_progress(mtp_server):
 
 def test_warmup_canary_benchmark_acceptance(mtp_server):
     s = mtp_server
-    rows = measure.warmup(s.url, s.model, (16, 256), (1, 2), 4, 4096)
+    rows = measure.warmup(s.url, s.model, (16, 256), (1, 2), 4, 4096, api_key=s.key)
     assert [(r["concurrency"], r["prompt_tokens"]) for r in rows] == [(1, 16), (1, 256), (2, 16), (2, 256)]
     assert all(r["output_tokens"] == 4 * r["concurrency"] for r in rows)
-    c = measure.canary(s.url, s.model)
+    c = measure.canary(s.url, s.model, api_key=s.key)
     assert c.ok and c.status == 200 and c.text
-    b = measure.benchmark(s.url, s.model, measure.make_prompts(3), max_tokens=24, num_speculative_tokens=1)
+    b = measure.benchmark(s.url, s.model, measure.make_prompts(3), max_tokens=24, num_speculative_tokens=1,
+                          api_key=s.key)
     assert b.output_tokens == 72 and b.tokens_per_s > 0 and b.ttft_mean_s > 0 and b.tpot_mean_s > 0
     # agreeing heads: (nearly) every draft is accepted; per-position counters present
     assert b.spec and b.spec.drafts > 0 and b.spec.draft_tokens == b.spec.drafts
     assert b.spec.acceptance_rate > 0.9 and 1.9 < b.spec.mean_acceptance_length <= 2.0
     assert len(b.spec.per_position) == 1 and b.spec.per_position[0] > 0.9
     # same prompts + seed, greedy: the same text again
-    b2 = measure.benchmark(s.url, s.model, measure.make_prompts(3), max_tokens=24)
+    b2 = measure.benchmark(s.url, s.model, measure.make_prompts(3), max_tokens=24, api_key=s.key)
     assert [r.text for r in b2.requests] == [r.text for r in b.requests]
 
 
@@ -140,7 +149,9 @@ def test_generated_warmup_and_canary_scripts_work(mtp_server, tmp_path):
     s = mtp_server
     L = build_launch("tiny-cpu", {"warmup_prompt_lens": [8, 64], "warmup_concurrency": [1, 2]},
                      port=s.port)
+    shutil.copy2(s.key_file, tmp_path / "api-key")   # the server's key: the scripts must send it
     files = artifacts.write_artifacts(L, tmp_path, port=s.port)
+    assert files["api-key"].read_text().strip() == s.key
     env = dict(os.environ, HOST="127.0.0.1", PORT=str(s.port))
     for name in ("warmup.sh", "canary.sh"):
         r = subprocess.run(["bash", str(files[name])], env=env, capture_output=True, text=True, timeout=300)
@@ -149,6 +160,35 @@ def test_generated_warmup_and_canary_scripts_work(mtp_server, tmp_path):
     bad = subprocess.run(["bash", str(files["canary.sh"])], env=dict(env, PORT="1"),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0
+
+
+def test_api_key_beyond_loopback(mtp_server, tmp_path):
+    """The shared server listens on 0.0.0.0 with the key of a 0600 file: /v1 answers 401 without the
+    key and 200 with it; /health and /metrics are open (vLLM guards /v1, /v2, /inference, /cohere only);
+    the key is in neither the server's argv nor its log."""
+    import httpx
+
+    s = mtp_server
+    assert s.key and len(s.key) > 30
+    assert httpx.get(s.url + "/v1/models", timeout=30).status_code == 401
+    assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+    ok = httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {s.key}"}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == s.model
+    assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+    assert httpx.get(s.url + "/metrics", timeout=30).status_code == 200
+    assert measure.canary(s.url, s.model).status == 401
+    for pid in s.pids:
+        try:
+            assert s.key not in " ".join(psutil.Process(pid).cmdline())
+        except psutil.NoSuchProcess:
+            pass
+    assert s.key not in open(s.log, errors="replace").read()
+    # the generated canary without the key file fails on 401
+    L = build_launch("tiny-cpu", port=s.port)
+    files = artifacts.write_artifacts(L, tmp_path, port=s.port)   # a new, different key
+    r = subprocess.run(["bash", str(files["canary.sh"])], env=dict(os.environ, HOST="127.0.0.1", PORT=str(s.port)),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "401" in r.stderr + r.stdout
 
 
 def test_inprocess_on_running_loop(tmp_path):

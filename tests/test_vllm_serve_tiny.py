@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from ds4lab.checkpoint import tiny
-from ds4lab.vllm_plugin.server import VllmServer, tiny_server_args
+from ds4lab.serve import Server, build_launch, cpu_env
 
 pytestmark = pytest.mark.vllm
 
@@ -31,16 +31,19 @@ class _Pool:
     def __init__(self, tmp):
         self.tmp = tmp
         self.key = None
-        self.server: VllmServer | None = None
+        self.server: Server | None = None
         self.stats: dict = {}
         self.greedy: dict = {}
 
-    def get(self, ckpt, n_spec: int) -> VllmServer:
+    def get(self, ckpt, n_spec: int) -> Server:
         key = (str(ckpt), n_spec)
         if key != self.key:
             self.close()
-            s = VllmServer(tiny_server_args(ckpt, num_speculative_tokens=n_spec),
-                           log_path=self.tmp / f"vllm-{os.path.basename(ckpt)}-mtp{n_spec}.log")
+            # the tiny-cpu profile's argv (its one home: ds4lab/config/profiles.toml) on this checkpoint
+            launch = build_launch("tiny-cpu", {"model": os.fspath(ckpt), "num_speculative_tokens": n_spec},
+                                  base_env=cpu_env())
+            s = Server(launch, log_path=self.tmp / f"vllm-{os.path.basename(ckpt)}-mtp{n_spec}.log",
+                       startup_timeout=240.0, on_progress=None)
             s.start()
             self.server, self.key = s, key
             self.stats[key] = {"ready_s": s.ready_s, "rss_bytes": s.tree_rss()}

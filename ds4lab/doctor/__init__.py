@@ -37,4 +37,4 @@ __all__ = [
 
 # Opt-in shared memory per block (SPEC.md §4). Triton does not flag an over-limit kernel at
 # compile time, only at first launch, so the compile check compares metadata.shared itself.
-SMEM_LIMIT = {89: 101_376, 90: 232_448}
+from ds4lab_kernels._arch import SMEM_LIMIT_BY_CC as SMEM_LIMIT  # noqa: E402  (torch-free; keyed 89, 90, 120)

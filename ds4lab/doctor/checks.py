@@ -596,7 +596,7 @@ def check_triton_compile(ctx: DoctorContext) -> CheckResult:
     if not c.get("ok"):
         return CheckResult(name, "fail", f"sm_{arch} compile failed: {c.get('error')}",
                            "reinstall the profile's triton; unset TRITON_PTXAS_PATH unless it points at a ptxas >= 12.4 (PTX 8.4)")
-    from ds4lab.doctor import SMEM_LIMIT  # package-level until it gets its one home
+    from ds4lab.doctor import SMEM_LIMIT  # ds4lab_kernels._arch.SMEM_LIMIT keyed by capability
     limit = SMEM_LIMIT.get(arch)
     ev = (f"triton {c['triton']} compiled an fp8 dot for sm_{arch} in {c['seconds']} s: shared {c['shared']} B"
           + (f" of {limit}" if limit else "") + f", cubin {c['cubin_bytes']} B, fp8 mma {'yes' if c['fp8_mma'] else 'no'}")

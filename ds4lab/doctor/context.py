@@ -147,7 +147,7 @@ def default_profile(facts: dict) -> str:
 
 
 def _serve_profiles() -> dict[str, dict]:
-    from ds4lab.serve.profiles import load_profiles
+    from ds4lab.config.profiles import load_profiles
 
     return load_profiles()
 

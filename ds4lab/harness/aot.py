@@ -1,15 +1,23 @@
-"""sm_89 / sm_90 compile report: every registered (kernel, config), compiled ahead of time on a
-machine with no GPU, with the resources and matrix instructions ptxas produced.
+"""sm_89 / sm_90 / sm_120 compile report: every registered (kernel, config), compiled ahead of time
+on a machine with no GPU, with the resources and matrix instructions ptxas produced.
 
 How: the real launcher is called on CPU tensors while ``JITFunction.run`` is replaced by a
 compile-only hook. The hook uses Triton's own binder for a ``GPUTarget("cuda", cc, 32)`` backend,
 so the signature, constexprs and divisibility hints (``tt.divisibility`` from pointer alignment and
 integer values) are exactly what the JIT would use on that GPU with those arguments. Each compiled
 kernel's cubin is inspected with the wheel's ``cuobjdump`` (registers, local memory, SASS) and its
-PTX re-assembled with ``ptxas -v`` for spill bytes.
+PTX re-assembled with ``ptxas -v`` (the ptxas Triton itself uses for that target: the wheel's
+``ptxas-blackwell`` from sm_100 on) for spill bytes.
 
-A row fails when shared memory exceeds the architecture's per-block opt-in limit
-(101,376 B on sm_89, 232,448 B on sm_90; Triton only notices at first launch) or when ptxas spills.
+A row fails when shared memory exceeds the target's per-block opt-in limit
+(``ds4lab_kernels._arch.SMEM_LIMIT``: 101,376 B on sm_89 and sm_120, 232,448 B on sm_90; Triton only
+notices at first launch) or when ptxas spills.
+
+Each target compiles the config table its devices read (``_arch.table_for``): sm_120 (RTX 5090,
+RTX PRO 6000 Blackwell: Ada's 99 KiB per block, FP8 mma.sync) reads the sm_89 table, so its rows
+are the sm_89 table's GPU defaults built for compute capability 12.0 (``--all-configs``: every row).
+A target the wheel's ptxas does not know gives one ``not compiled`` row per kernel (ok, with the
+reason) instead of failing.
 
 Must run WITHOUT ``TRITON_INTERPRET`` (``@triton.jit`` must build JITFunctions): the CLI and the
 tests run it in a subprocess with that variable removed.
@@ -17,6 +25,7 @@ tests run it in a subprocess with that variable removed.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -26,12 +35,24 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 
 from ds4lab.tables import format_table
+from ds4lab_kernels._arch import SMEM_LIMIT, table_for
 
-__all__ = ["SMEM_LIMIT", "AotRow", "capture_compiles", "compile_spec", "report", "main", "add_arguments",
-           "ptx_for_other_arch"]
+__all__ = ["SMEM_LIMIT", "ARCH_CC", "DEFAULT_ARCHS", "DEFAULTS_ONLY", "labels_for", "AotRow", "capture_compiles",
+           "compile_spec", "report", "report_table", "summary", "table_of", "ptxas_unsupported", "main",
+           "add_arguments", "ptx_for_other_arch"]
 
-SMEM_LIMIT = {"sm_89": 101_376, "sm_90": 232_448}
-ARCH_CC = {"sm_89": 89, "sm_90": 90}
+ARCH_CC = {"sm_89": 89, "sm_90": 90, "sm_120": 120}
+DEFAULT_ARCHS = ("sm_89", "sm_90", "sm_120")
+# targets that build only their table's GPU defaults (a family's ``GPU_DEFAULTS``, the rows its
+# pick_config can return on a GPU) unless ``all_configs``: sm_120 reads the sm_89 table, whose every row
+# sm_89 already builds; all of it at sm_120 was 142 functions (+49% on the report's 288, all fitting,
+# max 98,304 B, no spills), its defaults are 81
+DEFAULTS_ONLY = ("sm_120",)
+
+
+def table_of(arch: str) -> str:
+    """The config table (``"sm_89"`` / ``"sm_90"``) a device of compile target ``arch`` reads."""
+    return table_for(ARCH_CC[arch], SMEM_LIMIT[arch])
 MMA_OPS = ("QMMA", "HMMA", "HGMMA", "QGMMA", "IMMA", "DMMA")
 
 
@@ -63,6 +84,28 @@ def _tool(name: str) -> str:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{name} not found in the triton wheel at {path}")
     return path
+
+
+def _ptxas(arch: str) -> str:
+    """The ptxas Triton assembles ``arch`` with (``ptxas-blackwell`` for sm_100+ in triton 3.6)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(ARCH_CC[arch]).path
+    except (ImportError, AttributeError):
+        return _tool("ptxas")
+
+
+def ptxas_unsupported(arch: str) -> str:
+    """Empty when the wheel's ptxas for ``arch`` lists it as a ``--gpu-name``, else the reason."""
+    try:
+        tool = _ptxas(arch)
+        p = subprocess.run([tool, "--help"], capture_output=True, text=True)
+        ver = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    except (OSError, FileNotFoundError) as e:
+        return f"no ptxas for {arch}: {e}"
+    if re.search(rf"\b{arch}a?\b", p.stdout + p.stderr):
+        return ""
+    return f"not compiled: the triton wheel's ptxas ({ver[-1] if ver else tool}) does not know {arch}"
 
 
 @contextlib.contextmanager
@@ -121,7 +164,7 @@ def _inspect(compiled, arch: str) -> dict:
         # wgmma/setmaxnreg the PTX uses, and a failed ptxas run reports no spills at all)
         tgt = re.search(r"^\.target\s+(sm_\d+a?)", compiled.asm["ptx"], re.M)
         gpu_name = tgt.group(1) if tgt else arch
-        p = subprocess.run([_tool("ptxas"), "-v", f"--gpu-name={gpu_name}", ptx, "-o", os.path.join(d, "x.cubin")],
+        p = subprocess.run([_ptxas(arch), "-v", f"--gpu-name={gpu_name}", ptx, "-o", os.path.join(d, "x.cubin")],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"ptxas --gpu-name={gpu_name} failed (rc {p.returncode}): {p.stderr[-400:]}")
@@ -138,9 +181,10 @@ def ptx_for_other_arch(ptx: str, arch: str = "sm_90") -> str:
 
 
 def compile_spec(spec, arch: str, label: str, shape: dict | None = None) -> list[AotRow]:
-    """Compile one (kernel, config) for ``arch`` by calling its launcher on CPU tensors."""
+    """Compile one (kernel, config of the table ``arch`` reads) for ``arch`` by calling its launcher
+    on CPU tensors."""
     shape = shape or _aot_shapes(spec)[0]
-    cfg = spec.configs[arch][label]
+    cfg = spec.configs[table_of(arch)][label]
     inputs = spec.make_inputs(shape, spec.cases[0], 0, "cpu")
     rows = []
     try:
@@ -174,10 +218,27 @@ def _aot_shapes(spec) -> list[dict]:
     return list(s) if isinstance(s, (list, tuple)) else [s]
 
 
-def report(names: list[str] | None = None, archs=("sm_89", "sm_90"), progress=None) -> list[AotRow]:
-    """Compile every (kernel, arch, AOT shape, config); ``progress(msg)`` is called once per kernel."""
+def labels_for(spec, arch: str, shape: dict, all_configs: bool = False) -> list[str]:
+    """Config labels compiled for ``spec`` on ``arch`` at ``shape``: the registry's labels of the table
+    ``arch`` reads, limited to the family's ``GPU_DEFAULTS`` on a ``DEFAULTS_ONLY`` target."""
+    table = table_of(arch)
+    labels = spec.config_labels(table, shape)
+    if arch in DEFAULTS_ONLY and not all_configs:
+        try:
+            defaults = importlib.import_module(f"ds4lab_kernels.{spec.family}").GPU_DEFAULTS[table]
+        except (ImportError, AttributeError):  # every row of the family's table is a default
+            return labels
+        labels = [lb for lb in labels if lb in defaults]
+    return labels
+
+
+def report(names: list[str] | None = None, archs=DEFAULT_ARCHS, progress=None,
+           all_configs: bool = False) -> list[AotRow]:
+    """Compile every (kernel, arch, AOT shape, config of :func:`labels_for`);
+    ``progress(msg)`` is called once per kernel."""
     from ds4lab.harness.registry import all_specs
     rows = []
+    skip = {arch: ptxas_unsupported(arch) for arch in archs}
     for spec in all_specs():
         if names and spec.name not in names and spec.family not in names:
             continue
@@ -185,9 +246,29 @@ def report(names: list[str] | None = None, archs=("sm_89", "sm_90"), progress=No
             progress(f"compiling {spec.name} for {', '.join(archs)}")
         for arch in archs:
             for shape in _aot_shapes(spec):
-                for label in spec.config_labels(arch, shape):
+                if skip[arch]:
+                    rows.append(AotRow(spec.name, "-", arch, "-", shape, why=skip[arch]))
+                    continue
+                for label in labels_for(spec, arch, shape, all_configs):
                     rows.extend(compile_spec(spec, arch, label, shape))
     return rows
+
+
+def summary(rows: list[AotRow]) -> str:
+    """One line per arch: rows, failing rows, max shared memory (of that arch's limit), spills."""
+    lines = []
+    for arch in dict.fromkeys(r.arch for r in rows):
+        rs = [r for r in rows if r.arch == arch]
+        built = [r for r in rs if r.triton_fn != "-"]
+        if not built:
+            lines.append(f"{arch}: {rs[0].why}")
+            continue
+        top = max(built, key=lambda r: r.shared)
+        spills = sum(r.spill_stores + r.spill_loads for r in built)
+        lines.append(f"{arch} (table {table_of(arch)}): {len(built)} compiled, {sum(not r.ok for r in rs)} failing; "
+                     f"max smem {top.shared:,} B of {SMEM_LIMIT[arch]:,} ({top.kernel} {top.config}); "
+                     f"spills {spills} B")
+    return "\n".join(lines)
 
 
 def report_table(rows: list[AotRow]) -> str:
@@ -210,8 +291,10 @@ def report_table(rows: list[AotRow]) -> str:
 
 def add_arguments(p) -> None:
     p.add_argument("kernels", nargs="*", help="kernel names or families (default: all registered)")
-    p.add_argument("--arch", action="append", choices=sorted(ARCH_CC), help="default: sm_89 and sm_90")
+    p.add_argument("--arch", action="append", choices=sorted(ARCH_CC), help=f"default: {', '.join(DEFAULT_ARCHS)}")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--all-configs", action="store_true",
+                   help=f"also on {', '.join(DEFAULTS_ONLY)}: every row of its table, not only the GPU defaults")
 
 
 def main(args) -> int:
@@ -226,9 +309,10 @@ def main(args) -> int:
         raise ValueError(f"unknown kernels/families {unknown}; registered: {sorted(known)}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json}: its folder does not exist")
-    rows = report(args.kernels or None, tuple(args.arch or ("sm_89", "sm_90")),
-                  progress=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = report(args.kernels or None, tuple(args.arch or DEFAULT_ARCHS),
+                  progress=lambda m: print(m, file=sys.stderr, flush=True), all_configs=args.all_configs)
     print(report_table(rows))
+    print(summary(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.to_dict() for r in rows], f, indent=1)

@@ -28,7 +28,7 @@ def plan_for_profile(settings: dict, gpu: str | GPU | int, *, cfg: ModelConfig =
     format: ``tiny`` -> bf16, a ``W4A16`` repo -> community, else official), ``flags`` /
     ``extra_args``. ``stack`` is the profile's table of ``ds4lab/config/stacks.toml`` (looked up by
     ``settings["stack"]`` when None); its ``flags`` come before the profile's, as in
-    ``ds4lab.serve.profiles.build_launch``, and the last spelling of a flag wins, as in vLLM's
+    ``ds4lab.serve.launch.build_launch``, and the last spelling of a flag wins, as in vLLM's
     argparse. Flags read: ``--max-num-batched-tokens``, ``--max-model-len``, ``--max-num-seqs``,
     ``--gpu-memory-utilization``, ``--kv-cache-dtype``, ``--enforce-eager``, ``--[no-]async-scheduling``.
     The stack picks the memory model (:func:`ds4lab.planner.stack_models.stack_model`); its ``env``

@@ -1,13 +1,15 @@
 """Kill a server's processes when the process that launched it disappears, even on SIGKILL.
 
 Started by :class:`ds4lab.serve.server.Server` as ``python -m ds4lab.serve._watchdog --parent PID
-[--pgid PGID] --since T`` in its **own session** (so a signal to the launcher's group does not reach
+[--pgid PGID] --since T [--log PATH --log-cap BYTES]`` in its **own session** (so a signal to the launcher's group does not reach
 it), with its stdin a pipe whose only writer is the launcher. It polls every 0.2 s and records the
 launcher's descendants created since ``T`` (EngineCore, Worker, ...) with their create times. It acts
 when stdin reaches EOF (the launcher closed it on a clean stop, or died) or when its parent pid
 changes (the launcher died; a forked EngineCore may hold a copy of the pipe): it SIGKILLs the process
 group ``PGID`` and every recorded process still alive with the same create time, then exits.
 multiprocessing's resource_tracker is left alone (it exits by itself, and the kernel may still use it).
+While it waits it also keeps the server's log under ``--log-cap`` bytes (:func:`ds4lab.serve.logs.cap_log`:
+head and tail kept), for the server's whole life, whatever the launcher is doing.
 """
 from __future__ import annotations
 
@@ -34,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pgid", type=int, default=None)
     ap.add_argument("--since", type=float, default=0.0)
     ap.add_argument("--interval", type=float, default=0.2)
+    ap.add_argument("--log", default=None)
+    ap.add_argument("--log-cap", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.log and a.log_cap:
+        from ds4lab.serve.logs import cap_log
     for s in (signal.SIGINT, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
     me = os.getpid()
@@ -53,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
                         tracked[c.pid] = ct
         except psutil.NoSuchProcess:
             break
+        if a.log and a.log_cap:
+            try:
+                cap_log(a.log, a.log_cap)
+            except Exception:  # noqa: BLE001 - a failed cap must never stop the watch
+                pass
         r, _, _ = select.select([fd], [], [], a.interval)
         if r and not os.read(fd, 4096):
             break  # EOF: clean stop or launcher death

@@ -3,13 +3,17 @@
 :func:`write_artifacts` writes into one folder:
 
 - ``serve.sh``: scrubs the stack's stale variables (``VLLM_TRITON_MLA_SPARSE_*``), exports the
-  profile/stack environment and ``exec`` s the exact argv :func:`~ds4lab.serve.profiles.build_launch`
+  profile/stack environment and ``exec`` s the exact argv :func:`~ds4lab.serve.launch.build_launch`
   built (``HOST``/``PORT``/``PYTHON`` overridable from the environment; ``PYTHON`` defaults to the
   interpreter that wrote the files - the venv with vLLM and the ds4lab plugin - not whatever
   ``python3`` a systemd unit finds on its bare PATH);
 - ``warmup.sh``: waits for ``/health``, then compiles the shape space (the profile's
   ``warmup_prompt_lens`` x ``warmup_concurrency``, token-id prompts so the lengths are exact);
 - ``canary.sh``: one greedy request; exit 0 only on HTTP 200 with a non-empty completion;
+- ``api-key``: a random API key, mode 0600 (kept if it exists). ``serve.sh`` refuses to listen beyond
+  loopback without it and hands it to vLLM as ``VLLM_API_KEY`` (environment, never argv);
+  ``warmup.sh`` and ``canary.sh`` send it (``curl -H @file``: never in argv). vLLM's key guards
+  ``/v1/*`` only: ``/health``, ``/metrics``, ``/tokenize``, ``/version`` stay open;
 - ``ds4lab-serve-<profile>.service``: a systemd unit with ``Restart=always`` (a Triton JIT OOM can
   make vLLM exit with status 0, so ``on-failure`` would not restart it) and the warmup as
   ``ExecStartPost`` (the unit is "started" only once the shapes are compiled).
@@ -22,8 +26,9 @@ import stat
 import sys
 from pathlib import Path
 
+from ds4lab.serve.apikey import API_KEY_FILE, write_api_key
 from ds4lab.serve.measure import CANARY_PROMPT, WARMUP_TOKEN_ID
-from ds4lab.serve.profiles import SERVER_MODULE, Launch, shell_word
+from ds4lab.serve.launch import SERVER_MODULE, Launch, shell_word
 
 __all__ = ["render_serve_sh", "render_warmup_sh", "render_canary_sh", "render_unit", "write_artifacts"]
 
@@ -33,11 +38,32 @@ _HEADER = """#!/usr/bin/env bash
 set -euo pipefail
 HOST="${{HOST:-{host}}}"
 PORT="${{PORT:-{port}}}"
+# the API key (mode 0600, written by --artifacts): required beyond loopback, sent by warmup/canary
+KEY_FILE="${{API_KEY_FILE:-$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)/{key_file}}}"
 """
 
 
 def _header(launch: Launch, port: int) -> str:
-    return _HEADER.format(profile=launch.profile, stack=launch.stack, host=launch.host, port=port)
+    return _HEADER.format(profile=launch.profile, stack=launch.stack, host=launch.host, port=port,
+                          key_file=API_KEY_FILE)
+
+
+#: serve.sh: beyond loopback, no key no server; the key goes to vLLM through the environment
+_KEY_SERVE = r"""case "$HOST" in
+  127.*|localhost|::1|'[::1]') ;;
+  *)
+    if [ ! -s "$KEY_FILE" ]; then
+      echo "serve.sh: HOST=$HOST is not loopback: an API key is required in $KEY_FILE (mode 0600; \`ds4lab serve --artifacts DIR\` writes it)" >&2; exit 1
+    fi
+    case "$(stat -c %a "$KEY_FILE")" in 600|400) ;; *) echo "serve.sh: $KEY_FILE is readable by others: chmod 600 $KEY_FILE" >&2; exit 1;; esac
+    VLLM_API_KEY="$(cat "$KEY_FILE")"; export VLLM_API_KEY
+    echo "serve.sh: listening on $HOST with the API key of $KEY_FILE (it guards /v1/*; /health and /metrics stay open)" >&2
+    ;;
+esac"""
+
+#: warmup.sh / canary.sh: a curl header file holding the key (curl -H @file: the key is never in argv)
+_KEY_CLIENT = r"""HDR="$(mktemp)"; trap 'rm -f "$HDR"' EXIT
+if [ -s "$KEY_FILE" ]; then printf 'Authorization: Bearer %s\n' "$(cat "$KEY_FILE")" > "$HDR"; fi"""
 
 
 _RESOLVE = r"""# HF repo id -> local snapshot, resolved by huggingface_hub as vLLM does (ds4lab.hf_snapshot);
@@ -77,6 +103,7 @@ def render_serve_sh(launch: Launch, port: int = 8000, python: str | None = None)
     if not model.startswith(("${", "/", ".")):  # an HF repo id: resolve offline, never trusting refs/main
         lines.append(_RESOLVE)
     out = ["$MODEL" if i > 0 and out[i - 1] == "--model" else a for i, a in enumerate(out)]
+    lines.append(_KEY_SERVE)
     if launch.scrub_prefixes:
         pats = "|".join(f"{p}*" for p in launch.scrub_prefixes)
         lines.append("# stale exports from older recipes change kernel selection silently: scrub them")
@@ -101,7 +128,8 @@ def render_warmup_sh(launch: Launch, port: int = 8000, wait_s: int = 1800) -> st
     if mml:
         lens = [min(n, int(mml) - mt - 1) for n in lens]
     conc = [int(x) for x in s.get("warmup_concurrency", [1])]
-    return _header(launch, port) + f"""MODEL={shlex.quote(launch.served_model_name)}
+    return _header(launch, port) + _KEY_CLIENT + f"""
+MODEL={shlex.quote(launch.served_model_name)}
 URL="http://$HOST:$PORT"
 # wait for the server (ExecStartPost runs right after ExecStart has been forked)
 for _ in $(seq {wait_s}); do
@@ -117,7 +145,7 @@ for c in {' '.join(map(str, conc))}; do
     pids=()
     for _ in $(seq "$c"); do
       # the body goes through stdin: a 98k-token prompt is far over Linux's 128 KiB per-argument limit
-      printf '%s' "$body" | curl -fsS -o /dev/null -H 'Content-Type: application/json' --data-binary @- \
+      printf '%s' "$body" | curl -fsS -o /dev/null -H @"$HDR" -H 'Content-Type: application/json' --data-binary @- \
         "$URL/v1/completions" & pids+=($!)
     done
     for p in "${{pids[@]}}"; do wait "$p"; done
@@ -128,10 +156,11 @@ done
 
 
 def render_canary_sh(launch: Launch, port: int = 8000) -> str:
-    return _header(launch, port) + f"""MODEL={shlex.quote(launch.served_model_name)}
+    return _header(launch, port) + _KEY_CLIENT + f"""
+MODEL={shlex.quote(launch.served_model_name)}
 URL="http://$HOST:$PORT"
 body='{{"model":"'"$MODEL"'","prompt":"{CANARY_PROMPT}","max_tokens":8,"temperature":0}}'
-out=$(curl -fsS --max-time "${{CANARY_TIMEOUT:-120}}" -H 'Content-Type: application/json' -d "$body" "$URL/v1/completions")
+out=$(curl -fsS --max-time "${{CANARY_TIMEOUT:-120}}" -H @"$HDR" -H 'Content-Type: application/json' -d "$body" "$URL/v1/completions")
 # OK only with a non-empty completion text
 if printf '%s' "$out" | grep -q '"text":"[^"]'; then
   echo "canary ok: $out"
@@ -174,10 +203,12 @@ WantedBy=multi-user.target
 
 def write_artifacts(launch: Launch, directory: str | os.PathLike, port: int = 8000,
                     user: str | None = None, python: str | None = None) -> dict[str, Path]:
-    """Write serve.sh, warmup.sh, canary.sh and the systemd unit; returns name -> path.
-    ``python``: the server interpreter baked into serve.sh (default: this one, ``sys.executable``)."""
+    """Write serve.sh, warmup.sh, canary.sh, the API key file (mode 0600, an existing one kept) and
+    the systemd unit; returns name -> path. ``python``: the server interpreter baked into serve.sh
+    (default: this one, ``sys.executable``)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    write_api_key(d / API_KEY_FILE)
     files = {
         "serve.sh": render_serve_sh(launch, port, python),
         "warmup.sh": render_warmup_sh(launch, port),
@@ -191,4 +222,5 @@ def write_artifacts(launch: Launch, directory: str | os.PathLike, port: int = 80
         if name.endswith(".sh"):
             p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         out[name] = p
+    out[API_KEY_FILE] = d / API_KEY_FILE
     return out

@@ -13,8 +13,12 @@
 - :func:`acompare` runs the benchmark on a server with MTP and on one without speculation (same
   prompts, seed and settings) and reports both, plus whether the greedy outputs are identical. Each
   call logs into its own new folder (:func:`tempfile.mkdtemp`), so concurrent runs of the same
-  profile never share, truncate or misread each other's server logs; :func:`new_log_path` gives the
-  CLI's long-running server a file of its own the same way.
+  profile never share, truncate or misread each other's server logs; a log folder that
+  acompare created in the system temp folder is removed when the comparison ends well (kept, and
+  named in the error, when it fails). Warmup, canary and benchmark report progress (``progress``:
+  :class:`~ds4lab.serve.startup.ProgressEvent` s, one per round / request).
+- A server beyond loopback needs its API key: every request here takes ``api_key`` (sent as
+  ``Authorization: Bearer``); ``/metrics`` and ``/health`` need none (vLLM does not guard them).
 
 Async first (the notebook awaits them, which also works with an in-process server on the kernel's
 loop); the ``warmup``/``canary``/``benchmark``/``compare`` wrappers are for scripts and the CLI.
@@ -30,13 +34,15 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+from ds4lab.serve.startup import ProgressEvent
 
 from ds4lab.tables import format_table as _format_table
 
 __all__ = ["SpecStats", "RequestResult", "BenchResult", "Comparison", "CanaryResult",
            "scrape_metrics", "spec_stats", "make_prompts", "awarmup", "acanary", "abenchmark",
-           "acompare", "warmup", "canary", "benchmark", "compare", "new_log_path", "comparison_rows", "startup_rows", "acceptance_rows", "format_table",
+           "acompare", "warmup", "canary", "benchmark", "compare", "comparison_rows", "startup_rows", "acceptance_rows", "format_table",
            "WARMUP_TOKEN_ID"]
 
 #: token id used for warmup prompts (a plain byte token in the tiny tokenizer, an ordinary token in
@@ -154,12 +160,16 @@ def _body(model: str, prompt, max_tokens: int, seed: int, stream: bool = True) -
 
 async def awarmup(url: str, model: str, prompt_lens: Sequence[int] = (16, 128, 1024),
                   concurrency: Sequence[int] = (1, 4), max_tokens: int = 8, max_model_len: int | None = None,
-                  timeout: float = 600.0) -> list[dict]:
-    """Compile the shape space: every (concurrency, prompt length) once. Returns one row per round."""
+                  timeout: float = 600.0, *, api_key: str | None = None,
+                  progress: Callable[[ProgressEvent], None] | None = None) -> list[dict]:
+    """Compile the shape space: every (concurrency, prompt length) once. Returns one row per round;
+    ``progress`` gets one event per round."""
     import httpx
 
     rows = []
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    t_all = time.perf_counter()
+    total = len(concurrency) * len(prompt_lens)
+    async with httpx.AsyncClient(timeout=timeout, headers=_auth(api_key)) as client:
         for c in concurrency:
             for n in prompt_lens:
                 if max_model_len:
@@ -169,7 +179,15 @@ async def awarmup(url: str, model: str, prompt_lens: Sequence[int] = (16, 128, 1
                     model, [WARMUP_TOKEN_ID] * n, max_tokens, 0)) for _ in range(c)])
                 rows.append({"concurrency": c, "prompt_tokens": n, "seconds": round(time.perf_counter() - t0, 3),
                              "output_tokens": sum(r.output_tokens for r in res)})
+                if progress:
+                    progress(ProgressEvent(round(time.perf_counter() - t_all, 1), "warmup",
+                                           f"{len(rows)}/{total}: concurrency {c} x prompt {n} tokens "
+                                           f"in {rows[-1]['seconds']:.2f} s"))
     return rows
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 @dataclass
@@ -184,12 +202,13 @@ class CanaryResult:
 CANARY_PROMPT = "The capital of France is"
 
 
-async def acanary(url: str, model: str, max_tokens: int = 8, timeout: float = 120.0) -> CanaryResult:
+async def acanary(url: str, model: str, max_tokens: int = 8, timeout: float = 120.0, *,
+                  api_key: str | None = None) -> CanaryResult:
     import httpx
 
     t0 = time.perf_counter()
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
+        async with httpx.AsyncClient(timeout=timeout, headers=_auth(api_key)) as client:
             r = await client.post(url + "/v1/completions",
                                   json=_body(model, CANARY_PROMPT, max_tokens, 0, stream=False))
         lat = time.perf_counter() - t0
@@ -229,18 +248,27 @@ class BenchResult:
 
 async def abenchmark(url: str, model: str, prompts: Sequence[str] | None = None, *, max_tokens: int = 64,
                      concurrency: int = 1, seed: int = 0, label: str = "", num_speculative_tokens: int = 0,
-                     timeout: float = 600.0) -> BenchResult:
-    """Greedy streaming benchmark; ``concurrency`` requests in flight at a time."""
+                     timeout: float = 600.0, api_key: str | None = None,
+                     progress: Callable[[ProgressEvent], None] | None = None) -> BenchResult:
+    """Greedy streaming benchmark; ``concurrency`` requests in flight at a time; ``progress`` gets
+    one event per finished request."""
     import httpx
 
     prompts = list(make_prompts(seed=seed) if prompts is None else prompts)
     _check_bench(prompts, max_tokens, concurrency)
     before = await asyncio.to_thread(scrape_metrics, url)
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    done = []
+    async with httpx.AsyncClient(timeout=timeout, headers=_auth(api_key)) as client:
         async def one(p):
             async with sem:
-                return await _stream_one(client, url, _body(model, p, max_tokens, seed))
+                r = await _stream_one(client, url, _body(model, p, max_tokens, seed))
+            done.append(r)
+            if progress:
+                progress(ProgressEvent(round(time.perf_counter() - t0, 1), "benchmark",
+                                       f"{len(done)}/{len(prompts)} requests, {sum(x.output_tokens for x in done)} "
+                                       f"tokens ({label or 'run'})"))
+            return r
         t0 = time.perf_counter()
         res = await asyncio.gather(*[one(p) for p in prompts])
         wall = time.perf_counter() - t0
@@ -266,15 +294,6 @@ def _check_bench(prompts: Sequence, max_tokens: int, concurrency: int) -> None:
         raise ValueError(f"concurrency={concurrency!r}: must be an integer >= 1")
 
 
-def new_log_path(profile: str, label: str, log_dir: str | os.PathLike | None = None) -> str:
-    """A new, empty log file ``<log_dir>/ds4lab-serve-<profile>-<label>-XXXXXXXX.log`` created with
-    :func:`tempfile.mkstemp` (``log_dir`` default: the system temp folder), so no other run can
-    have the same name."""
-    fd, path = tempfile.mkstemp(prefix=f"ds4lab-serve-{profile}-{label}-", suffix=".log", dir=log_dir)
-    os.close(fd)
-    return path
-
-
 @dataclass
 class Comparison:
     """A benchmark with MTP next to one without speculation (same prompts, seed, settings)."""
@@ -286,7 +305,7 @@ class Comparison:
     canary: dict[str, CanaryResult]
     outputs_identical: bool | None
     speedup: float | None                  # tokens/s with MTP / without
-    logs: dict[str, str] = field(default_factory=dict)        # label -> server log file
+    logs: dict[str, str] = field(default_factory=dict)        # label -> server log file (kept ones)
     launches: dict[str, Any] = field(default_factory=dict)    # label -> the Launch that ran (real port)
 
     def rows(self) -> list[dict]:
@@ -301,10 +320,16 @@ async def acompare(profile: str = "tiny-cpu", overrides: Mapping[str, Any] | Non
     """Start the profile with MTP, warm up, canary, benchmark; then the same without speculation.
 
     Arguments are checked before any server starts (ValueError naming the argument). The two server
-    logs go to a new folder ``<log_dir>/ds4lab-serve-<profile>-XXXXXXXX/<label>.log`` (``log_dir``
-    default: the system temp folder); :attr:`Comparison.logs` names them and
-    :attr:`Comparison.launches` holds the launches that ran (with the ports they really used)."""
-    from ds4lab.serve.profiles import build_launch, profile as _profile
+    logs go to a new folder ``<log_dir>/ds4lab-serve-<profile>-XXXXXXXX/<label>.log``. With ``log_dir``
+    None (the system temp folder) that folder is removed when the comparison ends well
+    (:attr:`Comparison.logs` is then empty) and kept, its path printed on stderr, when it fails or is
+    interrupted; with a ``log_dir`` the logs stay and :attr:`Comparison.logs` names them.
+    :attr:`Comparison.launches` holds the launches that ran (with the ports they really used).
+    ``on_progress``: start-up, warmup and benchmark events ("default": print a line; None: quiet)."""
+    import shutil
+
+    from ds4lab.config.profiles import profile as _profile
+    from ds4lab.serve.launch import build_launch
     from ds4lab.serve.server import Server
     from ds4lab.serve.startup import print_progress
 
@@ -316,28 +341,44 @@ async def acompare(profile: str = "tiny-cpu", overrides: Mapping[str, Any] | Non
         raise ValueError(f"num_speculative_tokens={nspec}: must be >= 1 for the MTP run (the other run has none)")
     prompts = list(make_prompts(seed=seed) if prompts is None else prompts)
     _check_bench(prompts, max_tokens, concurrency)
+    say = print_progress if on_progress == "default" else on_progress
     run_dir = None
     runs, startup, warm, can, logs, launches = [], {}, {}, {}, {}, {}
-    for n in (nspec, 0):
-        label = f"mtp{n}" if n else "no-spec"
-        # built right before its start: the free port is picked as late as possible
-        launch = launches[label] = build_launch(profile, {**(overrides or {}), "num_speculative_tokens": n})
-        run_dir = run_dir or tempfile.mkdtemp(prefix=f"ds4lab-serve-{profile}-", dir=log_dir)
-        logs[label] = os.path.join(run_dir, f"{label}.log")
-        srv = Server(launch, mode=mode, log_path=logs[label],
-                     on_progress=print_progress if on_progress == "default" else on_progress)
-        async with srv:
-            if do_warmup:
-                warm[label] = await awarmup(srv.url, srv.model, prof.get("warmup_prompt_lens", (16, 128)),
-                                            prof.get("warmup_concurrency", (1,)),
-                                            prof.get("warmup_max_tokens", 8), prof.get("max_model_len"))
-            can[label] = await acanary(srv.url, srv.model)
-            if not can[label].ok:
-                raise RuntimeError(f"canary failed on {label}: {can[label]} (log {logs[label]})")
-            runs.append(await abenchmark(srv.url, srv.model, prompts, max_tokens=max_tokens,
-                                         concurrency=concurrency, seed=seed, label=label,
-                                         num_speculative_tokens=n))
-            startup[label] = srv.startup.as_dict()
+    try:
+        for n in (nspec, 0):
+            label = f"mtp{n}" if n else "no-spec"
+            # built right before its start: the free port is picked as late as possible
+            launch = launches[label] = build_launch(profile, {**(overrides or {}), "num_speculative_tokens": n})
+            run_dir = run_dir or tempfile.mkdtemp(prefix=f"ds4lab-serve-{profile}-", dir=log_dir)
+            logs[label] = os.path.join(run_dir, f"{label}.log")
+            srv = Server(launch, mode=mode, log_path=logs[label], on_progress=say)
+            async with srv:
+                key = srv.api_key
+                if do_warmup:
+                    warm[label] = await awarmup(srv.url, srv.model, prof.get("warmup_prompt_lens", (16, 128)),
+                                                prof.get("warmup_concurrency", (1,)),
+                                                prof.get("warmup_max_tokens", 8), prof.get("max_model_len"),
+                                                api_key=key, progress=say)
+                can[label] = await acanary(srv.url, srv.model, api_key=key)
+                if say:
+                    say(ProgressEvent(round(can[label].latency_s, 2), "canary",
+                                      f"{'ok' if can[label].ok else 'FAILED'} (HTTP {can[label].status}) "
+                                      f"{can[label].text[:40]!r}"))
+                if not can[label].ok:
+                    raise RuntimeError(f"canary failed on {label}: {can[label]} (log {logs[label]})")
+                runs.append(await abenchmark(srv.url, srv.model, prompts, max_tokens=max_tokens,
+                                             concurrency=concurrency, seed=seed, label=label,
+                                             num_speculative_tokens=n, api_key=key, progress=say))
+                startup[label] = srv.startup.as_dict()
+    except BaseException:
+        if run_dir:
+            import sys
+
+            print(f"server logs kept: {run_dir}", file=sys.stderr, flush=True)
+        raise
+    if log_dir is None and run_dir:   # ours, in the system temp folder, and the run ended well
+        shutil.rmtree(run_dir, ignore_errors=True)
+        logs = {}
     same = [r.text for r in runs[0].requests] == [r.text for r in runs[1].requests]
     sp = runs[0].tokens_per_s / runs[1].tokens_per_s if runs[1].tokens_per_s else None
     return Comparison(profile, runs, startup, warm, can, same, sp, logs, launches)

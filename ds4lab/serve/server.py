@@ -1,32 +1,38 @@
-"""``Server``: start vLLM's OpenAI-compatible server from a :class:`~ds4lab.serve.profiles.Launch`.
+"""The one server launcher: start vLLM's OpenAI-compatible server from a :class:`~ds4lab.serve.launch.Launch`.
 
-Two modes, one object (a context manager, sync or async):
+Shaped like vLLM's ``tests/utils.py::RemoteOpenAIServer`` (argv list, free port, ``/health`` polling
+that notices a dead process, terminate-then-kill), with one base class and a subclass per variant
+(as ``RemoteOpenAIServerCustom`` overrides ``_start_server`` and ``_poll``), not ``if mode`` branches:
 
-- ``mode="subprocess"`` (default): ``python -m vllm.entrypoints.openai.api_server`` as a child in its
-  **own session / process group**, stdout+stderr to a log file (a file, not a pipe: a chatty server
-  can never block on a full pipe). Shape of vLLM's ``tests/utils.py::RemoteOpenAIServer``: argv list,
-  free port, ``/health`` polling that notices a dead process, terminate-then-kill (of the group).
-- ``mode="inprocess"``: vLLM's async ``run_server(args)`` as a task on the **running event loop** of
-  the caller (the notebook kernel's: ``await server.astart()`` / ``async with``). vLLM installs
-  SIGINT/SIGTERM handlers (``signal.signal`` and ``loop.add_signal_handler``); they are removed and the
-  kernel's own handlers restored as soon as the server is up, so the notebook's interrupt button keeps
-  interrupting cells. vLLM's ``AsyncLLM`` always runs the EngineCore as a child process (also with
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which only slows it down here: see ``inprocess_env``);
-  ``--distributed-executor-backend uni`` keeps the worker inside that EngineCore, which is reaped on
-  stop. The EngineCore's output and the API server's log records (vLLM's and uvicorn's loggers) go to
-  the log file, not into the notebook's cells. Note the kernel's event loop is blocked while
-  ``AsyncLLM`` starts its EngineCore (a synchronous handshake), so progress arrives in bursts.
+- :class:`Server` (the base): the life cycle both variants share. A new log file per run
+  (:mod:`ds4lab.serve.logs`), the start-up parser (progress, :attr:`Server.startup`), a heartbeat
+  every ``heartbeat_s`` (elapsed time and the last stage/log line), the ``/health`` poll, the log tail
+  in every error, a watchdog process (:mod:`ds4lab.serve._watchdog`, its own session) that kills the
+  server's processes when the launching process disappears (also on SIGKILL of a notebook kernel)
+  and caps the log (head + tail), and the API key (:mod:`ds4lab.serve.apikey`) passed through the
+  environment. ``Server(launch, mode="inprocess")`` returns the subclass for ``mode`` (as
+  ``pathlib.Path()`` returns a ``PosixPath``).
+- :class:`SubprocessServer` (``mode="subprocess"``, default): ``python -m vllm.entrypoints.openai.api_server``
+  as a child in its **own session / process group**, stdout+stderr to the log file (a file, not a
+  pipe: a chatty server can never block on a full pipe).
+- :class:`InProcessServer` (``mode="inprocess"``): vLLM's async ``run_server(args)`` as a task on the
+  **running event loop** of the caller (the notebook kernel's). vLLM installs SIGINT/SIGTERM handlers;
+  they are removed and the kernel's own restored as soon as the server is up. vLLM's ``AsyncLLM``
+  always runs the EngineCore as a child process; ``--distributed-executor-backend uni`` keeps the
+  worker inside it. The kernel's event loop is blocked while ``AsyncLLM`` starts its EngineCore (a
+  synchronous handshake), so progress arrives in bursts.
 
-In both modes the log streams through :class:`~ds4lab.serve.startup.StartupParser` (progress and the
-start-up numbers, :attr:`Server.startup`) while ``/health`` is polled, and the last log lines are
-shown if the server dies. A watchdog (``ds4lab.serve._watchdog``, its own session) kills the server's
-process group and every process it spawned when the launching process disappears, also on SIGKILL of
-a notebook kernel. Never imports kernels/ (house rule) nor vLLM at module level.
+**Start-up is cancellable and never leaves an orphan.** :meth:`Server.astart` polls on the event loop
+(no thread that a cancellation cannot reach): a cancelled task (Jupyter's interrupt button cancels
+the cell's coroutine), a KeyboardInterrupt or any error at any point of the start tears the launch
+down (the whole process group, then every descendant psutil still sees) before the exception leaves,
+and prints ``interrupted; server stopped``. ``async with`` does the same for an interrupt after
+``/health``. A log file the launcher created is removed when a run ends well and kept (its path
+printed) when it fails. Never imports ds4lab_kernels (house rule) nor vLLM at module level.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import signal
@@ -37,10 +43,15 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ds4lab.procgroup import kill_group
-from ds4lab.serve.profiles import Launch, build_launch
+from ds4lab.serve.apikey import read_api_key
+from ds4lab.serve.launch import Launch, build_launch
+from ds4lab.serve.logs import DEFAULT_LOG_CAP, LogTail, new_log_path
 from ds4lab.serve.startup import ProgressEvent, StartupInfo, StartupParser, print_progress
 
-__all__ = ["Server", "ServerError"]
+__all__ = ["Server", "SubprocessServer", "InProcessServer", "ServerError", "INTERRUPTED"]
+
+#: what a cancelled / interrupted start (or a cancelled ``async with`` body) prints once torn down
+INTERRUPTED = "interrupted; server stopped"
 
 
 class _LogStream:
@@ -85,84 +96,69 @@ async def _ahealth(client, url: str) -> bool:
         return False
 
 
-class _LogTail:
-    """Incremental reader of a growing log file: feeds whole lines to a parser, keeps the last N."""
-
-    def __init__(self, path: Path, parser: StartupParser, keep: int = 200):
-        self.path, self.parser = path, parser
-        self.pos = 0
-        self.buf = b""
-        self.last: collections.deque[str] = collections.deque(maxlen=keep)
-
-    def poll(self, chunk_bytes: int = 8 << 20, max_chunks: int = 32) -> None:
-        """Read what was appended since the last call (up to ``max_chunks`` x ``chunk_bytes``)."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.pos)
-                for _ in range(max_chunks):
-                    chunk = f.read(chunk_bytes)
-                    self.pos += len(chunk)
-                    self._lines(chunk)
-                    if len(chunk) < chunk_bytes:
-                        break
-        except OSError:
-            return
-
-    def _lines(self, chunk: bytes) -> None:
-        data = self.buf + chunk
-        lines = data.split(b"\n")
-        self.buf = lines.pop()
-        if len(self.buf) > 1 << 16:  # a giant line without newline: do not keep growing
-            lines.append(self.buf)
-            self.buf = b""
-        for raw in lines:
-            line = raw.decode("utf-8", "replace")
-            # tqdm bars use \r: the last state is what matters
-            line = line.rsplit("\r", 1)[-1] if "\r" in line else line
-            self.last.append(line)
-            self.parser.feed(line)
+def _interrupt(exc: BaseException) -> bool:
+    return isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt))
 
 
 class Server:
-    """A vLLM OpenAI server for one profile (see module docstring).
+    """A vLLM OpenAI server for one launch (see the module docstring); the base of the variants.
 
-    ``Server(build_launch("tiny-cpu"))`` or ``Server(profile="tiny-cpu", overrides={...})``.
-    After start: :attr:`url`, :attr:`model` (served name), :attr:`startup` (:class:`StartupInfo`),
+    ``Server(build_launch("tiny-cpu"))`` or ``Server(profile="tiny-cpu", overrides={...})``;
+    ``mode`` picks the subclass. After start: :attr:`url`, :attr:`model` (served name),
+    :attr:`api_key` (None on loopback without a key file), :attr:`startup` (:class:`StartupInfo`),
     :attr:`ready_s`. ``on_progress`` receives :class:`~ds4lab.serve.startup.ProgressEvent` s
-    (default: print a line; ``None``: quiet).
+    (default: print a line; ``None``: quiet); ``heartbeat_s``: seconds between heartbeat events
+    while nothing else is said (0: none). ``log_cap``: bytes the log may grow to (head and tail kept).
+    Subclasses implement :meth:`_spawn` (sync) / :meth:`_aspawn`, :meth:`_poll` (why the server is
+    dead, or None), :meth:`stop` / :meth:`astop` and :meth:`pids`.
     """
 
+    mode = "base"
+    _MODES: dict[str, type["Server"]] = {}
+
+    def __new__(cls, *args: Any, mode: str | None = None, **kw: Any):
+        if cls is Server:
+            mode = mode or "subprocess"
+            if mode not in Server._MODES:
+                raise ValueError(f"mode {mode!r}: {' or '.join(repr(m) for m in Server._MODES)}")
+            cls = Server._MODES[mode]
+        elif mode is not None and mode != cls.mode:
+            raise ValueError(f"mode {mode!r}: {cls.__name__} is mode {cls.mode!r}")
+        return super().__new__(cls)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        Server._MODES[cls.mode] = cls
+
     def __init__(self, launch: Launch | None = None, *, profile: str = "tiny-cpu",
-                 overrides: Mapping[str, Any] | None = None, mode: str = "subprocess",
+                 overrides: Mapping[str, Any] | None = None, mode: str | None = None,
                  log_path: str | os.PathLike | None = None, startup_timeout: float = 900.0,
                  on_progress: Callable[[ProgressEvent], None] | None = print_progress,
-                 watchdog: bool = True, uni_executor: bool = True):
-        if mode not in ("subprocess", "inprocess"):
-            raise ValueError(f"mode {mode!r}: 'subprocess' or 'inprocess'")
+                 watchdog: bool = True, uni_executor: bool = True, heartbeat_s: float = 5.0,
+                 log_cap: int = DEFAULT_LOG_CAP):
         self.launch = launch or build_launch(profile, overrides)
-        self.mode = mode
+        #: the launcher created the log (a new file in the temp folder): removed when the run ends well
+        self.own_log = log_path is None
         if log_path is None:  # a new file of our own: a fixed name was truncated by concurrent runs
-            from ds4lab.serve.measure import new_log_path
-
             log_path = new_log_path(self.launch.profile, str(self.launch.port))
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
         self.on_progress = on_progress
+        self.heartbeat_s = heartbeat_s
+        if isinstance(log_cap, bool) or not isinstance(log_cap, int) or log_cap < 4096:
+            raise ValueError(f"log_cap={log_cap!r}: must be an integer >= 4096 (bytes)")
+        self.log_cap = log_cap
         self.use_watchdog = watchdog
         self.uni_executor = uni_executor
-        #: extra environment for an in-process start. Not ``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
-        #: vLLM 0.32's ``AsyncLLM`` (what ``run_server`` uses) runs the EngineCore as a child process
-        #: whatever it says, and the EngineCore inheriting it decoded ~20x slower on the tiny CPU
-        #: checkpoint (4.4 vs 81-85 output tok/s, TPOT 210 vs 10-11 ms, measured 2025-11-30).
-        self.inprocess_env: dict[str, str] = {}
-        self.proc: subprocess.Popen | None = None
-        self.task: asyncio.Task | None = None
+        key_file = self.launch.settings.get("api_key_file")
+        self.api_key: str | None = read_api_key(os.path.expanduser(key_file)) if key_file else None
         self.watchdog: subprocess.Popen | None = None
         self.parser: StartupParser | None = None
-        self._tail: _LogTail | None = None
+        self._tail: LogTail | None = None
         self._t0 = 0.0
-        self._restore: list[Callable[[], None]] = []
-        self._engine_children: list = []
+        self._said = 0.0
+        self._healthy = False
+        self._failed = False
 
     # ---- properties ----------------------------------------------------------------------
     @property
@@ -172,6 +168,11 @@ class Server:
     @property
     def model(self) -> str:
         return self.launch.served_model_name
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers a client sends (the bearer key when there is one)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def startup(self) -> StartupInfo:
@@ -191,35 +192,74 @@ class Server:
             return ""
 
     def pids(self) -> list[int]:
-        """The server's processes (subprocess: the child and its descendants; in-process: the
-        children this server started)."""
+        """The server's processes."""
+        raise NotImplementedError
+
+    def tree_rss(self) -> int:
+        """Resident set size in bytes summed over the server's processes (psutil)."""
         import psutil
 
-        if self.proc is not None:
+        total = 0
+        for pid in self.pids():
             try:
-                root = psutil.Process(self.proc.pid)
-                return [root.pid] + [c.pid for c in root.children(recursive=True)]
+                total += psutil.Process(pid).memory_info().rss
             except psutil.NoSuchProcess:
-                return []
-        return [p.pid for p in self._own_children() if p.is_running()]
+                pass
+        return total
 
-    # ---- common start-up pieces ------------------------------------------------------------
+    # ---- what a variant provides -----------------------------------------------------------
+    def _spawn(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} runs on the caller's event loop: "
+                           "`await server.astart()` or `async with Server(...)`")
+
+    async def _aspawn(self) -> None:
+        self._spawn()
+
+    def _poll(self) -> str | None:
+        """Why the server is gone (it exited), or None while it lives."""
+        raise NotImplementedError
+
+    def _child_env(self) -> dict[str, str]:
+        """The launch's environment plus the API key (environment only: never argv, never the log)."""
+        env = dict(self.launch.env)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        return env
+
+    # ---- the shared life cycle -------------------------------------------------------------
     def _begin(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.write_bytes(b"")   # this server's own file (default: unique per Server)
-        self._t0 = time.monotonic()
+        self._t0 = self._said = time.monotonic()
         self._wall0 = time.time()
-        self.parser = StartupParser(self.on_progress, t0=self._t0)
-        self._tail = _LogTail(self.log_path, self.parser)
+        self._healthy = self._failed = False
+        self.parser = StartupParser(self._progress, t0=self._t0)
+        self._tail = LogTail(self.log_path, self.parser)
+        self._progress(ProgressEvent(0.0, "launch", f"{self.mode}: {self.launch.profile} -> {self.url} "
+                                                    f"(log {self.log_path})"))
+
+    def _progress(self, ev: ProgressEvent) -> None:
+        self._said = time.monotonic()
         if self.on_progress:
-            self.on_progress(ProgressEvent(0.0, "launch", f"{self.mode}: {self.launch.profile} -> {self.url} "
-                                                          f"(log {self.log_path})"))
+            self.on_progress(ev)
+
+    def _heartbeat(self) -> None:
+        """Say something every ``heartbeat_s`` while the log says nothing new: elapsed time, the
+        current stage and the last non-empty log line."""
+        now = time.monotonic()
+        if not self.heartbeat_s or now - self._said < self.heartbeat_s:
+            return
+        last = next((ln.strip() for ln in reversed(self._tail.last) if ln.strip()), "(nothing yet)")
+        if len(last) > 120:
+            last = last[:117] + "..."
+        self._progress(ProgressEvent(round(now - self._t0, 1), "heartbeat",
+                                     f"{now - self._t0:.0f} s, stage {self.parser.stage}; log: {last}"))
 
     def _start_watchdog(self, pgid: int | None) -> None:
         if not self.use_watchdog:
             return
         argv = [sys.executable, "-m", "ds4lab.serve._watchdog", "--parent", str(os.getpid()),
-                "--since", repr(self._wall0)]
+                "--since", repr(self._wall0), "--log", str(self.log_path), "--log-cap", str(self.log_cap)]
         if pgid:
             argv += ["--pgid", str(pgid)]
         env = dict(os.environ)
@@ -251,89 +291,207 @@ class Server:
             self.parser.info.ready_s = round(time.monotonic() - self._t0, 2)
             self.parser.stage = "ready"
             self.parser.info.stages_s["ready"] = self.parser.info.ready_s
-            if self.on_progress:
-                i = self.parser.info
-                nums = ", ".join(f"{k}={v}" for k, v in i.rows() if k in (
-                    "weights_gib", "checkpoint_gib", "kv_gib", "kv_tokens", "max_concurrency"))
-                self.on_progress(ProgressEvent(i.ready_s, "ready", f"/health 200 after {i.ready_s:.1f} s; {nums}"))
+            self._healthy = True
+            i = self.parser.info
+            nums = ", ".join(f"{k}={v}" for k, v in i.rows() if k in (
+                "weights_gib", "checkpoint_gib", "kv_gib", "kv_tokens", "max_concurrency"))
+            self._progress(ProgressEvent(i.ready_s, "ready", f"/health 200 after {i.ready_s:.1f} s; {nums}"))
             return True
         if time.monotonic() - self._t0 > self.startup_timeout:
             raise ServerError(f"not healthy after {self.startup_timeout:.0f} s; log {self.log_path}, "
                               f"last lines:\n{self.log_tail()}")
+        self._heartbeat()
         return False
 
-    # ---- subprocess mode -------------------------------------------------------------------
-    def start(self) -> "Server":
-        """Start and wait for ``/health`` (blocking). In-process mode needs :meth:`astart`."""
-        if self.mode == "inprocess":
-            raise RuntimeError("in-process mode runs on the caller's event loop: "
-                               "`await server.astart()` or `async with Server(...)`")
-        self._begin()
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.launch.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.launch.env,
-                                     start_new_session=True)
-        self._start_watchdog(self.proc.pid)
-        try:
-            while True:
-                rc = self.proc.poll()
-                dead = None if rc is None else f"vLLM server exited with {rc} during start-up"
-                if self._check_ready(rc is None and _health(self.url), dead):
-                    return self
-                time.sleep(0.5)
-        except BaseException:
-            self.stop()
-            raise
+    def _failed_start(self, exc: BaseException) -> None:
+        """After the teardown of a start that did not finish: say so (and where the log is)."""
+        self._failed = True
+        if _interrupt(exc):
+            print(f"{INTERRUPTED} (its processes are gone; log kept: {self.log_path})", flush=True)
 
-    def stop(self, grace: float = 20.0) -> None:
-        """Stop the server and everything it started (idempotent)."""
-        if self.mode == "inprocess":
-            if self.task is not None:
-                raise RuntimeError("in-process server: `await server.astop()`")
-            return
-        p, self.proc = self.proc, None
-        if p is not None:
-            kill_group(p, grace)
-        if getattr(self, "_log", None):
-            self._log.close()
-            self._log = None
-        self._stop_watchdog()
+    def _finish(self, well: bool) -> None:
+        """After a stop: remove the log the launcher created when the run ended well, else say where it is."""
         if self._tail:
             self._tail.poll()
+        if not self.own_log:
+            return
+        if well and self._healthy and not self._failed:
+            self.log_path.unlink(missing_ok=True)
+        elif self._healthy or self._failed:
+            print(f"server log kept: {self.log_path}", file=sys.stderr, flush=True)
+
+    def start(self) -> "Server":
+        """Start and wait for ``/health`` (blocking). On any exception (KeyboardInterrupt included)
+        the launch is torn down before it propagates."""
+        self._begin()
+        try:
+            self._spawn()
+            while True:
+                dead = self._poll()
+                if self._check_ready(dead is None and _health(self.url), dead):
+                    return self
+                time.sleep(0.5)
+        except BaseException as e:
+            self.stop()
+            self._failed_start(e)
+            raise
+
+    async def astart(self) -> "Server":
+        """Start and wait for ``/health`` on the running loop, cancellable at every point: a
+        cancellation, KeyboardInterrupt or error tears the launch down before it propagates."""
+        import httpx
+
+        self._begin()
+        try:
+            await self._aspawn()
+            async with httpx.AsyncClient() as client:
+                while True:
+                    dead = self._poll()
+                    if self._check_ready(dead is None and await _ahealth(client, self.url), dead):
+                        return self
+                    await asyncio.sleep(0.5)
+        except BaseException as e:
+            await self._teardown()
+            self._failed_start(e)
+            raise
+
+    async def _teardown(self) -> None:
+        """Stop whatever was started, to the end even if the caller is cancelled again meanwhile."""
+        t = asyncio.ensure_future(self.astop())
+        try:
+            await asyncio.shield(t)
+        except BaseException:  # cancelled again: finish the stop before letting go
+            while not t.done():
+                try:
+                    await asyncio.shield(t)
+                except BaseException:  # noqa: BLE001
+                    pass
+
+    def stop(self, grace: float = 20.0) -> None:
+        raise NotImplementedError
+
+    async def astop(self) -> None:
+        self.stop()
 
     def __enter__(self) -> "Server":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    # ---- async face (both modes) -----------------------------------------------------------
-    async def astart(self) -> "Server":
-        if self.mode == "subprocess":
-            return await asyncio.to_thread(self.start)
-        return await self._astart_inprocess()
-
-    async def astop(self) -> None:
-        if self.mode == "subprocess":
-            await asyncio.to_thread(self.stop)
-        else:
-            await self._astop_inprocess()
+        if exc[1] is not None and _interrupt(exc[1]):
+            print(INTERRUPTED, flush=True)
 
     async def __aenter__(self) -> "Server":
         return await self.astart()
 
     async def __aexit__(self, *exc) -> None:
-        await self.astop()
+        await self._teardown()
+        if exc[1] is not None and _interrupt(exc[1]):
+            print(INTERRUPTED, flush=True)
 
-    # ---- in-process mode -------------------------------------------------------------------
-    async def _astart_inprocess(self) -> "Server":
-        import httpx
 
-        self._begin()
+class SubprocessServer(Server):
+    """``python -m vllm.entrypoints.openai.api_server`` as a child in its own session (process group)."""
+
+    mode = "subprocess"
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def _spawn(self) -> None:
+        self._log = open(self.log_path, "ab")   # O_APPEND: the watchdog may cap the file under it
+        self.proc = subprocess.Popen(self.launch.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self._child_env(),
+                                     start_new_session=True)
+        self._start_watchdog(self.proc.pid)
+
+    def _poll(self) -> str | None:
+        rc = self.proc.poll()
+        return None if rc is None else f"vLLM server exited with {rc} during start-up"
+
+    def pids(self) -> list[int]:
+        """The child and its descendants."""
+        import psutil
+
+        if self.proc is None:
+            return []
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root.pid] + [c.pid for c in root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Stop the server and everything it started (idempotent): SIGTERM the group, wait
+        ``grace`` s, SIGKILL it, reap the child, kill descendants that left the group."""
+        p, self.proc = self.proc, None
+        well = p is not None and p.poll() is None
+        if p is not None:
+            kill_group(p, grace)
+        if self._log:
+            self._log.close()
+            self._log = None
+        self._stop_watchdog()
+        if p is not None:
+            self._finish(well)
+
+    async def astop(self) -> None:
+        # synchronous on purpose: nothing may cancel a teardown half-way (kill_group waits <= grace s)
+        self.stop()
+
+
+class InProcessServer(Server):
+    """vLLM's ``run_server`` as a task on the caller's running event loop (needs :meth:`astart`)."""
+
+    mode = "inprocess"
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        #: extra environment for an in-process start. Not ``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+        #: vLLM 0.32's ``AsyncLLM`` (what ``run_server`` uses) runs the EngineCore as a child process
+        #: whatever it says, and the EngineCore inheriting it decoded ~20x slower on the tiny CPU
+        #: checkpoint (4.4 vs 81-85 output tok/s, TPOT 210 vs 10-11 ms, measured 2025-11-30).
+        self.inprocess_env: dict[str, str] = {}
+        self.task: asyncio.Task | None = None
+        self._restore: list[Callable[[], None]] = []
+        self._engine_children: list = []
+        self._children_before: set[int] = set()
+
+    def start(self) -> "Server":
+        self._spawn()   # raises: this variant needs the caller's event loop
+        return self
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.task is not None:
+            raise RuntimeError("in-process server: `await server.astop()`")
+
+    def _poll(self) -> str | None:
+        if self.task is None or not self.task.done():
+            return None
+        exc = None if self.task.cancelled() else self.task.exception()
+        return f"in-process vLLM server task ended during start-up ({exc!r})"
+
+    def pids(self) -> list[int]:
+        """The children this server started (EngineCore)."""
+        return [p.pid for p in self._own_children() if p.is_running()]
+
+    async def astart(self) -> "Server":
+        srv = await super().astart()
+        self._after_ready()
+        return srv
+
+    async def astop(self) -> None:
+        await self._astop_inprocess()
+
+    async def _aspawn(self) -> None:
         loop = asyncio.get_running_loop()
         # environment of the launch (restored on stop); engine in-process where vLLM allows it
         env = dict(self.launch.env_overlay)
         env.update(self.inprocess_env)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         env["VLLM_LOGGING_STREAM"] = "ext://ds4lab.serve.server.vllm_log_stream"
         saved_env = {k: os.environ.get(k) for k in list(env) + list(self.launch.unset)}
         for k in self.launch.unset:
@@ -344,16 +502,16 @@ class Server:
         log = open(self.log_path, "ab", buffering=0)
         self._restore.append(log.close)
         # children (EngineCore) inherit fds 1/2 at spawn: point them at the log during start-up
-        saved_fds = (os.dup(1), os.dup(2))
+        saved_fds = [os.dup(1), os.dup(2)]
         for fd in (1, 2):
             os.dup2(log.fileno(), fd)
+        saved_sig = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
         def restore_fds():
-            for fd, s in zip((1, 2), saved_fds):
+            while saved_fds:
+                fd, s = 3 - len(saved_fds), saved_fds.pop(0)
                 os.dup2(s, fd)
                 os.close(s)
-        fds_restored = False
-        saved_sig = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
         def restore_signals():
             # vLLM's handlers (signal.signal + loop.add_signal_handler): give the kernel its own back
@@ -363,41 +521,34 @@ class Server:
                 except (RuntimeError, ValueError, NotImplementedError):
                     pass
                 signal.signal(s, h)
+        self._restore_now = [restore_fds, restore_signals]
         self._children_before = {p.pid for p in _children()}
-        try:
-            from vllm.entrypoints.launchers.api_server.entry import run_server
-            from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-            from vllm.utils.argparse_utils import FlexibleArgumentParser
+        self._redirect_vllm_logging(log)   # before vLLM is imported: its import-time warnings too
+        from vllm.entrypoints.launchers.api_server.entry import run_server
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-            self._redirect_vllm_logging(log)
-            argv = list(self.launch.server_args)
-            if self.uni_executor and "--distributed-executor-backend" not in argv:
-                argv += ["--distributed-executor-backend", "uni"]
-            args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-            validate_parsed_serve_args(args)
-            self._start_watchdog(None)
-            self.task = loop.create_task(run_server(args), name=f"ds4lab-vllm-{self.launch.port}")
-            async with httpx.AsyncClient() as client:
-                while True:
-                    dead = None
-                    if self.task.done():
-                        exc = None if self.task.cancelled() else self.task.exception()
-                        dead = f"in-process vLLM server task ended during start-up ({exc!r})"
-                    if self._check_ready(dead is None and await _ahealth(client, self.url), dead):
-                        break
-                    await asyncio.sleep(0.5)
-            restore_fds()
-            fds_restored = True
-            self._swap_vllm_handlers()  # vLLM configured its logging during start-up
-            restore_signals()
-            self._engine_children = self._own_children()
-            return self
-        except BaseException:
-            if not fds_restored:
-                restore_fds()
-            restore_signals()
-            await self._astop_inprocess()
-            raise
+        argv = list(self.launch.server_args)
+        if self.uni_executor and "--distributed-executor-backend" not in argv:
+            argv += ["--distributed-executor-backend", "uni"]
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        validate_parsed_serve_args(args)
+        self._start_watchdog(None)
+        self.task = loop.create_task(run_server(args), name=f"ds4lab-vllm-{self.launch.port}")
+
+    def _give_back(self) -> None:
+        """fds 1/2 and the SIGINT/SIGTERM handlers back to the caller's (once)."""
+        for f in getattr(self, "_restore_now", []):
+            try:
+                f()
+            except Exception:  # noqa: BLE001
+                pass
+        self._restore_now = []
+
+    def _after_ready(self) -> None:
+        self._give_back()
+        self._swap_vllm_handlers()  # vLLM configured its logging during start-up
+        self._engine_children = self._own_children()
 
     def _redirect_vllm_logging(self, log) -> None:
         """vLLM's log records in this process go to the log file, not into the notebook's cells:
@@ -408,9 +559,27 @@ class Server:
         stream = io.TextIOWrapper(open(os.dup(log.fileno()), "ab", buffering=0), write_through=True)
         vllm_log_stream.target = stream
 
+        # vLLM 0.32 logs before it configures its "vllm" logger (e.g. "Triton is installed, but doesn't
+        # include CPU backend" at import, "Found ulimit ... Too many open files" in run_server): such
+        # records fall to logging.lastResort, i.e. the notebook cell's stderr (red). A handler of ours
+        # on the "vllm" logger until vLLM installs its own sends them to the log file too.
+        lg = logging.getLogger("vllm")
+        own = None
+        if not lg.handlers:
+            own = logging.StreamHandler(vllm_log_stream)
+            own.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"))
+            saved = (lg.level, lg.propagate)
+            lg.addHandler(own)
+            lg.setLevel(logging.INFO)
+            lg.propagate = False
+
         def done():
             vllm_log_stream.target = None
             stream.close()
+            if own is not None and own in lg.handlers:
+                lg.removeHandler(own)
+                lg.setLevel(saved[0])
+                lg.propagate = saved[1]
         self._restore.append(done)
         self._swap_vllm_handlers()
 
@@ -428,6 +597,8 @@ class Server:
     async def _astop_inprocess(self, grace: float = 20.0) -> None:
         import psutil
 
+        self._give_back()
+        well = self.task is not None and not self.task.done() and self._healthy
         t, self.task = self.task, None
         if t is not None and not t.done():
             t.cancel()
@@ -455,8 +626,8 @@ class Server:
                 self._restore.pop()()
             except Exception:  # noqa: BLE001
                 pass
-        if self._tail:
-            self._tail.poll()
+        self._finish(well)
+
 
 
 def _children() -> list:

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-__all__ = ["StartupInfo", "StartupParser", "ProgressEvent", "print_progress", "STAGES", "parse_log"]
+__all__ = ["StartupInfo", "StartupParser", "ProgressEvent", "print_progress", "STAGES", "parse_log", "stage_rows"]
 
 #: start-up stages in order (progress shows the current one)
 STAGES = ("launch", "weights", "kv_cache", "graph_capture", "warmup", "api", "ready")
@@ -171,3 +171,18 @@ def parse_log(text: str) -> StartupInfo:
     for line in text.splitlines():
         p.feed(line)
     return p.info
+
+
+def stage_rows(info: "StartupInfo | dict") -> list[dict]:
+    """The start-up as consecutive stages (a waterfall): one row per stage seen, in order, with
+    ``start_s`` (seconds after launch when vLLM's log entered it), ``seconds`` (until the next stage
+    began; the last, ``ready``, has 0) and ``end_s``. ``info``: a :class:`StartupInfo` or its
+    ``as_dict()``. The launch stage starts at 0."""
+    stages = dict(info["stages_s"] if isinstance(info, dict) else info.stages_s)
+    stages.setdefault("launch", 0.0)
+    st = sorted(stages.items(), key=lambda kv: (kv[1], STAGES.index(kv[0]) if kv[0] in STAGES else 99))
+    rows = []
+    for i, (name, t0) in enumerate(st):
+        t1 = st[i + 1][1] if i + 1 < len(st) else t0
+        rows.append({"stage": name, "start_s": round(t0, 2), "seconds": round(t1 - t0, 2), "end_s": round(t1, 2)})
+    return rows

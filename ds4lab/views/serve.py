@@ -1,12 +1,13 @@
 """Views over :mod:`ds4lab.serve` results: plotly figures (the core never imports this module).
 
-Every figure has a text twin in the core (:func:`ds4lab.serve.measure.comparison_rows` +
-:func:`~ds4lab.serve.measure.format_table`); a notebook cell shows both.
+Every figure has a text twin in the core (:func:`ds4lab.serve.measure.comparison_rows`,
+:func:`ds4lab.serve.startup.stage_rows` + :func:`~ds4lab.serve.measure.format_table`); a notebook cell
+shows both.
 """
 from __future__ import annotations
 
 from ds4lab.serve.measure import Comparison
-from ds4lab.serve.startup import StartupInfo
+from ds4lab.serve.startup import StartupInfo, stage_rows
 
 __all__ = ["comparison_figure", "acceptance_figure", "startup_figure"]
 
@@ -46,13 +47,19 @@ def acceptance_figure(c: Comparison):
 
 
 def startup_figure(info: StartupInfo | dict, title: str = "start-up stages"):
-    """When each start-up stage began (seconds after launch); ``info`` or its ``as_dict()``."""
+    """The start-up as a waterfall of stages (:func:`~ds4lab.serve.startup.stage_rows`): each bar
+    begins where the previous stage ended and lasts until the next one began (seconds after launch);
+    ``info`` is a :class:`StartupInfo` or its ``as_dict()``."""
     import plotly.graph_objects as go
 
-    stages = info["stages_s"] if isinstance(info, dict) else info.stages_s
-    st = sorted(stages.items(), key=lambda kv: kv[1])
-    fig = go.Figure(go.Bar(x=[v for _, v in st], y=[k for k, _ in st], orientation="h",
-                           text=[f"{v:.1f}s" for _, v in st], textposition="auto"))
-    fig.update_layout(title=title, xaxis_title="seconds after launch", height=300,
-                      margin=dict(t=50, b=40))
+    rows = [r for r in stage_rows(info) if r["stage"] != "ready"]
+    ready = next((r["start_s"] for r in stage_rows(info) if r["stage"] == "ready"), None)
+    fig = go.Figure(go.Bar(y=[r["stage"] for r in rows], x=[r["seconds"] for r in rows],
+                           base=[r["start_s"] for r in rows], orientation="h",
+                           text=[f"{r['seconds']:.1f} s" for r in rows], textposition="auto",
+                           hovertemplate="%{y}: %{base:.1f} -> %{x:.1f} s<extra></extra>"))
+    if ready is not None:
+        fig.add_vline(x=ready, line_dash="dot", annotation_text=f"/health 200 at {ready:.1f} s")
+    fig.update_layout(title=title, xaxis_title="seconds after launch", height=320,
+                      yaxis=dict(autorange="reversed"), margin=dict(t=60, b=40, l=110))
     return fig

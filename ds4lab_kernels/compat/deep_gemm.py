@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .._arch import num_sms
 from ..fp8_gemm import fp8_gemm_nt as _fp8_gemm_nt
 from ..indexer import fp8_mqa_logits as _fp8_mqa_logits
 from ..indexer import fp8_paged_mqa_logits as _fp8_paged_mqa_logits
@@ -35,12 +36,11 @@ _NUM_SMS: int | None = None
 # ---- device / layout helpers ----------------------------------------------------------------------
 def get_num_sms() -> int:
     """SM count the kernels may use (DeepGEMM ``get_num_sms``): the value of :func:`set_num_sms`, else
-    the current CUDA device's multiprocessor count (132, the H200, without CUDA)."""
+    the current device's multiprocessor count (:func:`ds4lab_kernels._arch.num_sms`: its CPU answer
+    without CUDA)."""
     if _NUM_SMS is not None:
         return _NUM_SMS
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132
+    return num_sms(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def set_num_sms(num_sms: int) -> None:
