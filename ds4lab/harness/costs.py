@@ -263,6 +263,24 @@ def _zero(s: dict) -> float:
     return 0.0
 
 
+def _compress_dims(s: dict) -> tuple[int, int, int]:
+    coff = 2 if s["ratio"] == 4 else 1
+    return coff, s["hd"], coff * s["ratio"]
+
+
+def compress_decode_min_bytes(s: dict) -> float:
+    """Decode compressor, every token on a boundary: its fp32 ``kv || score`` row in, its state row
+    out, the window's ``coff*ratio`` fp32 half-rows (kv + score, ``hd`` each) in, the bf16 entry out."""
+    coff, hd, W = _compress_dims(s)
+    return s["T"] * (2 * coff * hd * 4 * 2 + W * 2 * hd * 4 + hd * 2)
+
+
+def compress_decode_flops(s: dict) -> float:
+    """Softmax-weighted sum over the window (exp, add, mul, add per element) + norm + rope."""
+    coff, hd, W = _compress_dims(s)
+    return s["T"] * (4.0 * W * hd + 4.0 * hd)
+
+
 FLOPS: dict[str, Callable[[dict], float]] = {
     "fp8_gemm_nt": gemm_flops,
     "per_token_group_quant_fp8": _zero,
@@ -287,6 +305,7 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "topk_indices": _zero,
     "rmsnorm_rope": _zero,
     "swiglu_clamp": _zero,
+    "compress_decode": compress_decode_flops,
 }
 
 MIN_BYTES: dict[str, Callable[[dict], float]] = {
@@ -313,6 +332,7 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "topk_indices": topk_min_bytes,
     "rmsnorm_rope": rmsnorm_rope_min_bytes,
     "swiglu_clamp": swiglu_min_bytes,
+    "compress_decode": compress_decode_min_bytes,
 }
 
 # the selected experts' weights + the activations: what a MoE call brings through L2

@@ -20,9 +20,11 @@ mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                   
 hc_head                     ``kernel:mhc.hc_head``                                             2
 route                       ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
+compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress)     2
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)``             1 each
 rope / swiglu               / ``kernel:norm_rope.swiglu_clamp``                                 1
-compressor / embed / add    ``torch:compressor`` / ``torch:embedding`` / ``torch:add``
+compressor T > 64 / embed / ``torch:compressor`` / ``torch:embedding`` / ``torch:add``
+add
 ==========================  =============================================================  ========
 
 Decode is CUDA-graph capturable: no op here reads a device value back to the host for T <= 64
@@ -84,6 +86,7 @@ class KernelBackend(Backend):
     name = "kernel"
 
     def __init__(self, mhc_precision: str = "tf32"):
+        import ds4lab_kernels.compressor as comp
         import ds4lab_kernels.fp8_gemm as gemm
         import ds4lab_kernels.fp8_quant as quant
         import ds4lab_kernels.indexer as idx
@@ -95,8 +98,8 @@ class KernelBackend(Backend):
         import ds4lab_kernels.o_proj as oproj
         import ds4lab_kernels.sparse_mla as smla
         import ds4lab_kernels.topk as topk
-        self.k = dict(gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe, oproj=oproj,
-                      smla=smla, topk=topk, nr=nr)
+        self.k = dict(comp=comp, gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe,
+                      oproj=oproj, smla=smla, topk=topk, nr=nr)
         self.mhc_precision = mhc_precision
 
     # ---- dense glue ------------------------------------------------------------------------
@@ -145,7 +148,12 @@ class KernelBackend(Backend):
 
     def compressor(self, kv_score, positions, state, state_slots, window_slots, window_valid, ape,
                    norm_weight, eps, ratio, cos_sin, name):
-        with op_group(name, "torch:compressor"):
+        if kv_score.shape[0] <= DECODE_MAX_T:
+            with op_group(name, "kernel:compressor.compress_decode"):
+                return self.k["comp"].compress_decode(kv_score.contiguous(), positions, state, state_slots,
+                                                      window_slots, window_valid, ape, norm_weight, eps, ratio,
+                                                      cos_sin)
+        with op_group(name, "torch:compressor"):       # prefill chunks: boundary rows only
             return compress(kv_score, positions, state, state_slots, window_slots, window_valid, ape,
                             norm_weight, eps, ratio, cos_sin)
 

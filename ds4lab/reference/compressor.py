@@ -26,7 +26,7 @@ import torch
 
 from ds4lab.reference.rope import apply_rope
 
-__all__ = ["state_rows", "window_positions", "compress_window", "norm_rope", "compress"]
+__all__ = ["state_rows", "window_positions", "compress_window", "norm_rope", "compress", "compress_decode"]
 
 
 def state_rows(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
@@ -79,3 +79,25 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions
     states = st[win.clamp_min(0)]
     c = compress_window(states, valid, hd, ratio, coff)
     return norm_rope(c, norm_weight, eps, positions[b], ratio, cos_sin)
+
+
+def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+                    window_slots: torch.Tensor, window_valid: torch.Tensor, ape: torch.Tensor,
+                    norm_weight: torch.Tensor, eps: float, ratio: int, cos_sin: torch.Tensor) -> torch.Tensor:
+    """The model op's contract over a state ring (what ``ds4lab_kernels.compressor.compress_decode``
+    computes): write every token's state row ``state[state_slots]`` (float32, in place; slots outside
+    the ring skipped), then compress each token's window ``window_slots (T, coff*ratio)`` (masked by
+    ``window_valid``) -> bf16 ``(T, hd)``, zeros off a boundary. Float64 math on the state values."""
+    coff = 2 if ratio == 4 else 1
+    width = kv_score.shape[1] // 2
+    hd = width // coff
+    rows = state_rows(kv_score[:, :width], kv_score[:, width:], ape, positions, ratio)
+    ok = (state_slots >= 0) & (state_slots < state.shape[0])
+    state[state_slots[ok].long()] = rows[ok].to(state.dtype)
+    out = torch.zeros(kv_score.shape[0], hd, dtype=torch.bfloat16, device=kv_score.device)
+    b = ((positions + 1) % ratio == 0).nonzero().squeeze(1)
+    if len(b):
+        st = state[window_slots[b].long().clamp_min(0)]
+        c = compress_window(st, window_valid[b], hd, ratio, coff)
+        out[b] = norm_rope(c, norm_weight, eps, positions[b], ratio, cos_sin)
+    return out

@@ -1,0 +1,225 @@
+"""DeepSeek-V4 KV compressor, decode path (main attention hd 512, indexer hd 128; SPEC.md §2).
+
+Semantics: vLLM 0.32 ``models/deepseek_v4/compressor.py`` ``DeepseekCompressor.forward``,
+``common/ops/save_partial_states.py`` and ``common/ops/fused_compress_quant_cache.py``; the torch
+reference is :mod:`ds4lab.reference.compressor`. Ratio ``r`` (4 or 128), ``coff = 2`` with overlap
+(ratio 4) else 1, state rows ``kv || score`` of width ``2*coff*hd`` (float32).
+
+Two launches per call:
+
+1. ``_state_write_kernel``, grid ``(T,)``: program ``t`` writes token ``t``'s state row
+   ``kv || score + ape[pos % r]`` into ``state[state_slots[t]]``.
+2. ``_compress_kernel``, grid ``(T,)``: program ``t`` owns output row ``t`` (all ``hd`` dims). Off a
+   boundary (``(pos + 1) % r != 0``) it stores zeros. On one it streams the ``coff*r`` window rows
+   ``window_slots[t]`` in chunks of ``BLOCK_W`` with a per-dim online softmax over the scores
+   (window element ``i`` reads the first ``hd`` half of its row when ``i < r``, the second when
+   ``i >= r``; ``window_valid`` false = score ``-inf``), then RMSNorm (``eps``, ``norm_weight``),
+   forward GPT-J RoPE on the last ``cos_sin.shape[1]`` dims at position ``(pos // r) * r``, bf16.
+
+The split is the only cross-token dependency: an MTP step's second token's window holds the first
+token's row, written by launch 1. Dims are handled as ``(hd/2, 2)`` pairs so the RoPE rotation of
+an (even, odd) pair stays inside one program.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import _checks as chk
+from ._arch import arch_of
+
+__all__ = ["compress_decode", "CONFIGS", "pick_config"]
+
+RATIOS = (4, 128)
+HEAD_DIMS = (128, 512)
+
+
+@triton.jit
+def _state_write_kernel(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows,
+                        RATIO: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(T,)``.
+    One program owns token ``t``'s state row ``state[state_slots[t]]`` (``2*WIDTH`` fp32): ``kv`` copied,
+    ``score + ape[pos % RATIO]``; a slot outside ``[0, n_rows)`` is skipped."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    if (slot >= 0) & (slot < n_rows):
+        a_row = pos % RATIO
+        c = tl.arange(0, BLOCK)
+        m = c < WIDTH
+        src = ks_ptr + t.to(tl.int64) * stride_ks
+        dst = st_ptr + slot * stride_st
+        kv = tl.load(src + c, mask=m, other=0.0).to(tl.float32)
+        sc = tl.load(src + WIDTH + c, mask=m, other=0.0).to(tl.float32)
+        a = tl.load(ape_ptr + a_row * stride_ape + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst + c, kv, mask=m)
+        tl.store(dst + WIDTH + c, sc + a, mask=m)
+
+
+@triton.jit
+def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
+                     stride_st, stride_ws, stride_wv, stride_cs, stride_out, eps,
+                     RATIO: tl.constexpr, COFF: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
+                     BLOCK_W: tl.constexpr):
+    """Grid ``(T,)``.
+    One program owns output row ``t`` (all ``HD`` dims as ``(HD/2, 2)`` pairs): zeros off a boundary,
+    else the online-softmax window sum over ``COFF*RATIO`` state rows, RMSNorm, GPT-J RoPE, bf16."""
+    t = tl.program_id(0)
+    HALF: tl.constexpr = HD // 2
+    W: tl.constexpr = COFF * RATIO
+    WIDTH: tl.constexpr = COFF * HD
+    j = tl.arange(0, HALF)
+    k = tl.arange(0, 2)
+    d = 2 * j[:, None] + k[None, :]                                   # (HALF, 2) dim index
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    orow = out_ptr + t.to(tl.int64) * stride_out
+    if (pos + 1) % RATIO == 0:
+        m = tl.full((HALF, 2), float("-inf"), tl.float32)
+        l = tl.zeros((HALF, 2), tl.float32)
+        acc = tl.zeros((HALF, 2), tl.float32)
+        wi = tl.arange(0, BLOCK_W)
+        for w0 in range(0, W, BLOCK_W):
+            i = w0 + wi
+            slot = tl.load(ws_ptr + t.to(tl.int64) * stride_ws + i).to(tl.int64)
+            ok = tl.load(wv_ptr + t.to(tl.int64) * stride_wv + i) != 0
+            slot = tl.maximum(slot, 0)
+            if COFF == 2:
+                col = tl.where(i >= RATIO, HD, 0)
+            else:
+                col = tl.zeros_like(i)
+            base = st_ptr + slot[:, None, None] * stride_st + col[:, None, None] + d[None, :, :]
+            ok3 = ok[:, None, None] & (d[None, :, :] >= 0)
+            kv = tl.load(base, mask=ok3, other=0.0)
+            sc = tl.load(base + WIDTH, mask=ok3, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(sc - m_use[None, :, :])
+            l = l * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p * kv, axis=0)
+            m = m_new
+        c = acc / l
+        ms = tl.sum(tl.sum(c * c, axis=1), axis=0) / HD
+        w = tl.load(w_ptr + d).to(tl.float32)
+        n = c * (1.0 / tl.sqrt_rn(ms + eps)) * w
+        # GPT-J RoPE on the last ROPE dims: pair j rotates with cos_sin[cpos, j - (HALF - ROPE/2)]
+        cpos = (pos // RATIO) * RATIO
+        jr = j - (HALF - ROPE // 2)
+        rm = jr >= 0
+        cs_row = cs_ptr + cpos * stride_cs
+        cos = tl.load(cs_row + jr, mask=rm, other=1.0).to(tl.float32)
+        sin = tl.load(cs_row + ROPE // 2 + jr, mask=rm, other=0.0).to(tl.float32)
+        ev = tl.sum(tl.where(k[None, :] == 0, n, 0.0), axis=1)
+        od = tl.sum(tl.where(k[None, :] == 1, n, 0.0), axis=1)
+        r_ev = ev * cos - od * sin
+        r_od = od * cos + ev * sin
+        y = tl.where(k[None, :] == 0, r_ev[:, None], r_od[:, None])
+        tl.store(orow + d, y.to(tl.bfloat16))
+    else:
+        tl.store(orow + d, tl.zeros((HALF, 2), tl.bfloat16))
+
+
+def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+                    window_slots: torch.Tensor, window_valid: torch.Tensor, ape: torch.Tensor,
+                    norm_weight: torch.Tensor, eps: float, ratio: int, cos_sin: torch.Tensor,
+                    config: dict | None = None) -> torch.Tensor:
+    """The compressor for one decode step: save the state rows, compress every boundary token.
+
+    Args:
+        kv_score: ``(T, 2*coff*hd)`` float32 ``kv || score`` (the ``wkv_gate`` GEMM output), last
+            dim contiguous; ``coff = 2`` for ratio 4, 1 for ratio 128; ``hd`` 512 or 128.
+        positions: ``(T,)`` int32/int64 token positions (>= 0).
+        state: ``(N, 2*coff*hd)`` float32 state ring (all requests), written in place.
+        state_slots: ``(T,)`` int32/int64 row of ``state`` for each token (outside ``[0, N)``: skipped).
+        window_slots: ``(T, coff*ratio)`` int32/int64 state rows of positions
+            ``pos - coff*ratio + 1 .. pos`` (negative entries are clamped to 0 and must be masked).
+        window_valid: ``(T, coff*ratio)`` bool, False for window positions < 0.
+        ape: ``(ratio, coff*hd)`` float32 absolute position embedding added to the scores.
+        norm_weight: ``(hd,)`` RMSNorm weight (float32 or bf16). eps: RMSNorm epsilon.
+        ratio: 4 or 128.
+        cos_sin: ``(max_pos, R)`` float32 ``cos || sin`` table (R = 64 RoPE dims, GPT-J pairs).
+        config: a row of ``CONFIGS`` to force; default picks by arch and ratio.
+
+    Returns:
+        ``(T, hd)`` bfloat16: the normed, rotated compressed entry on boundary rows
+        (``(pos + 1) % ratio == 0``), zeros elsewhere (what the torch path returns).
+
+    Raises:
+        TypeError: wrong dtypes. ValueError: wrong shapes, strides, ratio, devices or head dim.
+
+    Semantics: :mod:`ds4lab.reference.compressor` (vLLM 0.32 ``DeepseekCompressor`` and the fused
+    ``_fused_kv_compress_norm_rope_insert_*`` kernels, up to the cache write).
+    """
+    if ratio not in RATIOS:
+        raise ValueError(f"ratio={ratio!r}: expected one of {RATIOS}")
+    coff = 2 if ratio == 4 else 1
+    chk.tensor("kv_score", kv_score, torch.float32, 2)
+    width2 = kv_score.shape[1]
+    if width2 % (2 * coff) or (width2 // (2 * coff)) not in HEAD_DIMS:
+        raise ValueError(f"kv_score: width {width2} is not 2*coff*hd for coff={coff}, hd in {HEAD_DIMS}")
+    hd = width2 // (2 * coff)
+    T = kv_score.shape[0]
+    chk.last_dim_contiguous("kv_score", kv_score)
+    chk.tensor("positions", positions, (torch.int32, torch.int64), 1)
+    chk.tensor("state", state, torch.float32, 2)
+    chk.tensor("state_slots", state_slots, (torch.int32, torch.int64), 1)
+    chk.tensor("window_slots", window_slots, (torch.int32, torch.int64), 2)
+    chk.tensor("window_valid", window_valid, torch.bool, 2)
+    chk.tensor("ape", ape, torch.float32, 2)
+    chk.tensor("norm_weight", norm_weight, (torch.float32, torch.bfloat16), 1)
+    chk.tensor("cos_sin", cos_sin, torch.float32, 2)
+    if state.shape[1] != width2:
+        raise ValueError(f"state: expected (N, {width2}) rows (2*coff*hd), got shape {tuple(state.shape)}")
+    chk.last_dim_contiguous("state", state)
+    chk.shape("positions", positions, (T,))
+    chk.shape("state_slots", state_slots, (T,))
+    W = coff * ratio
+    chk.shape("window_slots", window_slots, (T, W))
+    chk.shape("window_valid", window_valid, (T, W))
+    chk.shape("ape", ape, (ratio, coff * hd))
+    chk.last_dim_contiguous("ape", ape)
+    chk.shape("norm_weight", norm_weight, (hd,))
+    R = cos_sin.shape[1]
+    if R % 2 or R > hd:
+        raise ValueError(f"cos_sin: expected (max_pos, R) with even R <= {hd}, got {tuple(cos_sin.shape)}")
+    chk.last_dim_contiguous("cos_sin", cos_sin)
+    eps = chk.fp32_scalar("eps", eps, positive=True)
+    chk.same_device("kv_score", kv_score, positions=positions, state=state, state_slots=state_slots,
+                    window_slots=window_slots, window_valid=window_valid, ape=ape, norm_weight=norm_weight,
+                    cos_sin=cos_sin)
+    out = torch.empty(T, hd, dtype=torch.bfloat16, device=kv_score.device)
+    if T == 0:
+        return out
+    positions, state_slots = positions.contiguous(), state_slots.contiguous()
+    window_slots = window_slots.contiguous()
+    wv = window_valid.contiguous().view(torch.uint8)
+    norm_weight = norm_weight.contiguous()
+    cfg = config or pick_config(ratio, hd, kv_score.device)
+    width = coff * hd
+    _state_write_kernel[(T,)](kv_score, positions, state_slots, ape, state, kv_score.stride(0), state.stride(0),
+                              ape.stride(0), state.shape[0], RATIO=ratio, WIDTH=width,
+                              BLOCK=triton.next_power_of_2(width), num_warps=cfg["write_warps"])
+    bw = min(cfg["BLOCK_W"], W)
+    _compress_kernel[(T,)](state, positions, window_slots, wv, norm_weight, cos_sin, out,
+                           state.stride(0), window_slots.stride(0), wv.stride(0), cos_sin.stride(0), out.stride(0),
+                           eps, RATIO=ratio, COFF=coff, HD=hd, ROPE=R, BLOCK_W=bw,
+                           num_warps=cfg["num_warps"], num_stages=1)
+    return out
+
+
+# ---- config table ------------------------------------------------------------------------------
+# One program per token, all hd dims (the RMSNorm needs them); the window streams in BLOCK_W-row
+# chunks (BLOCK_W * hd * 2 fp32 per chunk in registers: 8 x 512 x 2 = 32 KB for 8 warps). Pure
+# bandwidth: a C128 hd-512 boundary token reads 128 rows x 4 KB = 512 KB.
+CONFIGS = {
+    arch: {
+        "c4_hd512": {"BLOCK_W": 8, "num_warps": 8, "write_warps": 4},
+        "c4_hd128": {"BLOCK_W": 8, "num_warps": 4, "write_warps": 2},
+        "c128_hd512": {"BLOCK_W": 8, "num_warps": 8, "write_warps": 4},
+        "c128_hd128": {"BLOCK_W": 32, "num_warps": 4, "write_warps": 2},
+    }
+    for arch in ("sm_89", "sm_90")
+}
+
+
+def pick_config(ratio: int, hd: int, device: torch.device) -> dict:
+    return CONFIGS[arch_of(device)][f"c{ratio}_hd{hd}"]
