@@ -24,7 +24,7 @@ import os
 
 
 def run(model: str, prompts: list[list[int]], steps: int = 32, max_model_len: int = 4096) -> list[dict]:
-    from ds4lab.vllm_plugin.server import cpu_env
+    from ds4lab.serve.launch import cpu_env
     os.environ.update({k: v for k, v in cpu_env().items() if k not in os.environ or k == "TRITON_INTERPRET"})
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process: hooks reach it
