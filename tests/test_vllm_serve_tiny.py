@@ -18,7 +18,9 @@ from ds4lab.serve import Server, build_launch, cpu_env
 
 pytestmark = pytest.mark.vllm
 
-READY_BUDGET_S = float(os.environ.get("DS4LAB_SERVER_READY_BUDGET_S", "60"))
+# A start-up hang detector, not a speed goal: ready in 20-40 s on the quiet 2-core CI box, 63-109 s
+# when other suites share its two cores (session 3); speed is measured by `ds4lab serve --bench`.
+READY_BUDGET_S = float(os.environ.get("DS4LAB_SERVER_READY_BUDGET_S", "150"))
 RSS_BUDGET = 3 * 2**30
 LONG = "y" * 2100 + " end"  # > 4 x index_topk tokens: the C4A lightning indexer really selects
 PROMPTS = ["hello world", "the", "0123456789" * 8, LONG]
