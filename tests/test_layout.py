@@ -142,3 +142,18 @@ def test_serve_measure_and_server_import_one_way():
     """serve.server never imports serve.measure (measure drives a server, not the reverse)."""
     assert not {m for m in _imported(os.path.join(ROOT, "ds4lab", "serve", "server.py"))
                 if m.startswith("ds4lab.serve.measure")}
+
+
+CORE = ("ds4lab.harness", "ds4lab.planner", "ds4lab.serve", "ds4lab.model", "ds4lab.reference",
+        "ds4lab.config", "ds4lab.checkpoint", "ds4lab.doctor", "ds4lab.vllm_plugin", "ds4lab.geometry",
+        "ds4lab.tables")
+
+
+def test_the_core_never_imports_a_view():
+    """Views (plotly figures, widgets: ds4lab.views) depend on the core, never the reverse; only the
+    notebook and tour faces (ds4lab/notebook.py, ds4lab/tour.py) put the two together."""
+    for pkg in CORE:
+        reach = _reach(pkg) if _module_file(pkg) is None or os.path.isdir(os.path.join(ROOT, *pkg.split("."))) \
+            else {m: pkg for m in _imported(_module_file(pkg))}
+        bad = {m: f for m, f in reach.items() if m == "ds4lab.views" or m.startswith("ds4lab.views.")}
+        assert not bad, f"{pkg} imports a view: {bad}"
