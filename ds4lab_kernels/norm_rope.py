@@ -7,7 +7,7 @@ Semantics (vLLM 0.32 ``models/deepseek_v4``; ds4lab twin ``ds4lab/model/backend_
   ``y = x * rsqrt(mean(x^2) + eps)`` (times ``weight`` where given; ``norm=False`` skips the norm),
   then, where ``positions`` is given, GPT-J interleaved RoPE on the LAST ``R = cos_sin.shape[1]``
   dims: pairs ``(2i, 2i+1)``, ``y0' = y0 cos - y1 sin``, ``y1' = y1 cos + y0 sin``, ``cos/sin``
-  from row ``positions[t]`` of the float32 ``cos || sin`` table (:mod:`ds4lab.reference.rope`).
+  taken at row ``positions[t]`` of the float32 ``cos || sin`` table (:mod:`ds4lab.reference.rope`).
   One bfloat16 rounding at the end. This covers the q head norm (``(T, H, 512)``, no weight, norm
   + rope), ``q_norm`` / ``kv_norm`` (weight, no rope) and the kv latent RoPE (no norm, rope).
 * ``swiglu_clamp``: ``gu (T, 2I)`` -> ``silu(min(g, limit)) * clamp(u, -limit, limit)`` with
