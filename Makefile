@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP := bash env/setup.sh
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast test-fuzz tour lab aot bench-gpu step-gpu lock clean info doctor plan serve serve-bench tiny screenshots
+.PHONY: peer-src setup test test-fast test-fuzz tour lab aot bench-gpu step-gpu lock clean info doctor plan serve serve-bench tiny screenshots
 
 setup:
 	@$(SETUP)
@@ -44,6 +44,11 @@ aot: setup
 ## On the H200 image (no venv): python3 -m ds4lab.harness.bench --out results/
 bench-gpu:
 	python3 -m ds4lab.harness.bench --out results
+
+## The peer kernels' vLLM source for a machine without vLLM (the H200): copied into the ignored
+## .peer/ (never committed); pass it as `--peer-src .peer` (carry .peer to the device)
+peer-src: setup
+	$(PY) -m ds4lab.harness.peers --copy-to .peer
 
 ## On the H200 image: the decode step, model check + native and sm_89 builds (MODE=full for all points)
 step-gpu:

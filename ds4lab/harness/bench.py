@@ -351,10 +351,14 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", type=json.loads, help="one shape as JSON (as printed in a row's repro)")
     p.add_argument("--config", help="one config label; 'none' times the baselines only")
     p.add_argument("--no-baselines", action="store_true", help="skip the baseline rows")
+    p.add_argument("--peer-src", metavar="DIR", help="a copy of vLLM's source (DIR/vllm/...) for the peer "
+                   "kernels (ds4lab.harness.peers); default: the installed vllm, or $DS4LAB_PEER_SRC")
 
 
 def main(args) -> int:
     _setup_build(args.arch)
+    if getattr(args, "peer_src", None):
+        os.environ["DS4LAB_PEER_SRC"] = args.peer_src
     import torch
     if not torch.cuda.is_available():
         print("ds4lab bench: no CUDA device here. The committed rows in results/*.csv were measured on "
