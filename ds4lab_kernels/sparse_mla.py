@@ -143,43 +143,53 @@ def _sparse_mla_split_kernel(
 
 @triton.jit
 def _sparse_mla_merge_kernel(
-    out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh,
-    SPLITS: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+    out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S,
+    SP2: tl.constexpr, SB: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, D: tl.constexpr,
 ):
-    """Grid ``(cdiv(num_heads, BLOCK_H), num_tokens)``.
-    One program: BLOCK_H heads of one token: merges the SPLITS partials with the sink."""
+    """Grid ``(cdiv(num_heads, BLOCK_H), D // BLOCK_D, num_tokens)``.
+    One program: BLOCK_H heads x BLOCK_D dims of one token: merges the S split partials with the
+    sink. All S (max, sum) pairs are read as one tile and the partials SB splits at a time as
+    ``(SB, BLOCK_H, BLOCK_D)`` tiles, so a token's merge is D // BLOCK_D programs wide and a few
+    dependent loads deep (not one program walking S x 512 floats)."""
     hg = tl.program_id(0)
-    tok = tl.program_id(1).to(tl.int64)
+    dg = tl.program_id(1)
+    tok = tl.program_id(2).to(tl.int64)
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
-    offs_d = tl.arange(0, D)
+    offs_d = dg * BLOCK_D + tl.arange(0, BLOCK_D)
     sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
-    mc = tl.full((BLOCK_H,), float("-inf"), tl.float32)          # max over the candidates only
-    for s in range(SPLITS):
-        row = (tok * SPLITS + s) * H + offs_h
-        mc = tl.maximum(mc, tl.load(ml_ptr + row * 2, mask=hmask, other=float("-inf")))
+    ss = tl.arange(0, SP2)
+    rows = (tok * S + ss[:, None]) * H + offs_h[None, :]                    # (SP2, BLOCK_H)
+    sm = (ss < S)[:, None] & hmask[None, :]
+    m_s = tl.load(ml_ptr + rows * 2, mask=sm, other=float("-inf"))
+    l_s = tl.load(ml_ptr + rows * 2 + 1, mask=sm, other=0.0)
+    mc = tl.max(m_s, 0)                                                     # max over the candidates only
     mx = tl.maximum(mc, sink)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    den = tl.exp2(sink - mx)
+    den = tl.sum(l_s * tl.exp2(m_s - mx[None, :]), 0) + tl.exp2(sink - mx)
     mc_use = tl.where(mc == float("-inf"), 0.0, mc)
-    lc = tl.zeros((BLOCK_H,), tl.float32)                         # candidates' sum at their own max
-    o = tl.zeros((BLOCK_H, D), tl.float32)
-    for s in range(SPLITS):
-        row = (tok * SPLITS + s) * H + offs_h
-        m_s = tl.load(ml_ptr + row * 2, mask=hmask, other=float("-inf"))
-        l_s = tl.load(ml_ptr + row * 2 + 1, mask=hmask, other=0.0)
-        f = tl.exp2(m_s - mx)
-        den += l_s * f
-        lc += l_s * tl.exp2(m_s - mc_use)
-        o += tl.load(part_ptr + row[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0) * f[:, None]
+    o = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    sb = tl.arange(0, SB)
+    for s0 in range(0, S, SB):
+        s_ = s0 + sb
+        prow = (tok * S + s_[:, None]) * H + offs_h[None, :]                # (SB, BLOCK_H)
+        pm = (s_ < S)[:, None] & hmask[None, :]
+        ms = tl.load(ml_ptr + prow * 2, mask=pm, other=float("-inf"))
+        f = tl.where(pm, tl.exp2(ms - mx[None, :]), 0.0)
+        x = tl.load(part_ptr + prow[:, :, None] * D + offs_d[None, None, :], mask=pm[:, :, None], other=0.0)
+        o += tl.sum(x * f[:, :, None], 0)
     den_safe = tl.where(den > 0, den, 1.0)
     o = tl.where((den > 0)[:, None], o / den_safe[:, None], 0.0)
     tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              o.to(tl.bfloat16), mask=hmask[:, None])
     if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
-        lse = tl.where(lc > 0, (mc_use + tl.log2(tl.where(lc > 0, lc, 1.0))) * 0.6931471805599453, float("inf"))
-        tl.store(lse_ptr + tok * H + offs_h, lse, mask=hmask)
-        tl.store(mlog_ptr + tok * H + offs_h, mc * 0.6931471805599453, mask=hmask)
+        if dg == 0:
+            lc = tl.sum(l_s * tl.exp2(m_s - mc_use[None, :]), 0)            # candidates' sum at their own max
+            lse = tl.where(lc > 0, (mc_use + tl.log2(tl.where(lc > 0, lc, 1.0))) * 0.6931471805599453,
+                           float("inf"))
+            tl.store(lse_ptr + tok * H + offs_h, lse, mask=hmask)
+            tl.store(mlog_ptr + tok * H + offs_h, mc * 0.6931471805599453, mask=hmask)
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -260,10 +270,13 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False):
         A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S, HAS_LSE=return_lse,
         BLOCK_H=BH, BLOCK_N=BN, D=D, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     if S > 1:
-        bhm = min(16, triton.next_power_of_2(H))
-        _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), T)](
-            out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)), H, out.stride(0), out.stride(1),
-            SPLITS=S, HAS_LSE=return_lse, BLOCK_H=bhm, D=D, num_warps=4, num_stages=1)
+        bhm = min(cfg.get("MERGE_BH", 16), triton.next_power_of_2(H))
+        bd = cfg.get("MERGE_BD", 64)
+        sp2 = triton.next_power_of_2(S)
+        _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), D // bd, T)](
+            out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)), H, out.stride(0),
+            out.stride(1), S, SP2=sp2, SB=min(sp2, cfg.get("MERGE_SB", 8)), HAS_LSE=return_lse, BLOCK_H=bhm,
+            BLOCK_D=bd, D=D, num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1)
     return (out, stats) if return_lse else out
 
 
@@ -385,10 +398,15 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 # BLOCK_H heads x BLOCK_N candidates per tile; the (BLOCK_N, 512) bf16 K/V tile is the shared
 # memory user (BLOCK_N KiB per copy), the fp32 (BLOCK_H, 512) accumulator lives in registers
 # (BLOCK_H*512*4 / (32*num_warps) bytes per thread), so wide head blocks need more warps.
-# SPLITS=None: chosen from the shapes (about two programs per SM).
+# SPLITS=None: chosen from the shapes (about PROGS_PER_SM programs per SM, at least MIN_TILES
+# tiles per split). The merge (S > 1) is its own launch, (heads/MERGE_BH, 512/MERGE_BD, tokens)
+# programs wide, MERGE_SB splits per load. "m1" rows: MIN_TILES 1 (one tile per program at T=1:
+# the shortest dependent chain, more partials for the parallel merge); T=1 candidates.
+_T1 = {"MIN_TILES": 1, "MERGE_BD": 32, "MERGE_SB": 8}
 CONFIGS = {
     "sm_89": {
         "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+        "h16n16m1": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1},
         # h32n16 (never the sm_89 default) left the table: its one-pass form (SPLITS=1, what a 128-SM
         # RTX 4090 takes for prefill at 64 tokens x 64 heads) spills 8/4 B on sm_89 (ds4lab aot; the
         # split form the report used to build at 132 SMs does not)
@@ -401,21 +419,35 @@ CONFIGS = {
         "h16n32s2": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
         "h32n32": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
         "h32n32p1": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PROGS_PER_SM": 1},
+        # T=1 candidates (issue 20): the sm_89 tile on sm_90 (16 candidates per tile: half the
+        # dependent gather per program), and both with one tile per split
+        "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+        "h16n16m1": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1},
+        "h16n32s2m1": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **_T1},
     },
 }
 
+# Defaults per build: ``(max_heads, max_tokens, label)`` rows, the first whose bounds hold wins (None:
+# any). Rows from timed runs only: sm_89 h16n16 (H200 sm_89 build, run 4); sm_90 h16n32s2 / h32n32 are
+# the spill-free rows that replaced the timed h16n32 without a timing (issue 20: stale). The H200 sweep
+# `OUT=DIR bash scripts/gpu/attn.sh` times every row in both builds and
+# `python scripts/gpu/attn_pick.py DIR/bench.csv` prints the replacement lines from the winners.
+DEFAULTS = {
+    "sm_89": ((None, None, "h16n16"),),
+    "sm_90": ((16, None, "h16n32s2"), (None, None, "h32n32")),
+}
 
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
-GPU_DEFAULTS = {"sm_89": ("h16n16",), "sm_90": ("h16n32s2", "h32n32")}
+GPU_DEFAULTS = {a: tuple(dict.fromkeys(r[-1] for r in rows)) for a, rows in DEFAULTS.items()}
 
 
 def pick_config(num_heads: int, device: torch.device, num_tokens: int | None = None) -> dict:
-    """Default config: sm_89 h16n16 (the only decode tile without spills on triton 3.6 and 3.7);
-    sm_90 h16n32s2 for <= 16 heads, h32n32 above (H200 run 4: h32n32 121.4 us at T=32, 64 heads;
-    the faster 64-head tiles spill on sm_90 and are out of the table)."""
+    """The first ``DEFAULTS`` row of ``device``'s build whose head and token bounds hold
+    (``num_tokens=None``: prefill, read as a large token count)."""
     arch = arch_of(device)
-    table = CONFIGS[arch]
-    if num_heads <= 16:
-        return table["h16n16" if arch == "sm_89" else "h16n32s2"]
-    return table["h16n16" if arch == "sm_89" else "h32n32"]
+    t = 1 << 30 if num_tokens is None else num_tokens
+    for max_h, max_t, label in DEFAULTS[arch]:
+        if (max_h is None or num_heads <= max_h) and (max_t is None or t <= max_t):
+            return CONFIGS[arch][label]
+    return CONFIGS[arch][DEFAULTS[arch][-1][-1]]

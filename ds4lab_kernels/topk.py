@@ -101,24 +101,6 @@ def _descend(h, need, prefix, T, need_eq, done, LVL: tl.constexpr):
 
 
 @triton.jit
-def _write_selected(row_ptr, out_row, lane, lo, hi, T, need_eq, n_sel, n_eq, BLOCK: tl.constexpr):
-    """Output pass over entries ``[lo, hi)``: the indices of the keys ``> T`` and of the first
-    ``need_eq`` keys ``== T`` of the row (``n_eq`` equal keys come before ``lo``), stored in ascending
-    index order from output slot ``n_sel``; ``lane`` is ``tl.arange(0, BLOCK)``."""
-    for c in range(lo, hi, BLOCK):
-        offs = c + lane
-        key, valid = _load_keys(row_ptr, offs, hi)
-        gt = valid & (key > T)
-        eq = valid & (key == T)
-        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-        take = gt | (eq & (eq_rank < need_eq))
-        pos = n_sel + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(out_row + pos, offs, mask=take)
-        n_sel += tl.sum(take.to(tl.int32), 0)
-        n_eq += tl.sum(eq.to(tl.int32), 0)
-
-
-@triton.jit
 def _pad_tail(out_row, k_eff, K: tl.constexpr, KP2: tl.constexpr):
     """``-1`` in output slots ``[k_eff, K)``."""
     q = tl.arange(0, KP2)
@@ -126,8 +108,9 @@ def _pad_tail(out_row, k_eff, K: tl.constexpr, KP2: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
-                 K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_kernel(x_ptr, len_ptr, off_ptr, out_ptr, N, stride_xr, stride_or,
+                 K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, HAS_OFF: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """Grid ``(num_rows,)``.
     One program: one whole row (4 radix passes, then the output pass)."""
     r = tl.program_id(0).to(tl.int64)
@@ -150,19 +133,32 @@ def _topk_kernel(x_ptr, len_ptr, out_ptr, N, stride_xr, stride_or,
                 h = _digit_hist(tl.zeros((256,), tl.int32), row_ptr, lane, 0, L, prefix, lvl, BLOCK)
             prefix, need, T, need_eq, done = _descend(h, need, prefix, T, need_eq, done, lvl)
     # output pass: ascending index order, ties on T resolved by lower index
-    _write_selected(row_ptr, out_row, lane, 0, L, T, need_eq, k_eff * 0, k_eff * 0, BLOCK)
+    off = 0
+    if HAS_OFF:
+        off = tl.load(off_ptr + r)
+    _write_from(row_ptr, row_ptr, out_row, lane, L, T, need_eq, off, False, BLOCK)
     _pad_tail(out_row, k_eff, K, KP2)
 
 
-# ---- split variant: P programs per row (config key "SPLIT": True) -------------------------------
-# state row (int32): [k_eff, need, prefix, done, T, need_eq, 0, 0]; the histogram of pass `lvl` is
-# summed over the row's P chunks by a one-program-per-row select kernel (4 x (hist, select), then
-# count + write). Launch count and workspace sizes depend on shapes only (CUDA-graph safe).
+# ---- three-launch variant (config key "VARIANT": "r3"): P programs per row ---------------------
+# L1 (R, P): each chunk's 256-bin histogram of the top key byte -> h0 [R, P, 256]; chunk 0 zeroes the
+#     row's arrival counter.
+# L2 (R, P): every program sums the row's P top-byte histograms (P x 1 KiB from L2) and descends one
+#     radix level (the same decision in every program of the row; chunk 0 stores it); its chunk's counts
+#     above / at that bin -> aux; its chunk's histogram of key byte 2 among keys in that bin -> h1.
+# L3 (R, P): the second level from the summed h1 gives a 16-bit key prefix; the candidates (keys >=
+#     the lowest key of that prefix: every selected entry and every tie of the k-th) are counted per
+#     chunk from h0/h1, so each chunk writes its candidates, in index order, at its exclusive prefix
+#     offset into a compact per-row list (values + indices, capacity CAP). The last program of the row
+#     to finish (atomic arrival counter, acq_rel) selects exactly among the candidates (levels 3 and 4
+#     of the radix select, then the ordered write); a row with more than CAP candidates (a plateau of
+#     equal keys) is resolved from the row itself instead (slower, same result).
+# Three launches; workspaces and grid depend on shapes only (CUDA-graph safe); the counter is zeroed
+# in the same call (no state between calls); integer counts only (deterministic).
 @triton.jit
-def _split_hist_kernel(x_ptr, len_ptr, hist_ptr, state_ptr, N, stride_xr, chunk, P,
-                       LVL: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(num_rows, P)``.
-    One program: one chunk of one row: its 256-bin histogram of radix level LVL."""
+def _r3_hist0_kernel(x_ptr, len_ptr, h0_ptr, cnt_ptr, N, stride_xr, chunk, P,
+                     HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(num_rows, P)``. One program: one chunk of one row: its top-byte histogram."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
@@ -170,101 +166,173 @@ def _split_hist_kernel(x_ptr, len_ptr, hist_ptr, state_ptr, N, stride_xr, chunk,
     lo = p * chunk
     hi = tl.minimum(lo + chunk, L)
     lane = tl.arange(0, BLOCK)
-    h = tl.zeros((256,), tl.int32)
-    if LVL == 0:
-        h = _digit_hist(h, row_ptr, lane, lo, hi, 0, LVL, BLOCK)
-    else:
-        done = tl.load(state_ptr + r * 8 + 3)
-        prefix = tl.load(state_ptr + r * 8 + 2)
-        if done == 0:
-            h = _digit_hist(h, row_ptr, lane, lo, hi, prefix, LVL, BLOCK)
-    tl.store(hist_ptr + (r * P + p) * 256 + tl.arange(0, 256), h)
-
-
-@triton.jit
-def _split_select_kernel(hist_ptr, state_ptr, P, K: tl.constexpr, LVL: tl.constexpr):
-    """Grid ``(num_rows,)``.
-    One program: one row: merges the P chunk histograms and advances that row's radix state."""
-    r = tl.program_id(0).to(tl.int64)
-    bins = tl.arange(0, 256)
-    h = tl.zeros((256,), tl.int32)
-    for p in range(0, P):
-        h += tl.load(hist_ptr + (r * P + p) * 256 + bins)
-    sp = state_ptr + r * 8
-    if LVL == 0:
-        k_eff = tl.minimum(tl.sum(h, 0), K)
-        need = k_eff
-        prefix = k_eff * 0
-        done = (k_eff == 0).to(tl.int32)
-        T = k_eff * 0 + 2147483647
-        need_eq = k_eff * 0
-        tl.store(sp + 0, k_eff)
-    else:
-        need = tl.load(sp + 1)
-        prefix = tl.load(sp + 2)
-        done = tl.load(sp + 3)
-        T = tl.load(sp + 4)
-        need_eq = tl.load(sp + 5)
-    if done == 0:
-        prefix, need, T, need_eq, done = _descend(h, need, prefix, T, need_eq, done, LVL)
-    tl.store(sp + 1, need)
-    tl.store(sp + 2, prefix)
-    tl.store(sp + 3, done)
-    tl.store(sp + 4, T)
-    tl.store(sp + 5, need_eq)
-
-
-@triton.jit
-def _split_count_kernel(x_ptr, len_ptr, cnt_ptr, state_ptr, N, stride_xr, chunk, P,
-                        HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(num_rows, P)``.
-    One program: one chunk of one row: how many of its keys are > and == the row's threshold."""
-    r = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    row_ptr = x_ptr + r * stride_xr
-    L = _row_len(len_ptr, r, N, HAS_LEN)
-    lo = p * chunk
-    hi = tl.minimum(lo + chunk, L)
-    lane = tl.arange(0, BLOCK)
-    T = tl.load(state_ptr + r * 8 + 4)
-    n_gt = tl.zeros((BLOCK,), tl.int32)
-    n_eq = tl.zeros((BLOCK,), tl.int32)
-    for c in range(lo, hi, BLOCK):
-        key, valid = _load_keys(row_ptr, c + lane, hi)
-        n_gt += (valid & (key > T)).to(tl.int32)
-        n_eq += (valid & (key == T)).to(tl.int32)
-    tl.store(cnt_ptr + (r * P + p) * 2, tl.sum(n_gt, 0))
-    tl.store(cnt_ptr + (r * P + p) * 2 + 1, tl.sum(n_eq, 0))
-
-
-@triton.jit
-def _split_write_kernel(x_ptr, len_ptr, out_ptr, cnt_ptr, state_ptr, N, stride_xr, stride_or, chunk, P,
-                        K: tl.constexpr, KP2: tl.constexpr, PP2: tl.constexpr, HAS_LEN: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """Grid ``(num_rows, P)``.
-    One program: one chunk of one row: writes its selected indices at the chunk's output offset."""
-    r = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    row_ptr = x_ptr + r * stride_xr
-    out_row = out_ptr + r * stride_or
-    L = _row_len(len_ptr, r, N, HAS_LEN)
-    lo = p * chunk
-    hi = tl.minimum(lo + chunk, L)
-    lane = tl.arange(0, BLOCK)
-    k_eff = tl.load(state_ptr + r * 8)
-    T = tl.load(state_ptr + r * 8 + 4)
-    need_eq = tl.load(state_ptr + r * 8 + 5)
-    pp = tl.arange(0, PP2)
-    before = pp < p
-    gt_before = tl.sum(tl.load(cnt_ptr + (r * P + pp) * 2, mask=before, other=0), 0)
-    eq_before = tl.sum(tl.load(cnt_ptr + (r * P + pp) * 2 + 1, mask=before, other=0), 0)
-    _write_selected(row_ptr, out_row, lane, lo, hi, T, need_eq, gt_before + tl.minimum(eq_before, need_eq),
-                    eq_before, BLOCK)
+    h = _digit_hist(tl.zeros((256,), tl.int32), row_ptr, lane, lo, hi, 0, 0, BLOCK)
+    tl.store(h0_ptr + (r * P + p) * 256 + tl.arange(0, 256), h)
     if p == 0:
+        tl.store(cnt_ptr + r, 0)
+
+
+@triton.jit
+def _sum_chunks(h_ptr, r, P, PP2: tl.constexpr):
+    """The row's P chunk histograms ``h[r, :P, :]`` as a ``(PP2, 256)`` tile (rows >= P are zeros)."""
+    pp = tl.arange(0, PP2)
+    bins = tl.arange(0, 256)
+    return tl.load(h_ptr + (r * P + pp[:, None]) * 256 + bins[None, :], mask=(pp < P)[:, None], other=0)
+
+
+@triton.jit
+def _r3_hist1_kernel(x_ptr, len_ptr, h0_ptr, h1_ptr, aux_ptr, st_ptr, N, stride_xr, chunk, P,
+                     K: tl.constexpr, PP2: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(num_rows, P)``. One program: the row's first radix level (from all chunks' top-byte
+    histograms), then its own chunk's histogram of byte 2 within the selected top byte."""
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    row_ptr = x_ptr + r * stride_xr
+    L = _row_len(len_ptr, r, N, HAS_LEN)
+    lo = p * chunk
+    hi = tl.minimum(lo + chunk, L)
+    lane = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    tile = _sum_chunks(h0_ptr, r, P, PP2)
+    h = tl.sum(tile, 0)
+    k_eff = tl.minimum(tl.sum(h, 0), K)
+    T = k_eff * 0 + 2147483647
+    need_eq = k_eff * 0
+    done = k_eff == 0
+    need = k_eff
+    prefix = k_eff * 0
+    if not done:
+        prefix, need, T, need_eq, done = _descend(h, need, prefix, T, need_eq, done, 0)
+    b0 = prefix + 128                                       # the selected top-byte bin (k_eff > 0)
+    own = tl.load(h0_ptr + (r * P + p) * 256 + bins)
+    gt = tl.sum(tl.where(bins > b0, own, 0), 0)
+    ge = tl.sum(tl.where(bins >= b0, own, 0), 0)
+    tl.store(aux_ptr + (r * P + p) * 2, tl.where(k_eff > 0, gt, 0))
+    tl.store(aux_ptr + (r * P + p) * 2 + 1, tl.where(k_eff > 0, ge, 0))
+    h1 = tl.zeros((256,), tl.int32)
+    if not done:
+        h1 = _digit_hist(h1, row_ptr, lane, lo, hi, prefix, 1, BLOCK)
+    tl.store(h1_ptr + (r * P + p) * 256 + bins, h1)
+    if p == 0:
+        sp = st_ptr + r * 8
+        tl.store(sp + 0, k_eff)
+        tl.store(sp + 1, need)
+        tl.store(sp + 2, prefix)
+        tl.store(sp + 3, done.to(tl.int32))
+        tl.store(sp + 4, T)
+        tl.store(sp + 5, need_eq)
+
+
+@triton.jit
+def _gather(row_ptr, cv_ptr, ci_ptr, lane, lo, hi, lo_key, pos0, BLOCK: tl.constexpr):
+    """Entries ``[lo, hi)`` of a row with key >= ``lo_key``, values and indices in index order,
+    stored from candidate slot ``pos0``."""
+    n = pos0
+    for c in range(lo, hi, BLOCK):
+        offs = c + lane
+        m = offs < hi
+        v = tl.load(row_ptr + offs, mask=m, other=float("-inf"))
+        valid = m & (v == v) & (v != float("-inf"))
+        take = valid & (_skey(v) >= lo_key)
+        pos = n + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(cv_ptr + pos, v, mask=take)
+        tl.store(ci_ptr + pos, offs, mask=take)
+        n += tl.sum(take.to(tl.int32), 0)
+
+
+@triton.jit
+def _write_from(val_ptr, idx_ptr, out_row, lane, n, T, need_eq, off, HAS_IDX: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Ordered output pass over ``n`` entries of a list (indices ``idx[j]``, or ``j``): the keys
+    ``> T`` and the first ``need_eq`` keys ``== T``, stored as ``index + off`` from slot 0."""
+    n_sel = n * 0
+    n_eq = n * 0
+    for c in range(0, n, BLOCK):
+        offs = c + lane
+        key, valid = _load_keys(val_ptr, offs, n)
+        gt = valid & (key > T)
+        eq = valid & (key == T)
+        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        take = gt | (eq & (eq_rank < need_eq))
+        pos = n_sel + tl.cumsum(take.to(tl.int32), 0) - 1
+        if HAS_IDX:
+            ix = tl.load(idx_ptr + offs, mask=take, other=0)
+        else:
+            ix = offs
+        tl.store(out_row + pos, ix + off, mask=take)
+        n_sel += tl.sum(take.to(tl.int32), 0)
+        n_eq += tl.sum(eq.to(tl.int32), 0)
+
+
+@triton.jit
+def _finish_levels(val_ptr, lane, n, need, prefix, T, need_eq, done, BLOCK: tl.constexpr):
+    """Radix levels 2 and 3 (key bytes 1 and 0) over ``n`` entries of a list."""
+    for lvl in tl.static_range(2, 4):
+        if not done:
+            h = _digit_hist(tl.zeros((256,), tl.int32), val_ptr, lane, 0, n, prefix, lvl, BLOCK)
+            prefix, need, T, need_eq, done = _descend(h, need, prefix, T, need_eq, done, lvl)
+    return T, need_eq
+
+
+@triton.jit
+def _r3_select_kernel(x_ptr, len_ptr, off_ptr, out_ptr, h1_ptr, aux_ptr, st_ptr, cnt_ptr, cv_ptr, ci_ptr,
+                      N, stride_xr, stride_or, chunk, P, CAP,
+                      K: tl.constexpr, KP2: tl.constexpr, PP2: tl.constexpr, HAS_LEN: tl.constexpr,
+                      HAS_OFF: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(num_rows, P)``. One program: the row's second radix level, its chunk's candidates into
+    the row's compact list; the row's last program to arrive selects exactly and writes the row."""
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    row_ptr = x_ptr + r * stride_xr
+    L = _row_len(len_ptr, r, N, HAS_LEN)
+    lo = p * chunk
+    hi = tl.minimum(lo + chunk, L)
+    lane = tl.arange(0, BLOCK)
+    pp = tl.arange(0, PP2)
+    bins = tl.arange(0, 256)
+    sp = st_ptr + r * 8
+    k_eff = tl.load(sp + 0)
+    need = tl.load(sp + 1)
+    prefix = tl.load(sp + 2)
+    done0 = tl.load(sp + 3)
+    T = tl.load(sp + 4)
+    need_eq = tl.load(sp + 5)
+    done = done0 != 0
+    # per-chunk candidate counts: level-0 whole-bin (or empty) rows take top byte >= b0, else the
+    # chunk's keys above b0 plus its byte-2 bins >= b1 inside b0
+    gt0 = tl.load(aux_ptr + (r * P + pp) * 2, mask=pp < P, other=0)
+    ge0 = tl.load(aux_ptr + (r * P + pp) * 2 + 1, mask=pp < P, other=0)
+    cnt = ge0
+    lo_key = T
+    if not done:
+        tile = _sum_chunks(h1_ptr, r, P, PP2)
+        prefix, need, T, need_eq, done = _descend(tl.sum(tile, 0), need, prefix, T, need_eq, done, 1)
+        b1 = prefix & 0xFF
+        cnt = gt0 + tl.sum(tl.where(bins[None, :] >= b1, tile, 0), 1)
+        lo_key = prefix << 16
+    M = tl.sum(cnt, 0)
+    pos0 = tl.sum(tl.where(pp < p, cnt, 0), 0)
+    cv_row = cv_ptr + r * CAP
+    ci_row = ci_ptr + r * CAP
+    if M <= CAP:
+        _gather(row_ptr, cv_row, ci_row, lane, lo, hi, lo_key, pos0, BLOCK)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + r, 1, sem="acq_rel", scope="gpu")
+    if arrived == P - 1:
+        out_row = out_ptr + r * stride_or
+        off = 0
+        if HAS_OFF:
+            off = tl.load(off_ptr + r)
+        if M <= CAP:
+            T, need_eq = _finish_levels(cv_row, lane, M, need, prefix, T, need_eq, done, BLOCK)
+            _write_from(cv_row, ci_row, out_row, lane, M, T, need_eq, off, True, BLOCK)
+        else:
+            T, need_eq = _finish_levels(row_ptr, lane, L, need, prefix, T, need_eq, done, BLOCK)
+            _write_from(row_ptr, ci_row, out_row, lane, L, T, need_eq, off, False, BLOCK)
         _pad_tail(out_row, k_eff, K, KP2)
 
 
-def _launch_split(logits, lengths, out, k, cfg):
+def _launch_r3(logits, lengths, offsets, out, k, cfg):
     R, N = logits.shape
     BLOCK = cfg["BLOCK"]
     n_blk = max(1, triton.cdiv(N, BLOCK))
@@ -272,27 +340,34 @@ def _launch_split(logits, lengths, out, k, cfg):
     P = max(1, min(P, n_blk, 64))
     chunk = triton.cdiv(n_blk, P) * BLOCK
     P = triton.cdiv(n_blk * BLOCK, chunk)
+    cap = int(cfg.get("CAP", 8192))
     dev = logits.device
-    hist = torch.empty((R, P, 256), dtype=torch.int32, device=dev)
-    state = torch.empty((R, 8), dtype=torch.int32, device=dev)
-    cnt = torch.empty((R, P, 2), dtype=torch.int32, device=dev)
-    lens = lengths if lengths is not None else logits
+    i32 = torch.int32
+    h0 = torch.empty((R, P, 256), dtype=i32, device=dev)
+    h1 = torch.empty((R, P, 256), dtype=i32, device=dev)
+    aux = torch.empty((R, P, 2), dtype=i32, device=dev)
+    st = torch.empty((R, 8), dtype=i32, device=dev)
+    cnt = torch.empty((R,), dtype=i32, device=dev)
+    cv = torch.empty((R, cap), dtype=torch.float32, device=dev)
+    ci = torch.empty((R, cap), dtype=i32, device=dev)
+    lens = lengths if lengths is not None else cnt
+    offs = offsets if offsets is not None else cnt
     has_len = lengths is not None
     w = cfg["num_warps"]
-    for lvl in range(4):
-        _split_hist_kernel[(R, P)](logits, lens, hist, state, N, logits.stride(0), chunk, P,
-                                   LVL=lvl, HAS_LEN=has_len, BLOCK=BLOCK, num_warps=w)
-        _split_select_kernel[(R,)](hist, state, P, K=k, LVL=lvl, num_warps=4)
-    _split_count_kernel[(R, P)](logits, lens, cnt, state, N, logits.stride(0), chunk, P,
-                                HAS_LEN=has_len, BLOCK=BLOCK, num_warps=w)
-    _split_write_kernel[(R, P)](logits, lens, out, cnt, state, N, logits.stride(0), out.stride(0), chunk, P,
-                                K=k, KP2=triton.next_power_of_2(k), PP2=triton.next_power_of_2(P),
-                                HAS_LEN=has_len, BLOCK=BLOCK, num_warps=w)
+    PP2 = triton.next_power_of_2(P)
+    _r3_hist0_kernel[(R, P)](logits, lens, h0, cnt, N, logits.stride(0), chunk, P,
+                             HAS_LEN=has_len, BLOCK=BLOCK, num_warps=w)
+    _r3_hist1_kernel[(R, P)](logits, lens, h0, h1, aux, st, N, logits.stride(0), chunk, P,
+                             K=k, PP2=PP2, HAS_LEN=has_len, BLOCK=BLOCK, num_warps=w)
+    _r3_select_kernel[(R, P)](logits, lens, offs, out, h1, aux, st, cnt, cv, ci, N, logits.stride(0),
+                              out.stride(0), chunk, P, cap, K=k, KP2=triton.next_power_of_2(k), PP2=PP2,
+                              HAS_LEN=has_len, HAS_OFF=offsets is not None, BLOCK=BLOCK, num_warps=w)
     return out
 
 
 def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, config: dict | None = None,
+                 offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the ``k`` largest scores of each row (vLLM ``top_k_per_row`` semantics for the
     DeepSeek-V4 indexer; exact radix select).
 
@@ -304,10 +379,15 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
             (clamped to ``[0, num_cols]``); default all columns.
         out: optional ``(num_rows, k)`` int32 output, last dim contiguous.
         config: a row of ``CONFIGS``.
+        offsets: optional ``(num_rows,)`` int32 added to every selected index of row ``r`` (the
+            ``-1`` padding stays ``-1``): e.g. ``req * n_comp`` turns a request's local compressed
+            positions into global cache slots in the same launch. The caller keeps
+            ``index + offsets[r]`` within int32.
 
     Returns:
-        int32 ``(num_rows, k)``: ``min(k, #selectable)`` distinct indices in ``[0, length)`` in
-        ascending index order, then ``-1``. Ties: the lower index wins (deterministic).
+        int32 ``(num_rows, k)``: ``min(k, #selectable)`` distinct indices in ``[0, length)`` (plus
+        ``offsets[r]``) in ascending index order, then ``-1``. Ties: the lower index wins
+        (deterministic).
 
     Raises:
         TypeError / ValueError: naming the offending argument.
@@ -327,6 +407,12 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
             raise ValueError(f"lengths: shape {tuple(lengths.shape)}, expected ({R},)")
         check.same_device("logits", logits, lengths=lengths)
         lengths = lengths.contiguous()
+    if offsets is not None:
+        check.tensor("offsets", offsets, torch.int32)
+        if tuple(offsets.shape) != (R,):
+            raise ValueError(f"offsets: shape {tuple(offsets.shape)}, expected ({R},)")
+        check.same_device("logits", logits, offsets=offsets)
+        offsets = offsets.contiguous()
     if out is None:
         out = torch.empty((R, k), dtype=torch.int32, device=logits.device)
     elif out.dtype != torch.int32 or tuple(out.shape) != (R, k) or (R and out.stride(1) != 1):
@@ -335,37 +421,47 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
     if R == 0:
         return out
     cfg = config or pick_config(N, logits.device)
-    if cfg.get("SPLIT"):
-        return _launch_split(logits, lengths, out, k, cfg)
+    if cfg.get("VARIANT") == "r3":
+        return _launch_r3(logits, lengths, offsets, out, k, cfg)
     _topk_kernel[(R,)](
-        logits, lengths if lengths is not None else logits, out, N, logits.stride(0), out.stride(0),
-        K=k, KP2=triton.next_power_of_2(k), HAS_LEN=lengths is not None, BLOCK=cfg["BLOCK"],
-        num_warps=cfg["num_warps"])
+        logits, lengths if lengths is not None else logits, offsets if offsets is not None else logits, out, N,
+        logits.stride(0), out.stride(0), K=k, KP2=triton.next_power_of_2(k), HAS_LEN=lengths is not None,
+        HAS_OFF=offsets is not None, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return out
 
 
 # ---- config table ------------------------------------------------------------------------------
-# One program per row; BLOCK entries per step of each streaming pass. The histograms (4096 bins)
-# (256 bins) are a few registers per thread; larger BLOCK means fewer loop trips and more loads in flight per SM.
-# "SPLIT": True -> P programs per row (about PROGS_PER_SM programs per SM), 10 launches; candidates
-# for R < #SMs, benchmarked next to the one-program-per-row defaults (see NOTES.md).
-_SPLIT = {"s2048": {"BLOCK": 2048, "num_warps": 4, "SPLIT": True, "PROGS_PER_SM": 4},
-          "s4096": {"BLOCK": 4096, "num_warps": 8, "SPLIT": True, "PROGS_PER_SM": 2}}
+# One program per row (b*): BLOCK entries per step of each streaming pass, 1 launch, 2-5 reads of the
+# row by one SM: only for many rows or short rows. "VARIANT": "r3" (r3_*): the three-launch split,
+# P = cdiv(PROGS_PER_SM * #SMs, rows) programs per row (<= 64, BLOCK-aligned chunks), CAP candidates
+# per row before the plateau fallback. The 256-bin histograms are a few registers per thread.
+_R3 = {"r3_1024": {"BLOCK": 1024, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 4, "CAP": 8192},
+       "r3_2048": {"BLOCK": 2048, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 4, "CAP": 8192},
+       "r3_2048p8": {"BLOCK": 2048, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 8, "CAP": 8192},
+       "r3_4096": {"BLOCK": 4096, "num_warps": 8, "VARIANT": "r3", "PROGS_PER_SM": 2, "CAP": 8192}}
 CONFIGS = {
-    "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_SPLIT},
-    "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_SPLIT},
+    "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_R3},
+    "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_R3},
 }
 
+# Defaults per build: ``(max_cols, label)`` rows, the first with ``num_cols <= max_cols`` wins (None:
+# any). PROVISIONAL, not yet timed: the r3 variant is new (NOTES.md "top-k in three launches"); the
+# H200 sweep `OUT=DIR bash scripts/gpu/attn.sh` times every row of CONFIGS in both builds and
+# `python scripts/gpu/attn_pick.py DIR/bench.csv` prints the replacement lines from the winners.
+DEFAULTS = {
+    "sm_89": ((4095, "b1024"), (None, "r3_2048")),
+    "sm_90": ((4095, "b1024"), (None, "r3_2048")),
+}
 
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
-GPU_DEFAULTS = {"sm_89": ("b1024", "s2048"), "sm_90": ("b1024", "b4096")}
+GPU_DEFAULTS = {a: tuple(dict.fromkeys(lb for _, lb in rows)) for a, rows in DEFAULTS.items()}
 
 
 def pick_config(N: int, device: torch.device) -> dict:
+    """The ``DEFAULTS`` row of ``device``'s build for ``N`` columns."""
     arch = arch_of(device)
-    t = CONFIGS[arch]
-    if arch == "sm_89" and device.type == "cuda" and N >= 16384:
-        # sm_89 build on the H200 (run 4): the split variant 111 us vs b4096 217 us at 64 x 65,536
-        return t["s2048"]
-    return t["b4096"] if N >= 16384 else t["b1024"]
+    for max_cols, label in DEFAULTS[arch]:
+        if max_cols is None or N <= max_cols:
+            return CONFIGS[arch][label]
+    return CONFIGS[arch][DEFAULTS[arch][-1][1]]

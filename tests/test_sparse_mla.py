@@ -199,3 +199,30 @@ def test_sm90_candidates(label):
     cfg = CONFIGS["sm_90"][label]
     _ok(sparse_mla_decode(**inputs, config=cfg), inputs)
     _ok(sparse_mla_decode(**inputs, config={**cfg, "SPLITS": 1}), inputs)
+
+
+@pytest.mark.parametrize("merge", [{"MERGE_BD": 32, "MERGE_SB": 4}, {"MERGE_BD": 128, "MERGE_SB": 16, "MERGE_BH": 8}])
+def test_parallel_merge_many_splits_lse_and_dead_splits(merge):
+    """The merge kernel is (heads, 512/MERGE_BD, tokens) wide and reads splits MERGE_SB at a time:
+    11 splits (a partial last chunk), 24 heads (a partial head group at MERGE_BH 16), a split
+    with no valid candidate (all -1 window), a row with nothing at all, and the LSE it returns."""
+    g = _gen()
+    inputs = _decode_inputs(g, 3, 24, 64, 112, 2, [64, 64, 0], [112, 112, 0])
+    inputs["swa_indices"][0] = -1                        # row 0: the first 4 splits see only -1
+    base = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "SPLITS": 11, **merge}
+    out, lse = sparse_mla_decode(**inputs, config=base, return_lse=True)
+    r = _ok(out, inputs)
+    one, lse1 = sparse_mla_decode(**inputs, config={**base, "SPLITS": 1}, return_lse=True)
+    assert torch.all(out[2] == 0) and torch.isinf(lse[2]).all() and (lse[2] > 0).all()
+    assert torch.allclose(lse[:2], lse1[:2], rtol=1e-5, atol=1e-5)
+    want = ref.sparse_mla_decode_lse(**{k: v for k, v in inputs.items() if k != "attn_sink"})
+    assert torch.allclose(lse[:2].cpu().double(), want[:2].cpu(), rtol=1e-4, atol=1e-3)
+    assert r.shape == out.shape
+
+
+@pytest.mark.parametrize("label", ["h16n16m1", "h16n32s2m1"])
+def test_t1_candidates_split_one_tile_each(label):
+    # the T=1 rows: one tile per split (C4A TP=4 at the interpreter's 128 SMs: 40 splits), through
+    # the parallel merge; window and top-k at their boundary lengths
+    inputs = _decode_inputs(_gen(), 1, 16, 128, 512, 64, [127], [511])
+    _ok(sparse_mla_decode(**inputs, config=CONFIGS["sm_90"][label]), inputs)
