@@ -278,7 +278,7 @@ def _finish_levels(val_ptr, lane, n, need, prefix, T, need_eq, done, BLOCK: tl.c
 def _r3_select_kernel(x_ptr, len_ptr, off_ptr, out_ptr, h1_ptr, aux_ptr, st_ptr, cnt_ptr, cv_ptr, ci_ptr,
                       N, stride_xr, stride_or, chunk, P, CAP,
                       K: tl.constexpr, KP2: tl.constexpr, PP2: tl.constexpr, HAS_LEN: tl.constexpr,
-                      HAS_OFF: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_OFF: tl.constexpr, BLOCK: tl.constexpr, FBLOCK: tl.constexpr):
     """Grid ``(num_rows, P)``. One program: the row's second radix level, its chunk's candidates into
     the row's compact list; the row's last program to arrive selects exactly and writes the row."""
     r = tl.program_id(0).to(tl.int64)
@@ -323,12 +323,13 @@ def _r3_select_kernel(x_ptr, len_ptr, off_ptr, out_ptr, h1_ptr, aux_ptr, st_ptr,
         off = 0
         if HAS_OFF:
             off = tl.load(off_ptr + r)
+        fl = tl.arange(0, FBLOCK)
         if M <= CAP:
-            T, need_eq = _finish_levels(cv_row, lane, M, need, prefix, T, need_eq, done, BLOCK)
-            _write_from(cv_row, ci_row, out_row, lane, M, T, need_eq, off, True, BLOCK)
+            T, need_eq = _finish_levels(cv_row, fl, M, need, prefix, T, need_eq, done, FBLOCK)
+            _write_from(cv_row, ci_row, out_row, fl, M, T, need_eq, off, True, FBLOCK)
         else:
-            T, need_eq = _finish_levels(row_ptr, lane, L, need, prefix, T, need_eq, done, BLOCK)
-            _write_from(row_ptr, ci_row, out_row, lane, L, T, need_eq, off, False, BLOCK)
+            T, need_eq = _finish_levels(row_ptr, fl, L, need, prefix, T, need_eq, done, FBLOCK)
+            _write_from(row_ptr, ci_row, out_row, fl, L, T, need_eq, off, False, FBLOCK)
         _pad_tail(out_row, k_eff, K, KP2)
 
 
@@ -361,7 +362,8 @@ def _launch_r3(logits, lengths, offsets, out, k, cfg):
                              K=k, PP2=PP2, HAS_LEN=has_len, BLOCK=BLOCK, num_warps=w)
     _r3_select_kernel[(R, P)](logits, lens, offs, out, h1, aux, st, cnt, cv, ci, N, logits.stride(0),
                               out.stride(0), chunk, P, cap, K=k, KP2=triton.next_power_of_2(k), PP2=PP2,
-                              HAS_LEN=has_len, HAS_OFF=offsets is not None, BLOCK=BLOCK, num_warps=w)
+                              HAS_LEN=has_len, HAS_OFF=offsets is not None, BLOCK=BLOCK,
+                              FBLOCK=cfg.get("FBLOCK", min(BLOCK, 1024)), num_warps=w)
     return out
 
 
@@ -438,7 +440,8 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
 _R3 = {"r3_1024": {"BLOCK": 1024, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 4, "CAP": 8192},
        "r3_2048": {"BLOCK": 2048, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 4, "CAP": 8192},
        "r3_2048p8": {"BLOCK": 2048, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 8, "CAP": 8192},
-       "r3_4096": {"BLOCK": 4096, "num_warps": 8, "VARIANT": "r3", "PROGS_PER_SM": 2, "CAP": 8192}}
+       "r3_1024p8": {"BLOCK": 1024, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 8, "CAP": 8192}}
+# (BLOCK 4096 / 8 warps: the select kernel spills 16 B on sm_90, ds4lab aot on triton 3.7.1)
 CONFIGS = {
     "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_R3},
     "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_R3},

@@ -166,9 +166,13 @@ class KernelBackend(Backend):
             w = weights.float() * s.reshape(T, H) * (D ** -0.5 * H ** -0.5)
             return qf.reshape(T, H, D), w.contiguous()
 
-    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None):
+    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None,
+                     slot_base=None):
         """``next_n`` given (decode: rows ``b*next_n + i`` belong to request ``b``): one paged-logits
-        row group per request reads its blocks once; else one row per token (prefill chunks)."""
+        row group per request reads its blocks once; else one row per token (prefill chunks).
+        ``slot_base`` ``(T,)`` int32 (e.g. ``req * n_comp``, made once per step): added to every
+        selected index inside the top-k launch (``-1`` padding kept), so the result is already the
+        compressed-cache slots."""
         with op_group(name, "kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices"):
             T, H, D = q_fp8.shape
             lim = limits.to(torch.int32)
@@ -180,7 +184,7 @@ class KernelBackend(Backend):
                 q4 = q_fp8.reshape(T, 1, H, D)
                 bt, cl = block_table[req.long()].contiguous(), lim.reshape(T, 1).contiguous()
             lg = self.k["idx"].fp8_paged_mqa_logits(q4, cache, w, cl, bt, int(max_len))
-            return self.k["topk"].topk_indices(lg, topk, lengths=lim.contiguous())
+            return self.k["topk"].topk_indices(lg, topk, lengths=lim.contiguous(), offsets=slot_base)
 
     # ---- attention -------------------------------------------------------------------------
     def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,

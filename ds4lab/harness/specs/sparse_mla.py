@@ -2,6 +2,8 @@
 workspace, both with an attention sink (SPEC.md §2 items 6-7)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ds4lab.geometry import op_shapes
@@ -136,9 +138,16 @@ def check(out, ref, inputs) -> list:
 
 
 def decode_bench_shapes(cfg, tp: int) -> list[dict]:
+    """T=1 (issue 20's <= 8 us target: C4A, C128A at 8K and 128K context) and the batched rows.
+    ``DS4LAB_BENCH_SHAPES=targets`` keeps the T=1 rows only (scripts/gpu/attn.sh)."""
     op = op_shapes(cfg, tp)["sparse_mla"].dims
     H, W, K = op["H"], op["window"], op["topk"]
-    shapes = [{"T": t, "H": H, "W": W, "Kc": K, "comp_bs": 64} for t in ((1, 32, 128) if tp == 1 else (1, 32))]
+    t1 = [{"T": 1, "H": H, "W": W, "Kc": K, "comp_bs": 64},
+          {"T": 1, "H": H, "W": W, "Kc": 64, "comp_bs": 2},        # C128A at 8K context (the step's)
+          {"T": 1, "H": H, "W": W, "Kc": 1024, "comp_bs": 2}]      # C128A at 128K context
+    if os.environ.get("DS4LAB_BENCH_SHAPES") == "targets":
+        return t1
+    shapes = t1 + [{"T": t, "H": H, "W": W, "Kc": K, "comp_bs": 64} for t in ((32, 128) if tp == 1 else (32,))]
     shapes.append({"T": 32, "H": H, "W": W, "Kc": 1024, "comp_bs": 2})   # C128A at 128K context
     return shapes
 
@@ -148,16 +157,20 @@ def prefill_bench_shapes(cfg, tp: int) -> list[dict]:
     return [{"Tq": 1024, "H": op["H"], "N": 16384, "Kc": op["topk"] + op["window"]}]
 
 
-# sm_90 candidates timed only where they can win (H = 64 heads, many tokens: the T >= 32 bench
-# shapes; the T=4 AOT shape compiles them); every other table row everywhere, as before
+# candidates timed only where they can win: the 64-head sm_90 tiles at H = 64 and T >= 4 (the T=4
+# AOT shape compiles them); the T=1 rows (issue 20) at T <= 4; every other table row everywhere
 CANDIDATES = ("h32n32p1",)
+T1_CANDIDATES = ("h16n16m1", "h16n32s2m1")
 
 
 def _config_for(arch, shape):
     labels = list(kernel_configs("sparse_mla")[arch])
-    if shape.get("H", 0) >= 64 and shape.get("T", 0) >= 4:
-        return labels
-    return [lb for lb in labels if lb not in CANDIDATES]
+    t = shape.get("T", shape.get("Tq", 0))
+    if not (shape.get("H", 0) >= 64 and t >= 4):
+        labels = [lb for lb in labels if lb not in CANDIDATES]
+    if t > 4:
+        labels = [lb for lb in labels if lb not in T1_CANDIDATES and not (arch == "sm_90" and lb == "h16n16")]
+    return labels
 
 
 register(KernelSpec(
