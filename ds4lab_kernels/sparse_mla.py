@@ -82,7 +82,7 @@ def _sparse_mla_split_kernel(
     b_u8_ptr, b_bf16_ptr, b_idx_ptr, b_len_ptr, b_stride_blk, b_slots, b_stride_it, b_n,
     H, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale, tiles_per_split,
     A_BS: tl.constexpr, B_BS: tl.constexpr, HAS_B: tl.constexpr, KV_FP8: tl.constexpr,
-    A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr, SPLITS: tl.constexpr, HAS_LSE: tl.constexpr,
+    A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr, SPLITS, ONE_SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
 ):
     """Grid ``(cdiv(num_heads, BLOCK_H), SPLITS, num_tokens)``.
@@ -119,7 +119,7 @@ def _sparse_mla_split_kernel(
                                       tl.maximum(t0 - nt_a, 0),
                                       tl.minimum(t1 - nt_a, tl.cdiv(b_len, BLOCK_N)), qk_scale,
                                       B_BS, KV_FP8, BLOCK_N, D)
-    if SPLITS == 1:
+    if ONE_SPLIT:
         sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
         mx = tl.maximum(m_i, sink)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
@@ -144,12 +144,12 @@ def _sparse_mla_split_kernel(
 @triton.jit
 def _sparse_mla_merge_kernel(
     out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S,
-    SP2: tl.constexpr, SB: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr,
+    SB: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, D: tl.constexpr,
 ):
     """Grid ``(cdiv(num_heads, BLOCK_H), D // BLOCK_D, num_tokens)``.
     One program: BLOCK_H heads x BLOCK_D dims of one token: merges the S split partials with the
-    sink. All S (max, sum) pairs are read as one tile and the partials SB splits at a time as
+    sink. The (max, sum) pairs and the partials are read SB splits at a time as
     ``(SB, BLOCK_H, BLOCK_D)`` tiles, so a token's merge is D // BLOCK_D programs wide and a few
     dependent loads deep (not one program walking S x 512 floats)."""
     hg = tl.program_id(0)
@@ -159,24 +159,28 @@ def _sparse_mla_merge_kernel(
     hmask = offs_h < H
     offs_d = dg * BLOCK_D + tl.arange(0, BLOCK_D)
     sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
-    ss = tl.arange(0, SP2)
-    rows = (tok * S + ss[:, None]) * H + offs_h[None, :]                    # (SP2, BLOCK_H)
-    sm = (ss < S)[:, None] & hmask[None, :]
-    m_s = tl.load(ml_ptr + rows * 2, mask=sm, other=float("-inf"))
-    l_s = tl.load(ml_ptr + rows * 2 + 1, mask=sm, other=0.0)
-    mc = tl.max(m_s, 0)                                                     # max over the candidates only
-    mx = tl.maximum(mc, sink)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    den = tl.sum(l_s * tl.exp2(m_s - mx[None, :]), 0) + tl.exp2(sink - mx)
-    mc_use = tl.where(mc == float("-inf"), 0.0, mc)
-    o = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     sb = tl.arange(0, SB)
+    mc = tl.full((BLOCK_H,), float("-inf"), tl.float32)                    # max over the candidates only
     for s0 in range(0, S, SB):
         s_ = s0 + sb
         prow = (tok * S + s_[:, None]) * H + offs_h[None, :]                # (SB, BLOCK_H)
         pm = (s_ < S)[:, None] & hmask[None, :]
+        mc = tl.maximum(mc, tl.max(tl.load(ml_ptr + prow * 2, mask=pm, other=float("-inf")), 0))
+    mx = tl.maximum(mc, sink)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    mc_use = tl.where(mc == float("-inf"), 0.0, mc)
+    den = tl.exp2(sink - mx)
+    lc = tl.zeros((BLOCK_H,), tl.float32)                                  # candidates' sum at their own max
+    o = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    for s0 in range(0, S, SB):
+        s_ = s0 + sb
+        prow = (tok * S + s_[:, None]) * H + offs_h[None, :]
+        pm = (s_ < S)[:, None] & hmask[None, :]
         ms = tl.load(ml_ptr + prow * 2, mask=pm, other=float("-inf"))
+        ls = tl.load(ml_ptr + prow * 2 + 1, mask=pm, other=0.0)
         f = tl.where(pm, tl.exp2(ms - mx[None, :]), 0.0)
+        den += tl.sum(ls * f, 0)
+        lc += tl.sum(tl.where(pm, ls * tl.exp2(ms - mc_use[None, :]), 0.0), 0)
         x = tl.load(part_ptr + prow[:, :, None] * D + offs_d[None, None, :], mask=pm[:, :, None], other=0.0)
         o += tl.sum(x * f[:, :, None], 0)
     den_safe = tl.where(den > 0, den, 1.0)
@@ -185,7 +189,6 @@ def _sparse_mla_merge_kernel(
              o.to(tl.bfloat16), mask=hmask[:, None])
     if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
         if dg == 0:
-            lc = tl.sum(l_s * tl.exp2(m_s - mc_use[None, :]), 0)            # candidates' sum at their own max
             lse = tl.where(lc > 0, (mc_use + tl.log2(tl.where(lc > 0, lc, 1.0))) * 0.6931471805599453,
                            float("inf"))
             tl.store(lse_ptr + tok * H + offs_h, lse, mask=hmask)
@@ -267,15 +270,14 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False):
         b[0], b[1], b[2], b_len, b[4], b[5], b[2].stride(0), b[2].shape[1],
         H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E, tps,
         A_BS=a[6], B_BS=b[6], HAS_B=len(srcs) > 1, KV_FP8=a[0] is not None and a[0].dtype == torch.uint8,
-        A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S, HAS_LSE=return_lse,
+        A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S, ONE_SPLIT=S == 1, HAS_LSE=return_lse,
         BLOCK_H=BH, BLOCK_N=BN, D=D, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     if S > 1:
         bhm = min(cfg.get("MERGE_BH", 16), triton.next_power_of_2(H))
-        bd = cfg.get("MERGE_BD", 64)
-        sp2 = triton.next_power_of_2(S)
+        bd = cfg.get("MERGE_BD", 32)
         _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), D // bd, T)](
             out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)), H, out.stride(0),
-            out.stride(1), S, SP2=sp2, SB=min(sp2, cfg.get("MERGE_SB", 8)), HAS_LSE=return_lse, BLOCK_H=bhm,
+            out.stride(1), S, SB=cfg.get("MERGE_SB", 8), HAS_LSE=return_lse, BLOCK_H=bhm,
             BLOCK_D=bd, D=D, num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1)
     return (out, stats) if return_lse else out
 
@@ -402,7 +404,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 # tiles per split). The merge (S > 1) is its own launch, (heads/MERGE_BH, 512/MERGE_BD, tokens)
 # programs wide, MERGE_SB splits per load. "m1" rows: MIN_TILES 1 (one tile per program at T=1:
 # the shortest dependent chain, more partials for the parallel merge); T=1 candidates.
-_T1 = {"MIN_TILES": 1, "MERGE_BD": 32, "MERGE_SB": 8}
+_T1 = {"MIN_TILES": 1, "MERGE_BD": 16, "MERGE_SB": 16}
 CONFIGS = {
     "sm_89": {
         "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},

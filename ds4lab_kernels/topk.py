@@ -173,16 +173,20 @@ def _r3_hist0_kernel(x_ptr, len_ptr, h0_ptr, cnt_ptr, N, stride_xr, chunk, P,
 
 
 @triton.jit
-def _sum_chunks(h_ptr, r, P, PP2: tl.constexpr):
-    """The row's P chunk histograms ``h[r, :P, :]`` as a ``(PP2, 256)`` tile (rows >= P are zeros)."""
-    pp = tl.arange(0, PP2)
+def _sum_chunks(h_ptr, r, P, PB: tl.constexpr):
+    """Sum of the row's P chunk histograms ``h[r, :P, :]`` (read PB chunks per load)."""
+    pp = tl.arange(0, PB)
     bins = tl.arange(0, 256)
-    return tl.load(h_ptr + (r * P + pp[:, None]) * 256 + bins[None, :], mask=(pp < P)[:, None], other=0)
+    h = tl.zeros((256,), tl.int32)
+    for q0 in range(0, P, PB):
+        q = q0 + pp
+        h += tl.sum(tl.load(h_ptr + (r * P + q[:, None]) * 256 + bins[None, :], mask=(q < P)[:, None], other=0), 0)
+    return h
 
 
 @triton.jit
 def _r3_hist1_kernel(x_ptr, len_ptr, h0_ptr, h1_ptr, aux_ptr, st_ptr, N, stride_xr, chunk, P,
-                     K: tl.constexpr, PP2: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+                     K: tl.constexpr, PB: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
     """Grid ``(num_rows, P)``. One program: the row's first radix level (from all chunks' top-byte
     histograms), then its own chunk's histogram of byte 2 within the selected top byte."""
     r = tl.program_id(0).to(tl.int64)
@@ -193,8 +197,7 @@ def _r3_hist1_kernel(x_ptr, len_ptr, h0_ptr, h1_ptr, aux_ptr, st_ptr, N, stride_
     hi = tl.minimum(lo + chunk, L)
     lane = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
-    tile = _sum_chunks(h0_ptr, r, P, PP2)
-    h = tl.sum(tile, 0)
+    h = _sum_chunks(h0_ptr, r, P, PB)
     k_eff = tl.minimum(tl.sum(h, 0), K)
     T = k_eff * 0 + 2147483647
     need_eq = k_eff * 0
@@ -277,7 +280,7 @@ def _finish_levels(val_ptr, lane, n, need, prefix, T, need_eq, done, BLOCK: tl.c
 @triton.jit
 def _r3_select_kernel(x_ptr, len_ptr, off_ptr, out_ptr, h1_ptr, aux_ptr, st_ptr, cnt_ptr, cv_ptr, ci_ptr,
                       N, stride_xr, stride_or, chunk, P, CAP,
-                      K: tl.constexpr, KP2: tl.constexpr, PP2: tl.constexpr, HAS_LEN: tl.constexpr,
+                      K: tl.constexpr, KP2: tl.constexpr, PB: tl.constexpr, HAS_LEN: tl.constexpr,
                       HAS_OFF: tl.constexpr, BLOCK: tl.constexpr, FBLOCK: tl.constexpr):
     """Grid ``(num_rows, P)``. One program: the row's second radix level, its chunk's candidates into
     the row's compact list; the row's last program to arrive selects exactly and writes the row."""
@@ -288,7 +291,7 @@ def _r3_select_kernel(x_ptr, len_ptr, off_ptr, out_ptr, h1_ptr, aux_ptr, st_ptr,
     lo = p * chunk
     hi = tl.minimum(lo + chunk, L)
     lane = tl.arange(0, BLOCK)
-    pp = tl.arange(0, PP2)
+    pp = tl.arange(0, PB)
     bins = tl.arange(0, 256)
     sp = st_ptr + r * 8
     k_eff = tl.load(sp + 0)
@@ -298,20 +301,26 @@ def _r3_select_kernel(x_ptr, len_ptr, off_ptr, out_ptr, h1_ptr, aux_ptr, st_ptr,
     T = tl.load(sp + 4)
     need_eq = tl.load(sp + 5)
     done = done0 != 0
-    # per-chunk candidate counts: level-0 whole-bin (or empty) rows take top byte >= b0, else the
-    # chunk's keys above b0 plus its byte-2 bins >= b1 inside b0
-    gt0 = tl.load(aux_ptr + (r * P + pp) * 2, mask=pp < P, other=0)
-    ge0 = tl.load(aux_ptr + (r * P + pp) * 2 + 1, mask=pp < P, other=0)
-    cnt = ge0
     lo_key = T
     if not done:
-        tile = _sum_chunks(h1_ptr, r, P, PP2)
-        prefix, need, T, need_eq, done = _descend(tl.sum(tile, 0), need, prefix, T, need_eq, done, 1)
-        b1 = prefix & 0xFF
-        cnt = gt0 + tl.sum(tl.where(bins[None, :] >= b1, tile, 0), 1)
+        prefix, need, T, need_eq, done = _descend(_sum_chunks(h1_ptr, r, P, PB), need, prefix, T, need_eq,
+                                                  done, 1)
         lo_key = prefix << 16
-    M = tl.sum(cnt, 0)
-    pos0 = tl.sum(tl.where(pp < p, cnt, 0), 0)
+    # per-chunk candidate counts: a row decided at level 0 (whole top-byte bin, or nothing valid)
+    # takes its chunks' top bytes >= b0; else a chunk's keys above b0 plus its byte-2 bins >= b1
+    b1 = prefix & 0xFF
+    M = k_eff * 0
+    pos0 = k_eff * 0
+    for q0 in range(0, P, PB):
+        q = q0 + pp
+        qm = q < P
+        cnt = tl.load(aux_ptr + (r * P + q) * 2 + 1, mask=qm, other=0)
+        if done0 == 0:
+            t1 = tl.load(h1_ptr + (r * P + q[:, None]) * 256 + bins[None, :], mask=qm[:, None], other=0)
+            cnt = tl.load(aux_ptr + (r * P + q) * 2, mask=qm, other=0) + \
+                tl.sum(tl.where(bins[None, :] >= b1, t1, 0), 1)
+        M += tl.sum(cnt, 0)
+        pos0 += tl.sum(tl.where(q < p, cnt, 0), 0)
     cv_row = cv_ptr + r * CAP
     ci_row = ci_ptr + r * CAP
     if M <= CAP:
@@ -355,13 +364,13 @@ def _launch_r3(logits, lengths, offsets, out, k, cfg):
     offs = offsets if offsets is not None else cnt
     has_len = lengths is not None
     w = cfg["num_warps"]
-    PP2 = triton.next_power_of_2(P)
+    PB = 16
     _r3_hist0_kernel[(R, P)](logits, lens, h0, cnt, N, logits.stride(0), chunk, P,
                              HAS_LEN=has_len, BLOCK=BLOCK, num_warps=w)
     _r3_hist1_kernel[(R, P)](logits, lens, h0, h1, aux, st, N, logits.stride(0), chunk, P,
-                             K=k, PP2=PP2, HAS_LEN=has_len, BLOCK=BLOCK, num_warps=w)
+                             K=k, PB=PB, HAS_LEN=has_len, BLOCK=BLOCK, num_warps=w)
     _r3_select_kernel[(R, P)](logits, lens, offs, out, h1, aux, st, cnt, cv, ci, N, logits.stride(0),
-                              out.stride(0), chunk, P, cap, K=k, KP2=triton.next_power_of_2(k), PP2=PP2,
+                              out.stride(0), chunk, P, cap, K=k, KP2=triton.next_power_of_2(k), PB=PB,
                               HAS_LEN=has_len, HAS_OFF=offsets is not None, BLOCK=BLOCK,
                               FBLOCK=cfg.get("FBLOCK", min(BLOCK, 1024)), num_warps=w)
     return out
