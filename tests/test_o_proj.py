@@ -240,8 +240,7 @@ def _wo_a_small(G, R=128, seed=0, fmt="fp32"):
 _A1 = {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 1}
 
 
-@pytest.mark.parametrize("case,fmt", [("random", "ue8m0"), ("nan_rows", "fp32"), ("outliers", "pow2"),
-                                      ("cache_end", "ue8m0"), ("zero_rows", "fp32")])
+@pytest.mark.parametrize("case,fmt", [("nan_rows", "fp32"), ("outliers", "pow2"), ("cache_end", "ue8m0")])
 def test_fused_prologue_feeds_the_bytes_of_inv_rope_fp8_quant(case, fmt):
     """Launch 1's prologue (inverse RoPE + 1x128 quant per k step) gives the MMA exactly the bytes and
     scales of ``inv_rope_fp8_quant``: with the same split the wo_a product is bit-identical to the
