@@ -573,6 +573,10 @@ _QUANT_Z = ("wo_a", "wo_b")
 
 
 def _counters(device, n: int) -> torch.Tensor:
+    """The device's counter buffer, at least ``n`` slots (allocated zeroed on first use)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, COUNTER_SLOTS), dtype=torch.int32, device=device)
@@ -692,7 +696,10 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 
     Semantics: vLLM ``deep_gemm_fp8_o_proj`` (DeepSeek-V4 attention ``_o_proj``). FP8 path (``wo_a_s``
     given): :func:`inv_rope_fp8_quant` -> :func:`fp8_einsum_bhr_hdr_bhd` -> ``z`` bf16 ->
-    1x128 quant -> block-scaled ``wo_b``. BF16 path (``wo_a_s`` None, ``wo_a`` bfloat16: the
+    1x128 quant -> block-scaled ``wo_b``. With FP8 ``wo_a`` and ``wo_b`` and ``path="fused"`` (the
+    default for ``num_tokens <= FUSED_MAX_T``) the same rounding points run as 2 launches of
+    ``_fused_gemm_kernel`` (inverse RoPE + quant in the wo_a prologue, split-K summed in-launch, z
+    quantized in the epilogue or in the wo_b prologue); ``path="unfused"`` runs the parts. BF16 path (``wo_a_s`` None, ``wo_a`` bfloat16: the
     community checkpoint's MTP drafter): rotated bf16 -> :func:`bf16_einsum_bhr_hdr_bhd` ->
     ``wo_b`` (bf16 when ``wo_b_s`` is None, else block-scaled FP8). The FP8 ``wo_b`` step is
     ``fp8_quant.per_token_group_quant_fp8`` + ``fp8_gemm.fp8_gemm_nt`` (DeepGEMM semantics).
@@ -711,15 +718,20 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
         heads_per_group: 8 for DeepSeek-V4 at every TP.
         scale_fmt: activation scale encoding of both quant steps (``fp32``, ``pow2``, ``ue8m0``).
         check_positions: see :func:`inv_rope_fp8_quant`.
-        config: ``{"rope": ..., "einsum": ..., "wo_b": ..., "wo_b_fp8": ...}``: rows of ``CONFIGS``
-            for the parts (``wo_b``: bf16 ``wo_b``; ``wo_b_fp8``: a row of ``fp8_gemm.CONFIGS``);
-            any may be missing (default picks by size).
+        config: ``{"path": "unfused", "rope": ..., "einsum": ..., "wo_b": ..., "wo_b_fp8": ...}``: rows
+            of ``CONFIGS`` for the parts (``wo_b``: bf16 ``wo_b``; ``wo_b_fp8``: a row of
+            ``fp8_gemm.CONFIGS``), or ``{"path": "fused", "quant_z": "wo_a"|"wo_b", "wo_a": {...},
+            "wo_b": {...}}`` (launch rows: ``BLOCK_M``, ``BLOCK_N``, ``SPLIT_K`` int or None,
+            ``num_warps``, ``num_stages``; e.g. ``CONFIGS[arch]["fused"]``). Any key may be missing
+            (``pick_o_proj_config`` / ``fused_config`` fill it in).
 
     Returns:
         ``(num_tokens, hidden)`` bfloat16.
 
     Raises:
-        TypeError / ValueError: from the parts, plus ``wo_a``/``wo_b`` shapes that do not fit ``o``.
+        TypeError / ValueError: from the parts, plus ``wo_a``/``wo_b`` shapes that do not fit ``o``,
+            an unknown ``path`` / ``quant_z``, a fused ``BLOCK_N`` that does not divide 128 (or is
+            not 128 where the z quant runs in launch 1's epilogue), a ``SPLIT_K`` < 1.
     """
     check.tensor("o", o, torch.bfloat16)
     check.tensor("wo_a", wo_a, (torch.float8_e4m3fn, torch.bfloat16))

@@ -240,15 +240,15 @@ def _wo_a_small(G, R=128, seed=0, fmt="fp32"):
 _A1 = {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 1}
 
 
-@pytest.mark.parametrize("case,fmt", [("nan_rows", "fp32"), ("outliers", "pow2"), ("cache_end", "ue8m0")])
-def test_fused_prologue_feeds_the_bytes_of_inv_rope_fp8_quant(case, fmt):
+@pytest.mark.parametrize("case,fmt,H", [("nan_rows", "fp32", 8), ("outliers", "pow2", 8), ("cache_end", "ue8m0", 16)])
+def test_fused_prologue_feeds_the_bytes_of_inv_rope_fp8_quant(case, fmt, H):
     """Launch 1's prologue (inverse RoPE + 1x128 quant per k step) gives the MMA exactly the bytes and
     scales of ``inv_rope_fp8_quant``: with the same split the wo_a product is bit-identical to the
     same kernel fed the quantized tensors, and its z quant epilogue is bit-identical to
     ``per_token_group_quant_fp8`` of its own bf16 z (today's quant step)."""
     from ds4lab_kernels.fp8_quant import per_token_group_quant_fp8
-    inp = _rope(5, 16, case, scale_fmt=fmt)
-    T, G = 5, 2
+    inp = _rope(5, H, case, scale_fmt=fmt)
+    T, G = 5, H // 8
     w, ws = _wo_a_small(G, fmt="ue8m0" if fmt == "ue8m0" else "fp32")
     x, xs = K.inv_rope_fp8_quant(**inp)
     sdt = torch.uint8 if fmt == "ue8m0" else torch.float32
@@ -302,12 +302,19 @@ def test_o_proj_candidates_agree(label):
     assert compare(K.o_proj(**inp, config=cfg), ref.o_proj(**inp), "bfloat16")
 
 
-def test_fused_unchecked_bad_position_is_nan_and_defaults():
+def test_fused_unchecked_bad_position_is_nan_strided_o_and_defaults():
+    """An unchecked out-of-range position makes its token NaN and changes no bit of the others (rows
+    are independent through both launches); a strided ``o`` view gives the same bits."""
     inp = _oproj(3, 8)
     pos = inp["positions"].clone()
     pos[1] = inp["cos_sin_cache"].shape[0] + 7
     out = K.o_proj(**{**inp, "positions": pos}, check_positions=False)
-    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any() and not torch.isnan(out[2]).any()
+    big = torch.zeros(3, 12, 512, dtype=torch.bfloat16, device=DEVICE)
+    big[:, 2:10] = inp["o"]  # token stride 12 heads, storage offset 2 heads: the prologue's strides
+    good = K.o_proj(**{**inp, "o": big[:, 2:10]})
+    assert compare(good, ref.o_proj(**inp), "bfloat16")
+    assert torch.isnan(out[1]).all() and not torch.isnan(good).any()
+    assert torch.equal(out[0], good[0]) and torch.equal(out[2], good[2])
     assert K.o_proj(**{**inp, "o": inp["o"][:0], "positions": pos[:0]}).shape == (0, 128)
     dev = torch.device(DEVICE)
     assert K.pick_o_proj_config(K.FUSED_MAX_T, dev)["path"] == "fused"
