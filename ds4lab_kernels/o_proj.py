@@ -205,7 +205,7 @@ def _fused_gemm_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), G * SPLIT_K)``.
-    One program: a BLOCK_M x BLOCK_N tile of one group's output over one K split; the last split of a tile to finish sums all splits.
+    One program: a BLOCK_M x BLOCK_N tile of one group's output over one K split (the tile's last split sums them).
 
     ``out[t, g, n] = sum_k A[t, g, k] sA[t, g, k/128] * w[g, n, k] sw[g, n/128, k/128]`` with the
     activation block ``A`` made in the prologue of every k step (BLOCK_K == 128 == one scale):
@@ -699,7 +699,8 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     1x128 quant -> block-scaled ``wo_b``. With FP8 ``wo_a`` and ``wo_b`` and ``path="fused"`` (the
     default for ``num_tokens <= FUSED_MAX_T``) the same rounding points run as 2 launches of
     ``_fused_gemm_kernel`` (inverse RoPE + quant in the wo_a prologue, split-K summed in-launch, z
-    quantized in the epilogue or in the wo_b prologue); ``path="unfused"`` runs the parts. BF16 path (``wo_a_s`` None, ``wo_a`` bfloat16: the
+    quantized in the epilogue or in the wo_b prologue); ``path="unfused"`` runs the parts.
+    BF16 path (``wo_a_s`` None, ``wo_a`` bfloat16: the
     community checkpoint's MTP drafter): rotated bf16 -> :func:`bf16_einsum_bhr_hdr_bhd` ->
     ``wo_b`` (bf16 when ``wo_b_s`` is None, else block-scaled FP8). The FP8 ``wo_b`` step is
     ``fp8_quant.per_token_group_quant_fp8`` + ``fp8_gemm.fp8_gemm_nt`` (DeepGEMM semantics).

@@ -1,7 +1,7 @@
 """o_proj numerics on the GPU before timing (issue 20): every candidate of the o_proj bench at TP=4
 real shapes, one build per process (``--arch native|sm89``, chosen before triton is imported).
 
-Per (candidate, T, case): the registry check against the reference (specs/o_proj.py budget). Per
+Per (candidate, T in {1, 8}, case): the registry check against the reference (specs/o_proj.py budget). Per
 fused candidate, once: launch 1's z quant bytes and scales == ``per_token_group_quant_fp8`` of its
 own bf16 z (bit for bit); two calls give the same bits (deterministic split-K); the tile counters
 are back at 0; a CUDA graph of the call (``check_positions=False``) replays to the same bits; the
@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-TS = (1, 3, 8, 16)
+TS = (1, 8)
 
 
 def _kernels_per_call(fn) -> int:
@@ -98,7 +98,8 @@ def main(argv=None) -> int:
                           inp["wo_a_s"], T, G, R, 4096, a_cfg, out=z, q=zq, qs=zs, positions=inp["positions"],
                           cos_sin=inp["cos_sin_cache"], head_stride=o.stride(1), head_dim=512, rope=64, pow2=True)
             rq, rs = per_token_group_quant_fp8(z.view(T, -1), 128, scale_fmt="ue8m0")
-            checks["z_quant_bit_identical"] = bool(compare_exact(zq.view(T, -1), rq) and compare_exact(zs.view(T, -1), rs))
+            same_q, same_s = compare_exact(zq.view(T, -1), rq), compare_exact(zs.view(T, -1), rs)
+            checks["z_quant_bit_identical"] = bool(same_q and same_s)
             call = lambda: K.o_proj(**inp, check_positions=False, config=cfg)
             a, b = call(), call()
             checks["deterministic"] = torch.equal(a, b)
