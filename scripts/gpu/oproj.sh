@@ -10,7 +10,8 @@
 #      against the reference before it is timed (baseline torch_bf16_upcast on the sm_89 build only);
 #      rows -> $OUT/bench.csv;
 #   3. the table last (p50 us per candidate x T, both builds).
-# Usage: OUT=DIR bash scripts/gpu/oproj.sh     (~90-150 s, most of it Triton compiles; hard cap 5 min). BUILDS="native sm89" (default), CHECK=0 skips 1.
+# Usage: OUT=DIR bash scripts/gpu/oproj.sh     (~90-150 s, most of it Triton compiles; hard cap 5 min)
+#   BUILDS="native sm89" (default), CHECK=0 skips step 1.
 # Fail-soft: a failing step or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
 OUT=${OUT:-${1:-results/oproj}}
