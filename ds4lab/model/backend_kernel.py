@@ -14,7 +14,8 @@ indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``           
 indexer_q                   ``kernel:fp8_quant.per_token_group_quant_fp8(pow2)`` + torch RoPE  ~8
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
-o_proj                      ``kernel:o_proj.o_proj`` (inv-RoPE+quant, einsum, quant, wo_b)     4-6
+o_proj                      ``kernel:o_proj.o_proj``: decode (T <= 64) fused, inv-RoPE+quant  2 / 4-6
+                            +wo_a+z quant, then wo_b; prefill the parts
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                                  2
 hc_head                     ``kernel:mhc.hc_head``                                             2
@@ -192,12 +193,15 @@ class KernelBackend(Backend):
                 None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale)
 
     def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
+        """FP8 ``wo_a``/``wo_b`` at decode: the fused 2-launch path (``o_proj.pick_o_proj_config``:
+        ``DECODE_DEFAULT`` on a GPU); no position check (a host sync), so the step stays capturable."""
         with op_group(name, "kernel:o_proj.o_proj"):
             H = o.shape[1]
+            # the interpreter: the parts' wo_b (T > 64, or a bf16 wo_a) on interpreter-sized tiles
+            cfg = None if o.is_cuda else {"wo_b_fp8": _interp_gemm_config(o.shape[0])}
             return self.k["oproj"].o_proj(o.contiguous(), positions, cos_sin, wo_a.weight, wo_b.weight, wo_a.scale,
                                           wo_b.scale, heads_per_group=H // n_groups, scale_fmt="ue8m0",
-                                          check_positions=False,
-                                          config=None if o.is_cuda else {"wo_b_fp8": _interp_gemm_config(o.shape[0])})
+                                          check_positions=False, config=cfg)
 
     # ---- mHC -------------------------------------------------------------------------------
     def _hc_args(self, cfg):
