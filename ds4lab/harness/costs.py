@@ -158,6 +158,23 @@ def route_min_bytes(s: dict) -> float:
     return s["T"] * s["E"] * 4 + s["E"] * 4 + s["T"] * s["topk"] * 8
 
 
+def gate_route_min_bytes(s: dict) -> float:
+    """The bf16 gate weight ``E x D`` and hidden states in, fp32 logits + bias, the routing out."""
+    T, E, D = s["T"], s["E"], s["D"]
+    return E * D * 2 + T * D * 2 + T * E * 4 + E * 4 + T * s["topk"] * 8
+
+
+def gate_route_flops(s: dict) -> float:
+    return 2.0 * s["T"] * s["E"] * s["D"]
+
+
+def indexer_q_min_bytes(s: dict) -> float:
+    """bf16 q ``(T, H, D)`` and weights ``(T, H)`` in; e4m3 q and fp32 weights out; per token a
+    position and one cos/sin row (``R`` fp32)."""
+    T, H, D, R = s["T"], s["H"], s["D"], s.get("R", ROPE_DIM)
+    return T * H * D * 3 + T * H * (2 + 4) + T * (8 + R * 4)
+
+
 def moe_experts_touched(s: dict) -> int:
     """Distinct experts a call reads: the bench draws ids distinct per token and across tokens while
     ``T*topk <= E`` (``specs/moe._distinct_ids``), so ``min(E, T*topk)``."""
@@ -295,6 +312,8 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "hc_head": mhc_flops("head"),
     "fp8_ds_mla_insert": _zero,
     "sqrtsoftplus_topk": _zero,
+    "gate_sqrtsoftplus_topk": gate_route_flops,
+    "indexer_q_rope_quant": _zero,
     "fused_moe_w4a16": moe_flops,
     "inv_rope_fp8_quant": _zero,
     "fp8_einsum_bhr_hdr_bhd": einsum_flops,
@@ -322,6 +341,8 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "hc_head": mhc_min_bytes("head"),
     "fp8_ds_mla_insert": mla_insert_min_bytes,
     "sqrtsoftplus_topk": route_min_bytes,
+    "gate_sqrtsoftplus_topk": gate_route_min_bytes,
+    "indexer_q_rope_quant": indexer_q_min_bytes,
     "fused_moe_w4a16": moe_min_bytes,
     "inv_rope_fp8_quant": rope_min_bytes,
     "fp8_einsum_bhr_hdr_bhd": einsum_min_bytes,

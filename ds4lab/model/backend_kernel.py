@@ -11,7 +11,7 @@ linear, FP8 weight          ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gem
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
 indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``                          1
-indexer_q                   ``kernel:fp8_quant.per_token_group_quant_fp8(pow2)`` + torch RoPE  ~8
+indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
 o_proj                      ``kernel:o_proj.o_proj``: decode (T <= 64) fused, inv-RoPE+quant  2 / 4-6
@@ -19,7 +19,8 @@ o_proj                      ``kernel:o_proj.o_proj``: decode (T <= 64) fused, in
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                                  2
 hc_head                     ``kernel:mhc.hc_head``                                             2
-route                       ``kernel:moe_routing.sqrtsoftplus_topk``                           1
+gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk``                         1
+route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
 compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress)     2
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)``             1 each
@@ -93,6 +94,7 @@ class KernelBackend(Backend):
         import ds4lab_kernels.indexer as idx
         import ds4lab_kernels.mhc as mhc
         import ds4lab_kernels.mla_cache as mla
+        import ds4lab_kernels.moe_gate as gate
         import ds4lab_kernels.moe_routing as route
         import ds4lab_kernels.moe_w4a16 as moe
         import ds4lab_kernels.norm_rope as nr
@@ -100,7 +102,7 @@ class KernelBackend(Backend):
         import ds4lab_kernels.sparse_mla as smla
         import ds4lab_kernels.topk as topk
         self.k = dict(comp=comp, gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe,
-                      oproj=oproj, smla=smla, topk=topk, nr=nr)
+                      oproj=oproj, smla=smla, topk=topk, nr=nr, gate=gate)
         self.mhc_precision = mhc_precision
 
     # ---- dense glue ------------------------------------------------------------------------
@@ -160,12 +162,9 @@ class KernelBackend(Backend):
 
     # ---- indexer ---------------------------------------------------------------------------
     def indexer_q(self, q, positions, cos_sin, weights, name="indexer.q_quant"):
-        with op_group(name, "kernel:fp8_quant.per_token_group_quant_fp8(pow2)+torch:rope"):
-            T, H, D = q.shape
-            x = _rope_f32(q, positions, cos_sin).to(BF16)
-            qf, s = self.k["quant"].per_token_group_quant_fp8(x.reshape(T * H, D), D, scale_fmt="pow2", eps=1e-4)
-            w = weights.float() * s.reshape(T, H) * (D ** -0.5 * H ** -0.5)
-            return qf.reshape(T, H, D), w.contiguous()
+        with op_group(name, "kernel:indexer.indexer_q_rope_quant"):
+            return self.k["idx"].indexer_q_rope_quant(q.contiguous().to(BF16), positions, cos_sin,
+                                                      weights.contiguous())
 
     def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None):
         """``next_n`` given (decode: rows ``b*next_n + i`` belong to request ``b``): one paged-logits
@@ -228,6 +227,16 @@ class KernelBackend(Backend):
                                          hc_eps=cfg.hc_eps, precision=self.mhc_precision)
 
     # ---- MoE -------------------------------------------------------------------------------
+    def gate_route(self, x, gate: Linear, bias, topk, scaling, ids, tid2eid, name="moe.gate_route"):
+        if gate.fp8:   # an FP8 gate (no DeepSeek-V4 checkpoint has one): the unfused pair
+            return super().gate_route(x, gate, bias, topk, scaling, ids, tid2eid, name)
+        with op_group(name, "kernel:moe_gate.gate_sqrtsoftplus_topk"):
+            hashed = tid2eid is not None
+            w, e, _ = self.k["gate"].gate_sqrtsoftplus_topk(x.contiguous().to(BF16), gate.weight.to(BF16), bias, topk,
+                                                            scaling, ids if hashed else None,
+                                                            tid2eid if hashed else None)
+            return w, e
+
     def route(self, logits, bias, topk, scaling, ids, tid2eid, name="moe.route"):
         with op_group(name, "kernel:moe_routing.sqrtsoftplus_topk"):
             hashed = tid2eid is not None
