@@ -53,6 +53,12 @@ def candidate_labels(arch: str) -> list[str]:
     return mma + [k for k in ("decode", "decode_2d_n8", "prefill_m16") if k in t]
 
 
+def _sync():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _rms_rel(out, ref) -> float:
     o, r = out.double(), ref.double()
     fin = r.isfinite() & o.isfinite()
@@ -60,7 +66,10 @@ def _rms_rel(out, ref) -> float:
     return float((o[fin] - r[fin]).square().mean().sqrt()) / den
 
 
-def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_max_t: int = 16) -> list[dict]:
+def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_max_t: int = 16,
+        shape_of=None, numerics_t: int = 16) -> list[dict]:
+    """Numerics, then time (see the module doc); ``shape_of(tp, T)`` overrides the geometry's
+    shapes (tests). Returns the rows (also appended to ``out_dir/moe_bench.csv``)."""
     import torch
 
     from ds4lab.harness import peer_moe
@@ -79,20 +88,21 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
 
     # ---- numerics first: every candidate, every case, at the real shape ----------------------------
     bad_labels = set()
-    nshape = _shape(tp, 16)
+    shape_of = shape_of or _shape
+    nshape = shape_of(tp, numerics_t)
     for case in MOE_CASES:
         inp = spec.make_inputs(nshape, case, 7, dev)
         want = ref_fn(**inp)
         for label in labels:
             try:
                 got = fused_moe_w4a16(**inp, config=CONFIGS[arch][label])
-                torch.cuda.synchronize()
+                _sync()
                 reps = check_moe(got, want, inp)
                 ok = all(reps)
                 msg = "; ".join(r.summary() for r in reps)
             except Exception as e:  # fail-soft: one candidate must not stop the rest
                 ok, msg = False, f"{type(e).__name__}: {e}"[:300]
-            log(f"numerics {arch_build} T=16 {case:<18} {label:<14} {'PASS' if ok else 'FAIL'} {msg[:150]}")
+            log(f"numerics {arch_build} T={numerics_t} {case:<18} {label:<14} {'PASS' if ok else 'FAIL'} {msg[:150]}")
             if not ok:
                 bad_labels.add(label)
         del inp, want
@@ -106,7 +116,7 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
         log(f"peer unavailable: {e}")
 
     for T in Ts:
-        shape = _shape(tp, T)
+        shape = shape_of(tp, T)
         sets = bench._input_sets(spec, shape, dev, runinfo["l2"])
         want = ref_fn(**sets[0])
         common = {**base, "kernel": spec.name, "tp": tp, "shape": json.dumps(shape), "flops": spec.flops(shape),
@@ -129,7 +139,7 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
             row = {**common, "impl": "ds4lab", "config_label": label, "config": json.dumps(cfg), "repro": repro}
             try:
                 got = fused_moe_w4a16(**sets[0], config=cfg)
-                torch.cuda.synchronize()
+                _sync()
                 reps = check_moe(got, want, sets[0])
                 ok, row["numerics"] = all(reps), "; ".join(r.summary() for r in reps)
             except Exception as e:
@@ -149,7 +159,7 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
                 try:
                     pms = [peer_moe.PeerMoE(peer, **s, config=pcfg) for s in sets]
                     got = pms[0]()
-                    torch.cuda.synchronize()
+                    _sync()
                     rr = _rms_rel(got, want)
                     strict = "; ".join(r.summary() for r in check_moe(got, want, sets[0]))
                     row["numerics"] = f"peer rms_rel={rr:.3g} (budget {PEER_RMS_BUDGET}); strict bf16: {strict}"
