@@ -50,6 +50,7 @@ K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
 K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
+K_Q_KV_NORM_ROPE = "kernel:norm_rope.q_kv_rmsnorm_rope"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -129,9 +130,13 @@ class KernelBackend(Backend):
                 y = F.linear(x2.to(lin.weight.dtype), lin.weight).to(out_dtype)
         return y.reshape(*x.shape[:-1], -1)
 
+    def q_kv_norm_rope(self, qkv, q_dim, q_weight, kv_weight, eps, positions, cos_sin, name="attn.q_kv_norm_rope"):
+        with op_group(name, K_Q_KV_NORM_ROPE):
+            return self.k["nr"].q_kv_rmsnorm_rope(qkv.to(BF16), q_weight, kv_weight, q_dim, eps, positions, cos_sin)
+
     def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
-        with op_group(name, K_NORM_ROPE):
-            return self.k["nr"].rmsnorm_rope(q.contiguous().to(BF16), None, eps, positions, cos_sin)
+        with op_group(name, K_NORM_ROPE):      # q may be a column slice of a fused GEMM output (row stride)
+            return self.k["nr"].rmsnorm_rope(q.to(BF16), None, eps, positions, cos_sin)
 
     def rope(self, x, positions, cos_sin, name):
         with op_group(name, K_ROPE):
@@ -150,7 +155,7 @@ class KernelBackend(Backend):
                    norm_weight, eps, ratio, cos_sin, name):
         if kv_score.shape[0] <= DECODE_MAX_T:
             with op_group(name, "kernel:compressor.compress_decode"):
-                return self.k["comp"].compress_decode(kv_score.contiguous(), positions, state, state_slots,
+                return self.k["comp"].compress_decode(kv_score, positions, state, state_slots,
                                                       window_slots, window_valid, ape, norm_weight, eps, ratio,
                                                       cos_sin)
         with op_group(name, "torch:compressor"):       # prefill chunks: boundary rows only
@@ -254,6 +259,8 @@ class KernelBackend(Backend):
 
     def add(self, a, b, name):
         with op_group(name, "torch:add"):
+            if a.dtype == b.dtype == BF16:
+                return torch.add(a, b)       # one launch: torch's bf16 add computes in fp32, rounds once
             return (a.float() + b.float()).to(BF16)
 
 
