@@ -9,6 +9,7 @@ op (Backend method)         kind                                                
 ==========================  =============================================================  ========
 linear, FP8 weight          ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2-3
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
+  (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
 indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``                          1
 indexer_q                   ``kernel:fp8_quant.per_token_group_quant_fp8(pow2)`` + torch RoPE  ~8
@@ -20,12 +21,20 @@ mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                   
 hc_head                     ``kernel:mhc.hc_head``                                             2
 route                       ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
-compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress)     2
-rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)``             1 each
-rope / swiglu               / ``kernel:norm_rope.swiglu_clamp``                                 1
-compressor T > 64 / embed / ``torch:compressor`` / ``torch:embedding`` / ``torch:add``
-add
+compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2
+                            reads the bf16 GEMM output slice as is)
+q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
+rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
+rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
+add (bf16 + bf16)           ``torch:add`` (one bf16 add: fp32 math, one rounding)              1
+compressor T > 64 / embed   ``torch:compressor`` / ``torch:embedding``
 ==========================  =============================================================  ========
+
+The composition adds per step, not per layer: ``step.maps`` (``torch:index_maps``, ~60 small torch
+launches once per forward: SWA window, compressor window/state slots per ring size, compressed
+write slots, counts and C128 slot lists per cache size; ``RankModel._maps``) and per C4A layer
+``indexer.slots`` (``torch:where``, 3: local top-512 -> global slots). Count them on a CPU with
+:func:`ds4lab.model.launches.count_launches`.
 
 Decode is CUDA-graph capturable: no op here reads a device value back to the host for T <= 64
 tokens (``compress`` switches to a boundary-only ``nonzero`` path above that, for prefill chunks),

@@ -4,15 +4,20 @@ Decode and prefill are one token-level step (``_forward``): the step's tokens (r
 position ``pos[t]``) first write their SWA entries, compressor states and (at ratio boundaries)
 compressed / indexer entries into the caches, then attend causally by position, as vLLM 0.32
 does within a step. A decode step is ``B * next_n`` tokens; a prefill chunk is one request's
-next ``chunk`` tokens. Every index the step needs (SWA window slots, compressed slots, indexer
-bounds, write slots) is computed on the device from ``positions`` with static shapes, so a
-decode step has no host sync on the kernel backend (CUDA-graph capturable).
+next ``chunk`` tokens. Every index the step needs (SWA window slots, compressor window and state
+rows, compressed write slots, indexer bounds, C128 slot lists) is computed ONCE per forward on the
+device from ``positions`` with static shapes (``_maps``, op group ``step.maps``; layers of one
+ratio share one entry), so a decode step has no host sync on the kernel backend (CUDA-graph
+capturable) and no per-layer index glue.
 
 Per layer (vLLM ``models/deepseek_v4/cpu/model.py`` ``DeepseekV4DecoderLayer``,
 ``attention.py`` ``DeepseekV4Attention``, ``cpu/cpu_sparse.py``):
-mHC pre (+attn_norm) -> ``wqkv_a`` -> q_norm / kv_norm -> ``wq_b`` -> per-head RMSNorm + RoPE (q),
-RoPE + fp8_ds_mla insert (kv) -> [compressor (+ indexer compressor, indexer q, logits, top-512)]
--> sparse MLA with sink over SWA (+ compressed) -> o_proj -> mHC post -> mHC pre (+ffn_norm) ->
+mHC pre (+attn_norm) -> ``wqkv_a`` -> q_norm, kv_norm + RoPE (one op, ``q_kv_norm_rope``) ->
+``wq_b`` (C4A: fused with the indexer's ``wq_b``, one GEMM on ``qr``) -> per-head RMSNorm + RoPE
+(q), fp8_ds_mla insert (kv) -> [compressor (+ indexer compressor, indexer q, logits, top-512); C4A:
+the three bf16 GEMMs on ``x`` (both compressors' ``wkv_gate``, the indexer's ``weights_proj``) as
+one, ``attn.x_proj``, its column slices read in place] -> sparse MLA with sink over SWA (+
+compressed) -> o_proj -> mHC post -> mHC pre (+ffn_norm) ->
 router (hash ``tid2eid`` in layers < num_hash_layers, else sqrtsoftplus + bias) -> routed
 experts + shared expert (SwiGLU clamp) -> mHC post. Then hc_head, final norm, LM head (bf16
 logits, as vLLM's bf16 ``lm_head``). MTP (``vllm/models/deepseek_v4/nvidia/mtp.py``):
@@ -132,7 +137,7 @@ class RankModel:
         qr, kv = o.q_kv_norm_rope(qkv, ql, L["q_norm"], L["kv_norm"], cfg.rms_norm_eps, pos, cs)
         idx = ratio == 4
         if idx and "wq_b_cat" in L:             # wq_b | indexer wq_b: one GEMM on qr (weights.fuse_layer)
-            qq = o.linear(qr, L["wq_b_cat"], "attn.wq_b+indexer.wq_b")
+            qq = o.linear(qr, L["wq_b_cat"], "attn.wq_b")     # its bytes: harness.step.GROUP_OPS
             nq = L["wq_b_cat_n"][0]
             q, iq = qq[:, :nq], qq[:, nq:]
         else:
