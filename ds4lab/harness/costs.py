@@ -272,6 +272,13 @@ def rmsnorm_rope_min_bytes(s: dict) -> float:
     return 4 * n + w + (s["T"] * (4 + s.get("R", ROPE_DIM) * 4) if rope else 0)
 
 
+def q_kv_rmsnorm_rope_min_bytes(s: dict) -> float:
+    """The bf16 ``(T, Dq + Dkv)`` row in, both bf16 segments out, both gains once, per token a
+    position and one cos/sin row."""
+    d = s["Dq"] + s["Dkv"]
+    return s["T"] * (4 * d + 4 + s.get("R", ROPE_DIM) * 4) + 2 * d
+
+
 def swiglu_min_bytes(s: dict) -> float:
     return s["T"] * s["I"] * (4 + 2)
 
@@ -323,6 +330,7 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "sparse_mla_prefill": sparse_prefill_flops,
     "topk_indices": _zero,
     "rmsnorm_rope": _zero,
+    "q_kv_rmsnorm_rope": _zero,
     "swiglu_clamp": _zero,
     "compress_decode": compress_decode_flops,
 }
@@ -352,6 +360,7 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "sparse_mla_prefill": sparse_prefill_min_bytes,
     "topk_indices": topk_min_bytes,
     "rmsnorm_rope": rmsnorm_rope_min_bytes,
+    "q_kv_rmsnorm_rope": q_kv_rmsnorm_rope_min_bytes,
     "swiglu_clamp": swiglu_min_bytes,
     "compress_decode": compress_decode_min_bytes,
 }

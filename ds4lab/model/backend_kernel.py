@@ -9,6 +9,7 @@ op (Backend method)         kind                                                
 ==========================  =============================================================  ========
 linear, FP8 weight          ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2-3
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
+  (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
 indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``                          1
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
@@ -22,12 +23,20 @@ hc_head                     ``kernel:mhc.hc_head``                              
 gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk``                         1
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
-compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress)     2
-rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)``             1 each
-rope / swiglu               / ``kernel:norm_rope.swiglu_clamp``                                 1
-compressor T > 64 / embed / ``torch:compressor`` / ``torch:embedding`` / ``torch:add``
-add
+compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2
+                            reads the bf16 GEMM output slice as is)
+q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
+rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
+rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
+add (bf16 + bf16)           ``torch:add`` (one bf16 add: fp32 math, one rounding)              1
+compressor T > 64 / embed   ``torch:compressor`` / ``torch:embedding``
 ==========================  =============================================================  ========
+
+The composition adds per step, not per layer: ``step.maps`` (``torch:index_maps``, ~60 small torch
+launches once per forward: SWA window, compressor window/state slots per ring size, compressed
+write slots, counts and C128 slot lists per cache size; ``RankModel._maps``) and per C4A layer
+``indexer.slots`` (``torch:where``, 3: local top-512 -> global slots). Count them on a CPU with
+:func:`ds4lab.model.launches.count_launches`.
 
 Decode is CUDA-graph capturable: no op here reads a device value back to the host for T <= 64
 tokens (``compress`` switches to a boundary-only ``nonzero`` path above that, for prefill chunks),
@@ -52,6 +61,7 @@ K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
 K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
+K_Q_KV_NORM_ROPE = "kernel:norm_rope.q_kv_rmsnorm_rope"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -132,9 +142,13 @@ class KernelBackend(Backend):
                 y = F.linear(x2.to(lin.weight.dtype), lin.weight).to(out_dtype)
         return y.reshape(*x.shape[:-1], -1)
 
+    def q_kv_norm_rope(self, qkv, q_dim, q_weight, kv_weight, eps, positions, cos_sin, name="attn.q_kv_norm_rope"):
+        with op_group(name, K_Q_KV_NORM_ROPE):
+            return self.k["nr"].q_kv_rmsnorm_rope(qkv.to(BF16), q_weight, kv_weight, q_dim, eps, positions, cos_sin)
+
     def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
-        with op_group(name, K_NORM_ROPE):
-            return self.k["nr"].rmsnorm_rope(q.contiguous().to(BF16), None, eps, positions, cos_sin)
+        with op_group(name, K_NORM_ROPE):      # q may be a column slice of a fused GEMM output (row stride)
+            return self.k["nr"].rmsnorm_rope(q.to(BF16), None, eps, positions, cos_sin)
 
     def rope(self, x, positions, cos_sin, name):
         with op_group(name, K_ROPE):
@@ -153,7 +167,7 @@ class KernelBackend(Backend):
                    norm_weight, eps, ratio, cos_sin, name):
         if kv_score.shape[0] <= DECODE_MAX_T:
             with op_group(name, "kernel:compressor.compress_decode"):
-                return self.k["comp"].compress_decode(kv_score.contiguous(), positions, state, state_slots,
+                return self.k["comp"].compress_decode(kv_score, positions, state, state_slots,
                                                       window_slots, window_valid, ape, norm_weight, eps, ratio,
                                                       cos_sin)
         with op_group(name, "torch:compressor"):       # prefill chunks: boundary rows only
@@ -267,6 +281,8 @@ class KernelBackend(Backend):
 
     def add(self, a, b, name):
         with op_group(name, "torch:add"):
+            if a.dtype == b.dtype == BF16:
+                return torch.add(a, b)       # one launch: torch's bf16 add computes in fp32, rounds once
             return (a.float() + b.float()).to(BF16)
 
 
