@@ -411,8 +411,9 @@ def _dec_mma_w13_kernel(
     K: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid ``(pairs, inter / BLOCK_N, SPLIT)``. One leader program (see ``_expert_rows``): up to
-    BLOCK_M pairs of one expert x BLOCK_N gate columns and the same BLOCK_N up columns x one K split.
+    """Grid ``(pairs, inter / BLOCK_N, SPLIT)``.
+    One program (a leader, see ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N gate
+    columns and the same BLOCK_N up columns x one K split.
 
     gate/up[m, n] = sum_k x[tok_m, k] * dequant(w13[e, n (+I), k]) on tensor cores (bf16 x exact
     bf16 nibbles, fp32 accumulation, scale per 128-group in fp32). SPLIT == 1: h = swiglu(gate, up)
@@ -476,7 +477,8 @@ def _dec_mma_w2_kernel(
     IK: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Grid ``(pairs, hidden / BLOCK_N)``. A leader program (``_expert_rows``): y[pair_m, n] =
+    """Grid ``(pairs, hidden / BLOCK_N)``.
+    One program (a leader, ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N columns: y[pair_m, n] =
     sum_k h[pair_m, k] * dequant(w2[e, n, k]) on tensor cores (fp16 h x exact fp16 nibbles, fp32
     accumulation, scale per group), stored fp32. Every program (leader or not) then takes a ticket
     on its column block's counter; the last of the ``pairs`` programs writes
