@@ -310,7 +310,8 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         config: a row of ``CONFIGS[arch]``; default :func:`pick_config` by ``num_tokens``.
         eps: the quant's amax floor (a positive normal float32), as in ``per_token_group_quant_fp8``.
         fused: force the fused (True) or two-launch (False) path; None: fused iff
-            ``num_tokens <= FUSED_MAX_M``.
+            ``num_tokens <= FUSED_MAX_M`` and the config's ``BLOCK_M <= FUSED_MAX_M`` (the small /
+            mid / prefill tiles with a bf16 A tile exceed sm_89's shared memory or spill).
 
     Returns:
         ``(num_tokens, N)`` bfloat16. A row group holding NaN or ±inf gets a NaN scale (its UE8M0
@@ -318,7 +319,8 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
 
     Raises:
         TypeError / ValueError: as :func:`fp8_gemm_nt` (naming ``x``, ``weight``, ``weight_scale``,
-        ``out``, ``config``) and ``per_token_group_quant_fp8`` (``eps``).
+        ``out``, ``config``) and ``per_token_group_quant_fp8`` (``eps``); ``fused=True`` with a
+        config whose ``BLOCK_M > FUSED_MAX_M`` (ValueError naming ``config``).
     """
     check.tensor("x", x, (torch.bfloat16, torch.float16, torch.float32), 2)
     check.tensor("weight", weight, torch.float8_e4m3fn, 2)
@@ -338,8 +340,12 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     if M == 0 or N == 0:
         return out
     cfg = config or pick_config(M, x.device)
+    BM, _ = _check_config(cfg)
     if fused is None:
-        fused = M <= FUSED_MAX_M
+        fused = M <= FUSED_MAX_M and BM <= FUSED_MAX_M
+    elif fused and BM > FUSED_MAX_M:
+        raise ValueError(f"config={cfg!r}: the fused quant needs BLOCK_M <= {FUSED_MAX_M} (a bf16 A tile of "
+                         f"BLOCK_M x 128 per stage next to the fp8 one); pass fused=None or a decode config")
     if fused:
         _launch(x, None, 0, weight, weight_scale, b_fmt, out, cfg, True, eps)
         return out

@@ -312,3 +312,16 @@ def test_vllm_peer_launch_matches_reference(label):
     out = S.peer_call(S.peer_kernel().fn, S.peer_operands(inp), S.PEER_CONFIGS[label])()
     reps = S.check(out, R.fp8_gemm_nt(**inp), inp)
     assert all(reps), [r.summary() for r in reps]
+
+
+def test_fused_refuses_wide_row_tiles_and_auto_falls_back(monkeypatch):
+    """BLOCK_M > 32 with a bf16 A tile does not fit sm_89 (mid: 106,496 B, prefill: 163,840 B in
+    the compile report): fused=None runs the two launches, fused=True names the config."""
+    quant = _Count(fp8_quant._per_token_group_quant_fp8_kernel)
+    monkeypatch.setattr(fp8_quant, "_per_token_group_quant_fp8_kernel", quant)
+    _, _, b, sb = _operands(2, 64, 256, b_fmt="ue8m0", seed=0)
+    x = torch.randn(2, 256).bfloat16().to(DEVICE)
+    G.w8a8_block_fp8_linear(x, b, sb, config=CONFIGS["sm_89"]["prefill"])
+    assert quant.n == 1
+    with pytest.raises(ValueError, match="config=.*BLOCK_M <= 32"):
+        G.w8a8_block_fp8_linear(x, b, sb, config=CONFIGS["sm_89"]["mid"], fused=True)
