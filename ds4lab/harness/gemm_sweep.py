@@ -155,11 +155,18 @@ def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, repla
         if csv_path:
             _write(row, csv_path)
 
-    firsts = {json.dumps(sh): _Set(sh, 0, dev) for sh in shapes}
-    if cuda:
-        _precompile([make(firsts[json.dumps(sh)]) for sh in shapes for *_, make in _candidates(sh, arch, peer)], log)
+    firsts = {}
     for shape in shapes:
         key = json.dumps(shape)
+        if key not in firsts:
+            # compile this shape's M group in parallel before timing it (a run cut short by its time
+            # limit keeps the rows of the groups it finished)
+            group = [sh for sh in shapes if sh["M"] == shape["M"] and json.dumps(sh) not in firsts]
+            for sh in group:
+                firsts[json.dumps(sh)] = _Set(sh, 0, dev)
+            if cuda:
+                _precompile([make(firsts[json.dumps(sh)]) for sh in group for *_, make in _candidates(sh, arch, peer)],
+                            log)
         first = firsts[key]
         if cuda:
             touched = sum(t.numel() * t.element_size() for t in (first.lin["x"], first.lin["weight"]))
@@ -297,8 +304,12 @@ def check_registry(log=print) -> int:
     from ds4lab.harness.registry import get
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     fails = n = 0
-    for name in ("fp8_gemm_nt", "w8a8_block_fp8_linear"):
-        spec = get(name)
+    specs = [get(name) for name in ("fp8_gemm_nt", "w8a8_block_fp8_linear")]
+    if dev == "cuda":
+        sets = [(sp, sp.make_inputs(sh, sp.cases[0], 1, dev)) for sp in specs for sh in sp.test_shapes]
+        _precompile([lambda sp=sp, i=i: sp.launcher_fn()(**i) for sp, i in sets], log)
+    for spec in specs:
+        name = spec.name
         for shape in spec.test_shapes:
             for case in spec.cases:
                 n += 1
@@ -342,6 +353,14 @@ def main(argv=None) -> int:
         return 0 if rows else 1
     from ds4lab.harness import bench
     bench._setup_build(a.arch)
+    import torch
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("gemm_sweep: no CUDA device here; run on a GPU (scripts/gpu/gemm.sh), or set TRITON_INTERPRET=1 "
+                  "for the untimed interpreter path (numerics only)", file=sys.stderr)
+            return 2
+        from ds4lab import interp
+        interp.install()
     if a.check:
         return 1 if check_registry() else 0
     from ds4lab.geometry import DEFAULT_CONFIG
@@ -353,6 +372,8 @@ def main(argv=None) -> int:
         ops = {o for o in a.ops.split(",") if o}
         shapes = [{**s, "tp": a.tp} for s in S.decode_shapes(DEFAULT_CONFIG, a.tp)
                   if s["M"] in ms and (not ops or s["op"] in ops)]
+        order = [int(m) for m in a.ms.split(",") if m]
+        shapes.sort(key=lambda s: order.index(s["M"]))  # M-major: every op at the first M first
     t0 = time.time()
     rows = sweep(shapes, a.arch, a.peer_src, csv_path=os.path.join(a.out, CSV_NAME), replays=a.replays)
     bad = [r for r in rows if r.get("status") in ("FAIL", "ERROR")]

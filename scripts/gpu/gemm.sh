@@ -12,7 +12,7 @@
 # Usage: OUT=DIR bash scripts/gpu/gemm.sh [--peer-src DIR]     (or PEER_SRC=DIR; default: ./.peer if
 #   present, made by `make peer-src` and carried as an ignored folder). Without the peer source the
 #   sweep says so in its log and CSV (SKIP rows) and times the rest.
-#   BUILDS="native sm89" (default), MS=1,4,8,16,32, BUILD_TIMEOUT (s, default 52), CHECK_TIMEOUT (s, 20)
+#   BUILDS="native sm89" (default), MS=1,4,8,16,32, BUILD_TIMEOUT (s, default 45), CHECK_TIMEOUT (s, 25)
 # Rows -> $OUT/gemm_decode.csv (appended as measured), logs -> $OUT/gemm_*.log, table -> $OUT/gemm_table.txt.
 # Fail-soft: a failing candidate, check or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
@@ -39,14 +39,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 rc=0
 t0=$SECONDS
 # 1. numerics first
-timeout ${CHECK_TIMEOUT:-20} python3 -m ds4lab.harness.gemm_sweep --check > "$OUT/gemm_check.log" 2>&1 \
+timeout ${CHECK_TIMEOUT:-25} python3 -m ds4lab.harness.gemm_sweep --check > "$OUT/gemm_check.log" 2>&1 \
   || { echo "NUMERICS CHECK FAILED or timed out (see gemm_check.log)"; rc=1; }
 grep -E "FAIL|numerics:|Error" "$OUT/gemm_check.log" | tail -12
 echo "check: $((SECONDS - t0)) s"
 # 2. the sweep, one process per build
 for build in $BUILDS; do
   tb=$SECONDS
-  timeout ${BUILD_TIMEOUT:-52} python3 -m ds4lab.harness.gemm_sweep --arch $build --ms "$MS" --out "$OUT" $peer_args \
+  timeout ${BUILD_TIMEOUT:-45} python3 -m ds4lab.harness.gemm_sweep --arch $build --ms "$MS" --out "$OUT" $peer_args \
     > "$OUT/gemm_$build.log" 2>&1 || { echo "SWEEP $build: exit $? (see gemm_$build.log; rows so far are in the CSV)"; rc=1; }
   grep -E "peer:|precompile|FAIL|Traceback|Error|rows ->" "$OUT/gemm_$build.log" | tail -15
   echo "sweep $build: $((SECONDS - tb)) s"

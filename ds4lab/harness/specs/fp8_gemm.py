@@ -191,11 +191,20 @@ PEER_CONFIGS = {
 PEER = "vllm_triton_block_fp8"
 
 
+_PEER_CACHE: dict = {}
+
+
 def peer_kernel(peer_src=None):
-    """vLLM's ``_w8a8_triton_block_scaled_mm`` (:class:`ds4lab.harness.peers.PeerKernel`); raises
+    """vLLM's ``_w8a8_triton_block_scaled_mm`` (:class:`ds4lab.harness.peers.PeerKernel`), loaded
+    once per source (``peer_src``, else ``$DS4LAB_PEER_SRC``, else the installed vllm); raises
     ``PeerUnavailable`` saying what was tried."""
+    import os
+
     from ds4lab.harness import peers
-    return peers.load_peer_jit(*peers.VLLM_BLOCK_FP8, peer_src=peer_src)
+    key = (str(peer_src) if peer_src is not None else None, os.environ.get(peers.ENV))
+    if key not in _PEER_CACHE:
+        _PEER_CACHE[key] = peers.load_peer_jit(*peers.VLLM_BLOCK_FP8, peer_src=peer_src)
+    return _PEER_CACHE[key]
 
 
 def peer_operands(inputs) -> dict:
