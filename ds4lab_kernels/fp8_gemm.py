@@ -182,7 +182,8 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
             ``(ceil(N/128), ceil(K/512))`` int32 packed. ``N`` need not be a multiple of 128.
         out: optional ``(num_tokens, N)`` bfloat16 output with ``out.stride(1) == 1``.
         config: a row of ``CONFIGS[arch]`` (``BLOCK_M``, ``BLOCK_N``, ``GROUP_M``, ``SPLIT_K`` int
-            or ``"auto"``, ``num_warps``, ``num_stages``); default picks by ``num_tokens``.
+            or ``"auto"``, optional ``SPLIT_PER_SM`` (auto split target, default 2), ``num_warps``,
+            ``num_stages``); default picks by ``num_tokens``.
 
     Returns:
         ``(num_tokens, N)`` bfloat16. NaN in a scale or value propagates to the affected outputs.

@@ -175,7 +175,8 @@ def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, repla
         else:
             sets = [first]
         common = {**base, **run["roofs"], "kernel": "fp8_gemm_decode", "tp": shape.get("tp", 4), "shape": key,
-                  "flops": S.costs.FLOPS["fp8_gemm_nt"](shape), "min_bytes": S.costs.MIN_BYTES["fp8_gemm_nt"](shape),
+                  "flops": S.costs.FLOPS["fp8_gemm_nt"](shape),
+                  "min_bytes": S.costs.MIN_BYTES["fp8_gemm_nt"]({**shape, "a_fmt": "ue8m0_packed"}),
                   "n_sets": len(sets), "note": "",
                   "repro": f"python3 -m ds4lab.harness.gemm_sweep --arch {build} --shape '{key}'"}
         want = S.R.fp8_gemm_nt(**first.gemm)

@@ -354,8 +354,8 @@ register(KernelSpec(
         {"M": 40, "N": 70, "K": 256, "b_fmt": "pow2"},          # M > FUSED_MAX_M: quant kernel + GEMM
     ],
     bench_shapes=decode_shapes,
-    flops=costs.FLOPS["fp8_gemm_nt"],
-    min_bytes=costs.MIN_BYTES["fp8_gemm_nt"],
+    flops=costs.FLOPS["w8a8_block_fp8_linear"],
+    min_bytes=costs.MIN_BYTES["w8a8_block_fp8_linear"],
     check=check_linear,
     configs=kernel_configs("fp8_gemm"),
     config_for=_linear_config_for,
