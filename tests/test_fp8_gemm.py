@@ -260,9 +260,9 @@ def test_fused_is_one_launch_and_large_m_falls_back_to_two(monkeypatch):
     quant = _Count(fp8_quant._per_token_group_quant_fp8_kernel)
     monkeypatch.setattr(G, "_fp8_gemm_nt_kernel", gemm)
     monkeypatch.setattr(fp8_quant, "_per_token_group_quant_fp8_kernel", quant)
-    _, _, b, sb = _operands(1, 64, 1024, b_fmt="ue8m0")
-    x = (torch.randn(G.FUSED_MAX_M, 1024)).bfloat16().to(DEVICE)
-    cfg = {**CONFIGS["sm_89"]["decode"], "SPLIT_K": 4}   # split-K too: still one launch
+    _, _, b, sb = _operands(1, 32, 512, b_fmt="ue8m0")
+    x = (torch.randn(G.FUSED_MAX_M, 512)).bfloat16().to(DEVICE)
+    cfg = {**CONFIGS["sm_89"]["decode_32x32"], "SPLIT_K": 2}   # split-K too: still one launch
     G.w8a8_block_fp8_linear(x, b, sb, config=cfg)
     assert (gemm.n, quant.n) == (1, 0)
     G.w8a8_block_fp8_linear(torch.cat([x, x[:1]]), b, sb, config=cfg)  # M = FUSED_MAX_M + 1
@@ -272,10 +272,10 @@ def test_fused_is_one_launch_and_large_m_falls_back_to_two(monkeypatch):
 def test_split_k_single_launch_resets_counters_and_is_deterministic():
     """Split-K in one launch: the last program of each tile reduces the slots in split order, so
     repeated calls are bitwise equal and every tile counter is back to 0 afterwards."""
-    M, N, K = 5, 96, 1024
+    M, N, K = 5, 64, 1024
     a, sa, b, sb = _operands(M, N, K, "ue8m0_packed", "ue8m0")
-    cfg = {**CONFIGS["sm_89"]["decode"], "SPLIT_K": 8}
-    outs = [fp8_gemm_nt(a, sa, b, sb, config=cfg) for _ in range(3)]
+    cfg = {**CONFIGS["sm_89"]["decode_16x64"], "SPLIT_K": 8}
+    outs = [fp8_gemm_nt(a, sa, b, sb, config=cfg) for _ in range(2)]
     for o in outs[1:]:
         assert compare_exact(o, outs[0], "split-K repeat")
     cnt = G.splitk_counters(torch.device(DEVICE), 1)

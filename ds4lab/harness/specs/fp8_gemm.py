@@ -335,9 +335,11 @@ def decode_shapes(cfg, tp: int) -> list[dict]:
 
 
 def _linear_config_for(arch: str, shape: dict) -> list[str]:
-    from ds4lab_kernels.fp8_gemm import CONFIGS, decode_candidates
+    """The decode rows (BLOCK_M <= 32: the fused path); ``all_configs``: every such row of the table
+    (the wider rows run quant + fp8_gemm_nt, which fp8_gemm_nt's own entry compiles and checks)."""
+    from ds4lab_kernels.fp8_gemm import CONFIGS, FUSED_MAX_M, decode_candidates
     if shape.get("all_configs"):
-        return list(CONFIGS[arch])
+        return [lb for lb, c in CONFIGS[arch].items() if c["BLOCK_M"] <= FUSED_MAX_M]
     return list(decode_candidates(shape["M"])) or _config_for(arch, shape)
 
 
