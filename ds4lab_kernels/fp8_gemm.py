@@ -308,7 +308,9 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         weight: ``(N, K)`` float8_e4m3fn, ``weight.stride(1) == 1``.
         weight_scale: per 128x128 block, any encoding :func:`fp8_gemm_nt` takes for ``b_scale``.
         out: optional ``(num_tokens, N)`` bfloat16 output with ``out.stride(1) == 1``.
-        config: a row of ``CONFIGS[arch]``; default :func:`pick_config` by ``num_tokens``.
+        config: a row of ``CONFIGS[arch]``; default :func:`pick_config` by ``num_tokens``, except
+            that ``17 <= num_tokens <= FUSED_MAX_M`` takes the ``"decode"`` row (fused) instead of
+            ``"small"`` (64-row tiles, two launches).
         eps: the quant's amax floor (a positive normal float32), as in ``per_token_group_quant_fp8``.
         fused: force the fused (True) or two-launch (False) path; None: fused iff
             ``num_tokens <= FUSED_MAX_M`` and the config's ``BLOCK_M <= FUSED_MAX_M`` (the small /
@@ -341,6 +343,10 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     if M == 0 or N == 0:
         return out
     cfg = config or pick_config(M, x.device)
+    if config is None and fused is not False and M <= FUSED_MAX_M and cfg["BLOCK_M"] > FUSED_MAX_M:
+        # 17..32 tokens: pick_config's "small" row (64-row tiles) cannot take the fused quant; the
+        # decode row can (two 16-row tiles; scripts/gpu/gemm.sh times it against quant + "small")
+        cfg = CONFIGS[arch_of(x.device)]["decode"]
     BM, _ = _check_config(cfg)
     if fused is None:
         fused = M <= FUSED_MAX_M and BM <= FUSED_MAX_M

@@ -325,3 +325,16 @@ def test_fused_refuses_wide_row_tiles_and_auto_falls_back(monkeypatch):
     assert quant.n == 1
     with pytest.raises(ValueError, match="config=.*BLOCK_M <= 32"):
         G.w8a8_block_fp8_linear(x, b, sb, config=CONFIGS["sm_89"]["mid"], fused=True)
+
+
+def test_default_config_is_fused_up_to_32_tokens(monkeypatch):
+    """17..32 tokens: the default is the decode row, fused (pick_config's 64-row "small" row would
+    need the two launches)."""
+    quant = _Count(fp8_quant._per_token_group_quant_fp8_kernel)
+    monkeypatch.setattr(fp8_quant, "_per_token_group_quant_fp8_kernel", quant)
+    _, _, b, sb = _operands(1, 32, 256, b_fmt="ue8m0", seed=0)
+    x = torch.randn(20, 256).bfloat16().to(DEVICE)
+    got = G.w8a8_block_fp8_linear(x, b, sb)
+    assert quant.n == 0
+    q, s = fp8_quant.per_token_group_quant_fp8(x, 128, scale_fmt="ue8m0")
+    _check(got, q, s, b, sb)
