@@ -7,7 +7,8 @@ GPU, torch glue counted as the CUDA kernels it issues, approximately):
 ==========================  =============================================================  ========
 op (Backend method)         kind                                                           launches
 ==========================  =============================================================  ========
-linear, FP8 weight          ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2-3
+linear, FP8 weight, T<=32   ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
+linear, FP8 weight, T>32    ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
   (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
@@ -58,6 +59,7 @@ F32 = torch.float32
 DECODE_MAX_T = 64
 
 K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
+K_LINEAR_FP8_FUSED = "kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)"
 K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
@@ -128,10 +130,12 @@ class KernelBackend(Backend):
     def linear(self, x, lin: Linear, name, out_dtype=BF16):
         x2 = x.reshape(-1, x.shape[-1])
         if lin.fp8:
-            with op_group(name, K_LINEAR_FP8):
-                q, s = self.k["quant"].per_token_group_quant_fp8(x2.contiguous(), 128, scale_fmt="ue8m0")
+            # one launch at decode (the 1x128 UE8M0 quant runs in the GEMM's prologue, bit-identical
+            # to quant + fp8_gemm_nt); above FUSED_MAX_M tokens the launcher runs the two kernels
+            fused = x2.shape[0] <= self.k["gemm"].FUSED_MAX_M
+            with op_group(name, K_LINEAR_FP8_FUSED if fused else K_LINEAR_FP8):
                 cfg = None if x2.is_cuda else _interp_gemm_config(x2.shape[0])
-                y = self.k["gemm"].fp8_gemm_nt(q, s, lin.weight, lin.scale, config=cfg)
+                y = self.k["gemm"].w8a8_block_fp8_linear(x2.contiguous(), lin.weight, lin.scale, config=cfg)
                 if out_dtype != BF16:
                     y = y.to(out_dtype)
         elif out_dtype == F32:
