@@ -894,7 +894,10 @@ DECODE_MAX_PAIRS = 128
 
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
-GPU_DEFAULTS = {"sm_89": ("decode", "prefill"), "sm_90": ("decode_2d_n8", "prefill")}
+GPU_DEFAULTS = {"sm_89": ("mma_n32s4", "mma_n64s2", "prefill"), "sm_90": ("mma_n32s4", "mma_n64s2", "prefill")}
+
+#: up to this many (token, expert) pairs the 32-column tiles with 4 K splits win; above, 64-column tiles
+MMA_NARROW_MAX_PAIRS = 8
 
 
 def pick_config(pairs: int, device: torch.device) -> dict:
@@ -902,8 +905,10 @@ def pick_config(pairs: int, device: torch.device) -> dict:
     if device.type != "cuda":
         return _INTERP[path]
     arch = arch_of(device)
-    if path == "decode" and arch == "sm_90":
-        # H200 run 4 (results/bench.csv): the 2-D unpack variant with 8-row tiles is fastest at every
-        # decode shape: TP4 T=1/4/16 42.9/147.9/492.4 us vs 49.9/157.4/580.0 us; TP1 T=1 137 vs 192 us
-        return CONFIGS[arch]["decode_2d_n8"]
+    if path == "decode":
+        # H200 (issue 20, NOTES "W4A16 MoE decode, measured"): TP4 cold L2, sm_89 build / native, us:
+        # T=1 mma_n32s4 32.2 / 32.4 (was decode 53.4, decode_2d_n8 39.6); T=4 mma_n64s2 79.8 / 78.6
+        # (was 151 / 143); T=16 mma_n64s2 260 / 264 (was 579 / 494); vLLM's Triton W4A16 at its best
+        # swept config 83.6 / 235.9 / 731.6
+        return CONFIGS[arch]["mma_n32s4" if pairs <= MMA_NARROW_MAX_PAIRS else "mma_n64s2"]
     return CONFIGS[arch][path]

@@ -837,7 +837,9 @@ FUSED_LABELS = tuple(_FUSED_ROWS)
 OPROJ_LABELS = FUSED_LABELS + ("unfused",)
 #: the o_proj row used for T <= FUSED_MAX_T on a GPU (the H200 run of scripts/gpu/oproj.sh picks it;
 #: "unfused" restores the parts). Above FUSED_MAX_T o_proj runs the parts.
-DECODE_DEFAULT = {"sm_89": "fused", "sm_90": "fused"}
+#: H200 (issue 20, first run): TP4 cold L2, T=1..16, the fused 2-launch path 37-40 us (sm_89 build and
+#: native), the parts 24.4-25.5 us: the parts stay the default until a fused row beats them.
+DECODE_DEFAULT = {"sm_89": "unfused", "sm_90": "unfused"}
 # the interpreter runs programs one by one in Python: one m tile, wide n tiles, split 2 (so the
 # in-launch split-K reduction is exercised by every CPU test)
 _INTERP_FUSED = {"path": "fused", "quant_z": "wo_a",

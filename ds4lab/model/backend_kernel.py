@@ -214,8 +214,8 @@ class KernelBackend(Backend):
                 None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale)
 
     def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
-        """FP8 ``wo_a``/``wo_b`` at decode: the fused 2-launch path (``o_proj.pick_o_proj_config``:
-        ``DECODE_DEFAULT`` on a GPU); no position check (a host sync), so the step stays capturable."""
+        """FP8 ``wo_a``/``wo_b`` at decode: ``o_proj.pick_o_proj_config`` (``DECODE_DEFAULT`` on a GPU: the
+        parts until a fused 2-launch row beats them; the fused path on the interpreter); no position check (a host sync), so the step stays capturable."""
         with op_group(name, "kernel:o_proj.o_proj"):
             H = o.shape[1]
             # the interpreter: the parts' wo_b (T > 64, or a bf16 wo_a) on interpreter-sized tiles
