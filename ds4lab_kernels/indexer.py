@@ -3,6 +3,9 @@ ragged prefill and for paged decode.
 
 Semantics:
 - cache writer: vLLM ``indexer_k_quant_and_cache`` (DeepSeek-V4, ``scale_fmt="ue8m0"``);
+- query prep (``indexer_q_rope_quant``): the DeepSeek-V4 indexer's q side (vLLM ``Indexer``: RoPE
+  on the last 64 dims of each head, bf16, ``per_token_group_quant_fp8(q, 128, scale_fmt="ue8m0")``
+  math with the scale folded into the head weights ``w * s * D^-0.5 * H^-0.5``), one launch;
 - logits: DeepGEMM ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits``:
   ``logit[t, j] = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) * k_scale[j]``, ``-inf`` outside the row's
   valid range. ``q . k`` is a native fp8 x fp8 ``tl.dot`` with fp32 accumulation (``mma.sync
@@ -21,6 +24,10 @@ import triton.language as tl
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import quant_rows_e4m3
+
+# the amax floor of the q quantization (vLLM ``per_token_group_quant_fp8(..., eps=1e-4)`` on the
+# indexer q; the same as the K cache writer's)
+Q_EPS = 1e-4
 
 HEAD_DIM = 128
 
@@ -148,6 +155,45 @@ def _fp8_paged_mqa_logits_kernel(
 
 
 # ---- launchers ---------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["n_rows"])
+def _indexer_q_kernel(
+    q_ptr, pos_ptr, cs_ptr, w_ptr, qo_ptr, wo_ptr,
+    n_rows, H, max_pos, stride_qt, stride_qh, stride_wt, w_scale, eps,
+    D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Grid ``(cdiv(num_tokens * num_heads, ROWS),)``.
+    One program: ROWS (token, head) rows of D bf16 values: forward GPT-J RoPE on the last R dims in
+    fp32 (``x0 c - x1 s``, ``x1 c + x0 s``, as the torch glue evaluates them), one bf16 rounding,
+    the pow2 e4m3 quantization of the row and the head weight times its scale."""
+    pid = tl.program_id(0)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    rmask = r < n_rows
+    t = r // H
+    h = r - t * H
+    cols = tl.arange(0, D)
+    base = t.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
+    x = tl.load(q_ptr + base[:, None] + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    # each rope dim's pair partner (col ^ 1) and its frequency (col - (D - R)) // 2
+    xp = tl.load(q_ptr + base[:, None] + (cols ^ 1)[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    rope = cols >= D - R
+    fi = tl.where(rope, (cols - (D - R)) // 2, 0)
+    p = tl.load(pos_ptr + t, mask=rmask, other=0).to(tl.int64)
+    ok = (p >= 0) & (p < max_pos)            # out-of-table position: NaN, never a wrong angle
+    pc = tl.where(ok, p, 0)
+    c = tl.load(cs_ptr + pc[:, None] * R + fi[None, :], mask=rmask[:, None] & rope[None, :], other=1.0)
+    sn = tl.load(cs_ptr + pc[:, None] * R + R // 2 + fi[None, :], mask=rmask[:, None] & rope[None, :], other=0.0)
+    c = tl.where(ok[:, None], c, float("nan"))
+    sn = tl.where(ok[:, None], sn, float("nan"))
+    even = (cols % 2) == 0
+    y = tl.where(even[None, :], x * c - xp * sn, x * c + xp * sn)
+    y = tl.where(rope[None, :], y, x)
+    y = y.to(tl.bfloat16).to(tl.float32)
+    qv, s = quant_rows_e4m3(y, eps, True)
+    tl.store(qo_ptr + r.to(tl.int64)[:, None] * D + cols[None, :], qv, mask=rmask[:, None])
+    wv = tl.load(w_ptr + t.to(tl.int64) * stride_wt + h, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(wo_ptr + r, wv * s * w_scale, mask=rmask)
+
+
 def _cache_views(kv_cache: torch.Tensor, head_dim: int = HEAD_DIM):
     """Validate an indexer K cache and return (fp8 view, fp32 view, block stride bytes, block size)."""
     check.tensor("kv_cache", kv_cache, (torch.uint8,), (3, 4))
@@ -224,6 +270,68 @@ def indexer_k_cache_insert(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping
         k, slot_mapping, kv8, kv32, T, k.stride(0), stride, stride // 4,
         D=D, BS=bs, BLOCK_T=cfg["BLOCK_T"], num_warps=cfg["num_warps"])
     return kv_cache
+
+
+def indexer_q_rope_quant(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                         weights: torch.Tensor, config: dict | None = None):
+    """The indexer's query side in one launch: RoPE, bf16, FP8 e4m3 with a pow2 scale per head, the
+    scale folded into the head weights.
+
+    For each token ``t`` and head ``h``: ``x = bf16(rope(q[t, h]))`` (GPT-J pairs on the last
+    ``R = cos_sin.shape[1]`` dims, fp32 math, ``cos || sin`` row ``positions[t]``), ``s =
+    ceil_pow2(max(amax|x|, 1e-4) / 448)``, ``q_fp8[t, h] = e4m3(x / s)``, ``w[t, h] = (weights[t, h]
+    * s) * fp32(D^-0.5 * H^-0.5)``. Bit for bit the glue it replaces (``_rope_f32`` + ``bf16`` +
+    ``per_token_group_quant_fp8(x, D, scale_fmt="pow2", eps=1e-4)`` + the weight product; the
+    kernel is compiled without FMA contraction so the GPU rounds as torch does).
+
+    Args:
+        q: ``(num_tokens, H, D)`` bfloat16 (64 heads x 128), last dim contiguous; ``D`` a power of
+            two ``<= 1024``.
+        positions: ``(num_tokens,)`` int32/int64; a position outside ``[0, max_pos)`` gives NaN
+            rope dims, so a NaN scale and weight for all of that token's heads (no host sync).
+        cos_sin: float32 ``(max_pos, R)`` contiguous, ``R`` even, a power of two, ``R <= D``.
+        weights: ``(num_tokens, H)`` bfloat16/float32 head weights (``weights_proj`` output), last
+            dim contiguous.
+        config: a row of ``CONFIGS["q"]`` (``ROWS``, ``num_warps``).
+
+    Returns:
+        ``(q_fp8 (num_tokens, H, D) float8_e4m3fn, w (num_tokens, H) float32)``, contiguous. A row
+        holding NaN gets a NaN scale and weight (its values NaN); an inf gives an inf scale (values
+        NaN at the inf, 0 elsewhere), as the glue.
+
+    Raises:
+        TypeError / ValueError: dtypes, ranks, shapes, strides, devices; a device without FP8.
+    """
+    check.tensor("q", q, torch.bfloat16, ndim=3)
+    T, H, D = q.shape
+    check.last_dim_contiguous("q", q)
+    if D < 2 or D & (D - 1) or D > 1024:
+        raise ValueError(f"q: head_dim={D} must be a power of two in 2..1024")
+    check.tensor("positions", positions, (torch.int32, torch.int64), ndim=1)
+    if positions.shape[0] != T:
+        raise ValueError(f"positions: shape {tuple(positions.shape)}, expected ({T},)")
+    check.tensor("cos_sin", cos_sin, torch.float32, ndim=2)
+    R = cos_sin.shape[1]
+    if R < 2 or R & (R - 1) or R > D:
+        raise ValueError(f"cos_sin: rope_dim={R} must be an even power of two <= head_dim={D}")
+    check.contiguous("cos_sin", cos_sin)
+    check.tensor("weights", weights, (torch.bfloat16, torch.float32), ndim=2)
+    if tuple(weights.shape) != (T, H):
+        raise ValueError(f"weights: shape {tuple(weights.shape)}, expected ({T}, {H})")
+    check.last_dim_contiguous("weights", weights)
+    check.same_device("q", q, positions=positions, cos_sin=cos_sin, weights=weights)
+    require_fp8("q", q.device, "indexer_q_rope_quant")
+    qo = torch.empty((T, H, D), dtype=torch.float8_e4m3fn, device=q.device)
+    wo = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    n = T * H
+    if not n:
+        return qo, wo
+    cfg = config or pick_q_config(n, q.device)
+    _indexer_q_kernel[(triton.cdiv(n, cfg["ROWS"]),)](
+        q, positions, cos_sin, weights, qo, wo, n, H, cos_sin.shape[0], q.stride(0), q.stride(1),
+        weights.stride(0), D ** -0.5 * H ** -0.5, Q_EPS, D=D, R=R, ROWS=cfg["ROWS"],
+        num_warps=cfg["num_warps"], enable_fp_fusion=False)
+    return qo, wo
 
 
 def _check_q(q, ndim):
@@ -398,6 +506,11 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
 # paged (decode, memory bound): one program per (request, TILES consecutive cache blocks); q of the
 #   next_n rows stays in registers; each cache block is one [64,128]x[128,64] fp8 dot per row.
 CONFIGS = {
+    # q (decode: T*64 rows of 128): one row per warp; T=1 is 64 rows -> 16-64 programs
+    "q": {"sm_89": {"r1": {"ROWS": 1, "num_warps": 1}, "r4": {"ROWS": 4, "num_warps": 4},
+                    "r16": {"ROWS": 16, "num_warps": 4}, "interp": {"ROWS": 256, "num_warps": 4}},
+          "sm_90": {"r1": {"ROWS": 1, "num_warps": 1}, "r4": {"ROWS": 4, "num_warps": 4},
+                    "r16": {"ROWS": 16, "num_warps": 4}, "interp": {"ROWS": 256, "num_warps": 4}}},
     "insert": {"sm_89": {"default": {"BLOCK_T": 4, "num_warps": 4}},
                "sm_90": {"default": {"BLOCK_T": 4, "num_warps": 4}}},
     "mqa": {
@@ -413,6 +526,13 @@ CONFIGS = {
                   "t16": {"TILES": 16, "num_warps": 4, "num_stages": 3}},
     },
 }
+
+
+def pick_q_config(n_rows: int, device: torch.device) -> dict:
+    t = CONFIGS["q"][arch_of(device)]
+    if device.type != "cuda":
+        return t["interp"]
+    return t["r4"] if n_rows <= 8192 else t["r16"]
 
 
 def pick_mqa_config(M: int, N: int, device: torch.device) -> dict:

@@ -28,41 +28,40 @@ def _sqrt_softplus(x):
 
 
 @triton.jit
-def _sqrtsoftplus_topk_kernel(
-    logits_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr,
-    T, E, vocab, stride_lt, stride_tv, scaling,
-    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
-):
-    """Grid ``(cdiv(num_tokens, BLOCK_T),)``.
-    One program: BLOCK_T tokens x all experts: scores, the top-k selection (or hash lookup) and weights."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    rmask = rows < T
+def route_tile(lg, rows, rmask, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, E, vocab, stride_tv, scaling,
+               TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_E: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
+    """The router on a register tile: ``lg`` fp32 ``[BLOCK_T, BLOCK_E]`` logits of tokens ``rows``
+    (columns ``>= E`` and rows off ``rmask`` are ignored) -> the scores, the top-k selection (or
+    the hash lookup) and the renormalised weights, stored at ``w_ptr`` / ``ids_ptr`` rows
+    ``rows * TOPK``. Shared by :func:`sqrtsoftplus_topk` and the fused gate (``moe_gate``)."""
     cols = tl.arange(0, BLOCK_E)
     cmask = cols < E
     slots = tl.arange(0, TOPK_P2)
     out_off = rows.to(tl.int64)[:, None] * TOPK + slots[None, :]
     omask = rmask[:, None] & (slots[None, :] < TOPK)
+    s = _sqrt_softplus(lg)
     if HASH:
         tok = tl.load(ids_in_ptr + rows, mask=rmask, other=-1).to(tl.int64)
         tok_ok = (tok >= 0) & (tok < vocab)
         eid = tl.load(tid2eid_ptr + tok[:, None] * stride_tv + slots[None, :],
                       mask=omask & tok_ok[:, None], other=-1).to(tl.int64)
         ok = (eid >= 0) & (eid < E) & omask
-        lg = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + eid, mask=ok, other=0.0).to(tl.float32)
-        w = tl.where(ok, _sqrt_softplus(lg), 0.0)
+        w = tl.zeros([lg.shape[0], TOPK_P2], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            # the tile's score of slot j's expert (a gather from registers: one column hit)
+            ej = tl.sum(tl.where(slots[None, :] == j, eid, 0), axis=1)
+            sj = tl.sum(tl.where(cols[None, :] == ej[:, None], s, 0.0), axis=1)
+            w = tl.where(slots[None, :] == j, sj[:, None], w)
+        w = tl.where(ok, w, 0.0)
         sel_ids = tl.where(ok, eid, -1).to(tl.int32)
     else:
-        lg = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :],
-                     mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        s = _sqrt_softplus(lg)
         sel = s
         if HAS_BIAS:
             sel = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         avail = (rmask[:, None] & cmask[None, :])
-        w = tl.zeros([BLOCK_T, TOPK_P2], dtype=tl.float32)
-        sel_ids = tl.zeros([BLOCK_T, TOPK_P2], dtype=tl.int32)
+        w = tl.zeros([lg.shape[0], TOPK_P2], dtype=tl.float32)
+        sel_ids = tl.zeros([lg.shape[0], TOPK_P2], dtype=tl.int32)
         for j in tl.static_range(TOPK):
             # numbers first (max, ties to the lowest id); NaN scores only once no number is left
             num = avail & (sel == sel)
@@ -79,6 +78,25 @@ def _sqrtsoftplus_topk_kernel(
     w = w / tl.where(tot > 0, tot, 1.0)[:, None] * scaling
     tl.store(w_ptr + out_off, w, mask=omask)
     tl.store(ids_ptr + out_off, sel_ids, mask=omask)
+
+
+@triton.jit
+def _sqrtsoftplus_topk_kernel(
+    logits_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr,
+    T, E, vocab, stride_lt, stride_tv, scaling,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+):
+    """Grid ``(cdiv(num_tokens, BLOCK_T),)``.
+    One program: BLOCK_T tokens x all experts: scores, the top-k selection (or hash lookup) and weights."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    cols = tl.arange(0, BLOCK_E)
+    lg = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :],
+                 mask=rmask[:, None] & (cols < E)[None, :], other=0.0).to(tl.float32)
+    route_tile(lg, rows, rmask, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, E, vocab, stride_tv, scaling,
+               TOPK, TOPK_P2, BLOCK_E, HAS_BIAS, HASH)
 
 
 def sqrtsoftplus_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor | None = None,

@@ -83,8 +83,8 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
 def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_ptr, stride_xt, DQ, DKV, max_pos,
                            eps, R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
     """Grid ``(T, 2)``.
-    Program ``(t, 0)`` owns token ``t``'s q segment ``x[t, :DQ]`` (norm x gain -> ``q[t]``); program
-    ``(t, 1)`` its kv segment ``x[t, DQ:DQ+DKV]`` (norm x gain, bf16 round, GPT-J RoPE on the last
+    One program owns one segment of token ``t``: ``(t, 0)`` the q segment ``x[t, :DQ]`` (norm x gain
+    -> ``q[t]``); ``(t, 1)`` the kv segment ``x[t, DQ:DQ+DKV]`` (norm x gain, bf16 round, GPT-J RoPE on the last
     ``R`` dims as ``R/2`` (even, odd) pairs -> ``kv[t]``)."""
     t = tl.program_id(0)
     seg = tl.program_id(1)

@@ -113,7 +113,7 @@ def test_smem_limit_has_one_home():
 # like an sm_86 GPU to require_fp8 (the interpreter itself is unaffected).
 FP8_LAUNCHERS = {"fp8_gemm_nt", "per_token_group_quant_fp8", "indexer_k_cache_insert", "fp8_mqa_logits",
                  "fp8_paged_mqa_logits", "fp8_ds_mla_insert", "inv_rope_fp8_quant", "fp8_einsum_bhr_hdr_bhd",
-                 "o_proj", "sparse_mla_decode"}
+                 "o_proj", "sparse_mla_decode", "indexer_q_rope_quant", "w8a8_block_fp8_linear"}
 
 
 def _specs():
@@ -141,7 +141,7 @@ def test_sm86_fp8_refused_others_fall_back(monkeypatch, spec):
 def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, arch, cap):
     """GPU_DEFAULTS (the rows the compile report builds for sm_120) == the rows each pick function
     returns on a GPU over sizes that cross every threshold (no drift between the two)."""
-    from ds4lab_kernels import fp8_quant, mhc, moe_routing, moe_w4a16, sparse_mla, topk
+    from ds4lab_kernels import fp8_quant, mhc, moe_gate, moe_routing, moe_w4a16, sparse_mla, topk
     monkeypatch.setattr(_arch, "target", lambda device: None if device.type != "cuda" else (10 * cap[0] + cap[1],
                                                                                            SMEM_LIMIT[arch]))
     monkeypatch.setitem(_arch._SMS, 0, 128)
@@ -150,6 +150,7 @@ def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, arch, cap):
         fp8_quant: [fp8_quant.pick_config(n, dev) for n in (1, 1024, 1025, 16384, 16385, 10**6)],
         mhc: [mhc.pick_config(t, dev, f) for t in (1, 64, 65, 4096) for f in (False, True)],
         moe_routing: [moe_routing.pick_config(t, dev) for t in (1, 512, 513, 10**5)],
+        moe_gate: [moe_gate.pick_config(t, dev) for t in (1, 16, 17, 64, 65, 4096)],
         moe_w4a16: [moe_w4a16.pick_config(p, dev) for p in (1, 128, 129, 10**5)],
         sparse_mla: [sparse_mla.pick_config(h, dev, num_tokens=t) for h in (8, 16, 32, 64) for t in (1, 64)],
         topk: [topk.pick_config(n, dev) for n in (100, 16383, 16384, 10**6)],

@@ -64,6 +64,14 @@ def gemm_min_bytes(s: dict) -> float:
     return M * K + N * K + a_s + b_s + 2 * M * N
 
 
+def linear_min_bytes(s: dict) -> float:
+    """``w8a8_block_fp8_linear``: bf16 A in (quantized on chip, no fp8 A or A scales in memory), B fp8
+    and its 128x128 scales once, D bf16 once."""
+    M, N, K = s["M"], s["N"], s["K"]
+    b_s = _cdiv(N, G) * (K // G) * (1 if s.get("b_fmt", "ue8m0") == "ue8m0" else 4)
+    return 2 * M * K + N * K + b_s + 2 * M * N
+
+
 def quant_min_bytes(s: dict) -> float:
     """bf16 in, e4m3 out, one scale per 1x128 group (4 B fp32/pow2, 1 B ue8m0 / packed ue8m0)."""
     M, K = s["M"], s["K"]
@@ -156,6 +164,23 @@ def mla_insert_min_bytes(s: dict) -> float:
 
 def route_min_bytes(s: dict) -> float:
     return s["T"] * s["E"] * 4 + s["E"] * 4 + s["T"] * s["topk"] * 8
+
+
+def gate_route_min_bytes(s: dict) -> float:
+    """The bf16 gate weight ``E x D`` and hidden states in, fp32 logits + bias, the routing out."""
+    T, E, D = s["T"], s["E"], s["D"]
+    return E * D * 2 + T * D * 2 + T * E * 4 + E * 4 + T * s["topk"] * 8
+
+
+def gate_route_flops(s: dict) -> float:
+    return 2.0 * s["T"] * s["E"] * s["D"]
+
+
+def indexer_q_min_bytes(s: dict) -> float:
+    """bf16 q ``(T, H, D)`` and weights ``(T, H)`` in; e4m3 q and fp32 weights out; per token a
+    position and one cos/sin row (``R`` fp32)."""
+    T, H, D, R = s["T"], s["H"], s["D"], s.get("R", ROPE_DIM)
+    return T * H * D * 3 + T * H * (2 + 4) + T * (8 + R * 4)
 
 
 def moe_experts_touched(s: dict) -> int:
@@ -290,6 +315,7 @@ def compress_decode_flops(s: dict) -> float:
 
 FLOPS: dict[str, Callable[[dict], float]] = {
     "fp8_gemm_nt": gemm_flops,
+    "w8a8_block_fp8_linear": gemm_flops,
     "per_token_group_quant_fp8": _zero,
     "indexer_k_cache_insert": _zero,
     "fp8_mqa_logits": mqa_flops,
@@ -302,6 +328,8 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "hc_head": mhc_flops("head"),
     "fp8_ds_mla_insert": _zero,
     "sqrtsoftplus_topk": _zero,
+    "gate_sqrtsoftplus_topk": gate_route_flops,
+    "indexer_q_rope_quant": _zero,
     "fused_moe_w4a16": moe_flops,
     "inv_rope_fp8_quant": _zero,
     "fp8_einsum_bhr_hdr_bhd": einsum_flops,
@@ -318,6 +346,7 @@ FLOPS: dict[str, Callable[[dict], float]] = {
 
 MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "fp8_gemm_nt": gemm_min_bytes,
+    "w8a8_block_fp8_linear": linear_min_bytes,
     "per_token_group_quant_fp8": quant_min_bytes,
     "indexer_k_cache_insert": k_insert_min_bytes,
     "fp8_mqa_logits": mqa_min_bytes,
@@ -330,6 +359,8 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "hc_head": mhc_min_bytes("head"),
     "fp8_ds_mla_insert": mla_insert_min_bytes,
     "sqrtsoftplus_topk": route_min_bytes,
+    "gate_sqrtsoftplus_topk": gate_route_min_bytes,
+    "indexer_q_rope_quant": indexer_q_min_bytes,
     "fused_moe_w4a16": moe_min_bytes,
     "inv_rope_fp8_quant": rope_min_bytes,
     "fp8_einsum_bhr_hdr_bhd": einsum_min_bytes,

@@ -82,6 +82,7 @@ GROUP_OPS = {
     "attn.sparse_mla": ("sparse_mla",), "attn.swa_insert": ("kv_cache_insert",),
     "indexer.logits_topk": ("mqa_logits", "topk_indices"),
     "indexer.k_insert": ("indexer_k_insert",), "moe.gate": ("router_gate",), "moe.route": ("moe_router",),
+    "moe.gate_route": ("router_gate", "moe_router"),
     "moe.experts": ("moe_w13+moe_w2",), "moe.shared_w13": ("shared_gate_up",), "moe.shared_w2": ("shared_down",),
     "head.lm_head": ("lm_head",),
 }

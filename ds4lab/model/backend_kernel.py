@@ -7,19 +7,22 @@ GPU, torch glue counted as the CUDA kernels it issues, approximately):
 ==========================  =============================================================  ========
 op (Backend method)         kind                                                           launches
 ==========================  =============================================================  ========
-linear, FP8 weight          ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2-3
+linear, FP8 weight, T<=32   ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
+linear, FP8 weight, T>32    ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
   (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
 indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``                          1
-indexer_q                   ``kernel:fp8_quant.per_token_group_quant_fp8(pow2)`` + torch RoPE  ~8
+indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
-o_proj                      ``kernel:o_proj.o_proj`` (inv-RoPE+quant, einsum, quant, wo_b)     4-6
+o_proj                      ``kernel:o_proj.o_proj``: decode (T <= 64) fused, inv-RoPE+quant  2 / 4-6
+                            +wo_a+z quant, then wo_b; prefill the parts
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                                  2
 hc_head                     ``kernel:mhc.hc_head``                                             2
-route                       ``kernel:moe_routing.sqrtsoftplus_topk``                           1
+gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk``                         1
+route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
 compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2
                             reads the bf16 GEMM output slice as is)
@@ -56,6 +59,7 @@ F32 = torch.float32
 DECODE_MAX_T = 64
 
 K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
+K_LINEAR_FP8_FUSED = "kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)"
 K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
@@ -102,6 +106,7 @@ class KernelBackend(Backend):
         import ds4lab_kernels.indexer as idx
         import ds4lab_kernels.mhc as mhc
         import ds4lab_kernels.mla_cache as mla
+        import ds4lab_kernels.moe_gate as gate
         import ds4lab_kernels.moe_routing as route
         import ds4lab_kernels.moe_w4a16 as moe
         import ds4lab_kernels.norm_rope as nr
@@ -109,7 +114,7 @@ class KernelBackend(Backend):
         import ds4lab_kernels.sparse_mla as smla
         import ds4lab_kernels.topk as topk
         self.k = dict(comp=comp, gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe,
-                      oproj=oproj, smla=smla, topk=topk, nr=nr)
+                      oproj=oproj, smla=smla, topk=topk, nr=nr, gate=gate)
         self.mhc_precision = mhc_precision
 
     # ---- dense glue ------------------------------------------------------------------------
@@ -125,10 +130,12 @@ class KernelBackend(Backend):
     def linear(self, x, lin: Linear, name, out_dtype=BF16):
         x2 = x.reshape(-1, x.shape[-1])
         if lin.fp8:
-            with op_group(name, K_LINEAR_FP8):
-                q, s = self.k["quant"].per_token_group_quant_fp8(x2.contiguous(), 128, scale_fmt="ue8m0")
+            # one launch at decode (the 1x128 UE8M0 quant runs in the GEMM's prologue, bit-identical
+            # to quant + fp8_gemm_nt); above FUSED_MAX_M tokens the launcher runs the two kernels
+            fused = x2.shape[0] <= self.k["gemm"].FUSED_MAX_M
+            with op_group(name, K_LINEAR_FP8_FUSED if fused else K_LINEAR_FP8):
                 cfg = None if x2.is_cuda else _interp_gemm_config(x2.shape[0])
-                y = self.k["gemm"].fp8_gemm_nt(q, s, lin.weight, lin.scale, config=cfg)
+                y = self.k["gemm"].w8a8_block_fp8_linear(x2.contiguous(), lin.weight, lin.scale, config=cfg)
                 if out_dtype != BF16:
                     y = y.to(out_dtype)
         elif out_dtype == F32:
@@ -173,12 +180,9 @@ class KernelBackend(Backend):
 
     # ---- indexer ---------------------------------------------------------------------------
     def indexer_q(self, q, positions, cos_sin, weights, name="indexer.q_quant"):
-        with op_group(name, "kernel:fp8_quant.per_token_group_quant_fp8(pow2)+torch:rope"):
-            T, H, D = q.shape
-            x = _rope_f32(q, positions, cos_sin).to(BF16)
-            qf, s = self.k["quant"].per_token_group_quant_fp8(x.reshape(T * H, D), D, scale_fmt="pow2", eps=1e-4)
-            w = weights.float() * s.reshape(T, H) * (D ** -0.5 * H ** -0.5)
-            return qf.reshape(T, H, D), w.contiguous()
+        with op_group(name, "kernel:indexer.indexer_q_rope_quant"):
+            return self.k["idx"].indexer_q_rope_quant(q.contiguous().to(BF16), positions, cos_sin,
+                                                      weights.contiguous())
 
     def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None):
         """``next_n`` given (decode: rows ``b*next_n + i`` belong to request ``b``): one paged-logits
@@ -206,12 +210,15 @@ class KernelBackend(Backend):
                 None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale)
 
     def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
+        """FP8 ``wo_a``/``wo_b`` at decode: the fused 2-launch path (``o_proj.pick_o_proj_config``:
+        ``DECODE_DEFAULT`` on a GPU); no position check (a host sync), so the step stays capturable."""
         with op_group(name, "kernel:o_proj.o_proj"):
             H = o.shape[1]
+            # the interpreter: the parts' wo_b (T > 64, or a bf16 wo_a) on interpreter-sized tiles
+            cfg = None if o.is_cuda else {"wo_b_fp8": _interp_gemm_config(o.shape[0])}
             return self.k["oproj"].o_proj(o.contiguous(), positions, cos_sin, wo_a.weight, wo_b.weight, wo_a.scale,
                                           wo_b.scale, heads_per_group=H // n_groups, scale_fmt="ue8m0",
-                                          check_positions=False,
-                                          config=None if o.is_cuda else {"wo_b_fp8": _interp_gemm_config(o.shape[0])})
+                                          check_positions=False, config=cfg)
 
     # ---- mHC -------------------------------------------------------------------------------
     def _hc_args(self, cfg):
@@ -238,6 +245,16 @@ class KernelBackend(Backend):
                                          hc_eps=cfg.hc_eps, precision=self.mhc_precision)
 
     # ---- MoE -------------------------------------------------------------------------------
+    def gate_route(self, x, gate: Linear, bias, topk, scaling, ids, tid2eid, name="moe.gate_route"):
+        if gate.fp8:   # an FP8 gate (no DeepSeek-V4 checkpoint has one): the unfused pair
+            return super().gate_route(x, gate, bias, topk, scaling, ids, tid2eid, name)
+        with op_group(name, "kernel:moe_gate.gate_sqrtsoftplus_topk"):
+            hashed = tid2eid is not None
+            w, e, _ = self.k["gate"].gate_sqrtsoftplus_topk(x.contiguous().to(BF16), gate.weight.to(BF16), bias, topk,
+                                                            scaling, ids if hashed else None,
+                                                            tid2eid if hashed else None)
+            return w, e
+
     def route(self, logits, bias, topk, scaling, ids, tid2eid, name="moe.route"):
         with op_group(name, "kernel:moe_routing.sqrtsoftplus_topk"):
             hashed = tid2eid is not None

@@ -15,7 +15,7 @@ from ds4lab.reference import moe as rmoe
 from ds4lab.reference import o_proj as ro
 from ds4lab.reference import sparse_mla as rsm
 from ds4lab.reference.fp8_gemm import fp8_gemm_nt
-from ds4lab.reference.quant import ceil_pow2, per_token_group_quant_fp8, to_e4m3
+from ds4lab.reference.quant import per_token_group_quant_fp8
 from ds4lab.reference.rope import apply_rope
 from ds4lab.reference.topk import topk_indices
 
@@ -97,13 +97,8 @@ class ReferenceBackend(Backend):
             return out
 
     def indexer_q(self, q, positions, cos_sin, weights, name="indexer.q_quant"):
-        with op_group(name, _k("indexer_q")):
-            H, D = q.shape[1], q.shape[2]
-            x = apply_rope(q, positions, cos_sin).to(BF16).to(F64)
-            s = ceil_pow2((x.abs().amax(-1).clamp_min(1e-4) / 448.0).float()).to(F64)
-            qf = to_e4m3((x / s[..., None]).float())
-            w = weights.to(F64) * s * D ** -0.5 * H ** -0.5
-            return qf, w.float()
+        with op_group(name, _k("indexer.indexer_q_rope_quant")):
+            return ridx.indexer_q_rope_quant(q, positions, cos_sin, weights, rope_dtype=F64)
 
     def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None):
         with op_group(name, _k("indexer.fp8_mqa_logits+topk")):

@@ -73,7 +73,7 @@ OP_BUDGET = {"float": 2 ** -7, "mhc": 1e-2, "index": 0.98, "bytes": 0.999}
 
 _SHADOWED = ("rmsnorm", "linear", "q_kv_norm_rope", "q_norm_rope", "rope", "mla_cache_write", "indexer_cache_write", "compressor",
              "indexer_q", "indexer_topk", "sparse_mla", "o_proj", "mhc_pre", "mhc_post", "mhc_post_pre", "hc_head",
-             "route", "experts", "swiglu", "add")
+             "route", "gate_route", "experts", "swiglu", "add")
 
 
 def _pairs(a, b, out):
@@ -282,7 +282,7 @@ def check_layers(tp: int = 4, layers=(0, 2, 3), device="cuda", cfg=None, batch: 
         class _Tap:  # records the routed expert ids of each backend (route agreement)
             def __init__(self, ops, key):
                 self.ops, self.key = ops, key
-                self.orig = ops.route
+                self.orig = ops.gate_route
 
             def __call__(self, *a, **k):
                 w, e = self.orig(*a, **k)
@@ -294,7 +294,7 @@ def check_layers(tp: int = 4, layers=(0, 2, 3), device="cuda", cfg=None, batch: 
             if key == "kernel":
                 shadow.install()
             tap = _Tap(m.ops, key)
-            m.ops.route = tap
+            m.ops.gate_route = tap
             try:
                 p, r, t = (x.to(dev) for x in (pos, req, ids))
                 maps = m._maps(p, r, C)
@@ -305,7 +305,7 @@ def check_layers(tp: int = 4, layers=(0, 2, 3), device="cuda", cfg=None, batch: 
                 secs[key] = time.perf_counter() - ts
                 outs[key] = out.detach().cpu()
             finally:
-                del m.ops.route
+                del m.ops.gate_route
                 if key == "kernel":
                     shadow.uninstall()
         rel, worst, cos = _rel(outs["kernel"], outs["reference"], resid)

@@ -185,8 +185,8 @@ class RankModel:
 
     def _moe(self, L, x, ids):
         o, cfg = self.ops, self.cfg
-        lg = o.linear(x, L["gate"], "moe.gate", out_dtype=torch.float32)
-        w, e = o.route(lg, L["bias"], cfg.num_experts_per_tok, cfg.routed_scaling_factor, ids, L["tid2eid"])
+        w, e = o.gate_route(x, L["gate"], L["bias"], cfg.num_experts_per_tok, cfg.routed_scaling_factor, ids,
+                            L["tid2eid"])
         r = o.experts(x, L["experts"], w, e, cfg.swiglu_limit)
         gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
         h = o.swiglu(gu, cfg.swiglu_limit, "moe.shared_act")

@@ -227,6 +227,12 @@ class Backend:
         """sqrtsoftplus (+bias) or hash routing -> ``(weights fp32 (T,k), ids int32 (T,k))``."""
         raise NotImplementedError
 
+    def gate_route(self, x, gate: Linear, bias, topk, scaling, ids, tid2eid, name="moe.gate_route"):
+        """The router gate ``x (T, D)`` bf16 -> fp32 logits ``x gate^T`` (``gate (E, D)``), then
+        :meth:`route` -> ``(weights fp32 (T,k), ids int32 (T,k))`` (a backend may fuse the two)."""
+        lg = self.linear(x, gate, "moe.gate", out_dtype=torch.float32)
+        return self.route(lg, bias, topk, scaling, ids, tid2eid)
+
     def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts"):
         """Routed experts with the SwiGLU clamp -> ``(T, D)`` bf16."""
         raise NotImplementedError

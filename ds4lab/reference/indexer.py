@@ -22,12 +22,31 @@ from __future__ import annotations
 import torch
 
 from ds4lab.reference.quant import ceil_pow2, to_e4m3
+from ds4lab.reference.rope import apply_rope
 
-__all__ = ["HEAD_DIM", "block_bytes", "entry_offsets", "quantize_k", "indexer_k_cache_insert",
+__all__ = ["HEAD_DIM", "indexer_q_rope_quant", "block_bytes", "entry_offsets", "quantize_k", "indexer_k_cache_insert",
            "read_indexer_k_cache", "gather_indexer_k", "fp8_mqa_logits", "fp8_paged_mqa_logits"]
 
 HEAD_DIM = 128
 SCALE_EPS = 1e-4
+
+
+def indexer_q_rope_quant(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, weights: torch.Tensor,
+                         rope_dtype=torch.float32, config=None):
+    """The indexer's query side (vLLM DeepSeek-V4 ``Indexer``): ``x = bf16(rope(q))`` on the last
+    ``R`` dims of each head (``rope_dtype`` math: float32 as the decode glue and the kernel,
+    float64 for the model twin), ``s = ceil_pow2(max(amax|x|, 1e-4) / 448)`` per (token, head),
+    ``q_fp8 = e4m3(x / s)``, ``w = (weights * s) * fp32(D^-0.5 * H^-0.5)`` in float32.
+    ``q (T, H, D)`` bf16, ``weights (T, H)`` -> ``(q_fp8 (T, H, D) float8_e4m3fn, w (T, H) float32)``."""
+    H, D = q.shape[1], q.shape[2]
+    x = apply_rope(q, positions, cos_sin, dtype=rope_dtype).to(torch.bfloat16).to(torch.float64)
+    has_nan = x.isnan().any(-1)
+    s = ceil_pow2((x.abs().amax(-1).clamp_min(SCALE_EPS) / 448.0).float())
+    s = torch.where(has_nan, torch.full_like(s, float("nan")), s)
+    qf = to_e4m3(x / s.double()[..., None])
+    scale = torch.tensor(D ** -0.5 * H ** -0.5, dtype=torch.float32)
+    w = weights.float() * s * scale
+    return qf, w
 
 
 def block_bytes(block_size: int = 64, head_dim: int = HEAD_DIM, align: int = 576) -> int:

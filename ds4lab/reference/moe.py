@@ -74,6 +74,19 @@ def sqrtsoftplus_topk(router_logits: torch.Tensor, e_score_correction_bias: torc
     return w.float().to(dev), ids.to(torch.int32).to(dev)
 
 
+def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tensor,
+                           e_score_correction_bias: torch.Tensor | None = None, topk: int = 6,
+                           routed_scaling_factor: float = 1.5, input_ids: torch.Tensor | None = None,
+                           tid2eid: torch.Tensor | None = None, config=None, **_):
+    """Reference of ``ds4lab_kernels.moe_gate.gate_sqrtsoftplus_topk``: the gate GEMM in float64
+    (vLLM ``GateLinear``: bf16 x bf16, fp32 logits), then :func:`sqrtsoftplus_topk` on the float64
+    logits. Returns ``(weights fp32 [T,k], ids int32 [T,k], router_logits fp32 [T,E])``."""
+    lg = hidden_states.cpu().double() @ gate_weight.cpu().double().T
+    w, ids = sqrtsoftplus_topk(lg, e_score_correction_bias, topk, routed_scaling_factor, input_ids, tid2eid)
+    dev = hidden_states.device
+    return w.to(dev), ids.to(dev), lg.float().to(dev)
+
+
 # ---- INT4 pack-quantized weights ---------------------------------------------------------------------
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Signed int4 values ``[..., K]`` in [-8, 7] -> int32 ``[..., K/8]`` (compressed-tensors

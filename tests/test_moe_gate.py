@@ -1,0 +1,150 @@
+"""Fused router gate (``moe_gate.gate_sqrtsoftplus_topk``) beyond the registry sweep: logits against the
+torch path it replaces, exact ties, NaN / inf hidden states, hash layers, the arrival counter
+(reset by the kernel, split-K and single-program paths agree), near-ties judged on the kernel's own
+logits, the check failing on planted errors, bad inputs; and the backend's gate_route."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from ds4lab.harness.specs import moe_gate as SG
+from ds4lab.reference import moe as R
+from ds4lab_kernels import moe_gate as K
+from ds4lab_kernels.moe_routing import sqrtsoftplus_topk
+
+pytestmark = pytest.mark.interp
+SPLIT = {"BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 64, "SPLIT_K": 3, "TAIL_T": 4, "num_warps": 4, "num_stages": 1}
+ONE = K.CONFIGS["sm_89"]["interp"]
+
+
+def _inputs(T=5, E=64, D=320, case="random", seed=0):
+    return SG.make_gate_inputs({"T": T, "E": E, "D": D, "topk": 6}, case, seed, DEVICE)
+
+
+@pytest.mark.parametrize("cfg", [ONE, SPLIT], ids=["one_program", "split_k3"])
+def test_logits_match_torch_path_and_route_as_old_glue(cfg):
+    inp = _inputs(T=18)   # two token blocks of 16
+    x, W = inp["hidden_states"], inp["gate_weight"]
+    w, ids, lg = K.gate_sqrtsoftplus_topk(**inp, config=cfg)
+    old = torch.nn.functional.linear(x.float(), W.float())
+    mag = x.double().abs() @ W.double().abs().T
+    assert ((lg.double() - old.double()).abs() <= SG.LOGIT_RTOL * mag).all()
+    # routing is exactly the router kernel's on the fused kernel's logits
+    w2, ids2 = sqrtsoftplus_topk(lg, inp["e_score_correction_bias"], 6, 1.5)
+    assert torch.equal(ids, ids2) and torch.equal(w, w2)
+    assert (K._ARRIVALS.get((torch.device(DEVICE).type, None), torch.zeros(1)) == 0).all()
+
+
+def test_split_and_single_program_agree_and_counter_resets():
+    inp = _inputs(T=3, E=64, D=256)
+    a = K.gate_sqrtsoftplus_topk(**inp, config=ONE)
+    cnt = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):   # a second call finds the counter zeroed by the first
+        b = K.gate_sqrtsoftplus_topk(**inp, arrivals=cnt, config=SPLIT)
+        assert int(cnt.abs().sum()) == 0
+        assert torch.equal(a[1], b[1])
+        assert torch.allclose(a[2], b[2], rtol=0, atol=1e-5)
+
+
+def test_exact_ties_pick_lowest_ids():
+    inp = _inputs(T=4, E=32, D=128)
+    inp["gate_weight"] = torch.zeros_like(inp["gate_weight"])    # every logit 0: all scores equal
+    inp["e_score_correction_bias"] = torch.zeros(32, device=DEVICE)
+    w, ids, _ = K.gate_sqrtsoftplus_topk(**inp, config=SPLIT)
+    assert ids.cpu().tolist() == [list(range(6))] * 4
+    assert torch.allclose(w.cpu(), torch.full((4, 6), 0.25))
+
+
+def test_nonfinite_hidden_states():
+    inp = _inputs(T=8, E=64, D=256, case="nonfinite")
+    w, ids, lg = K.gate_sqrtsoftplus_topk(**inp, config=SPLIT)
+    lg, ids, w = lg.cpu(), ids.cpu(), w.cpu()
+    assert lg[1].isnan().all() and ids[1].tolist() == list(range(6)) and w[1].isnan().all()
+    assert lg[2].isinf().any()                                 # one inf element: +-inf logits
+    for row in ids.tolist():
+        assert len(set(row)) == 6 and all(0 <= i < 64 for i in row)
+    assert not w[3].isnan().any()                              # zeros: equal scores, bias decides
+
+
+def test_hash_layer_ids_and_weights():
+    inp = _inputs(T=6, E=64, D=256, case="hash")
+    w, ids, lg = K.gate_sqrtsoftplus_topk(**inp, config=SPLIT)
+    rw, rids = R.sqrtsoftplus_topk(lg.cpu(), None, 6, 1.5, inp["input_ids"].cpu(), inp["tid2eid"].cpu())
+    assert torch.equal(ids.cpu(), rids)
+    assert ids[0, 0] == -1 and w[0, 0] == 0 and (ids[1] == -1).all() and (w[1] == 0).all()
+    assert torch.allclose(w.cpu(), rw, rtol=1e-6, atol=0)
+
+
+def test_check_fails_on_planted_errors():
+    inp = _inputs(T=4, E=64, D=256)
+    out = K.gate_sqrtsoftplus_topk(**inp, config=SPLIT)
+    ref = R.gate_sqrtsoftplus_topk(**inp)
+    assert all(SG.check_gate(out, ref, inp))
+    w, ids, lg = (t.clone() for t in out)
+    lg[1, 3] += 1e-3 * lg[1].abs().max()                      # one wrong logit
+    assert not all(SG.check_gate((w, ids, lg), ref, inp))
+    w, ids, lg = (t.clone() for t in out)
+    ids[0, [0, 1]] = ids[0, [1, 0]]                          # selection order broken: weights mismatch
+    ids[2, 5] = ids[2, 0]                                     # a duplicate
+    assert not all(SG.check_gate((w, ids, lg), ref, inp))
+
+
+def test_near_ties_are_judged_on_the_kernels_logits():
+    # two experts whose logits differ by ~1 fp32 ulp: either may win, the check must accept the
+    # kernel's choice when it follows from its own logits
+    inp = _inputs(T=2, E=64, D=256)
+    W = inp["gate_weight"].clone()
+    W[9] = W[4]
+    W[9, 0] = torch.nextafter(W[4, 0].float(), torch.tensor(float("inf"))).bfloat16()
+    inp["gate_weight"] = W
+    inp["e_score_correction_bias"] = torch.zeros(64, device=DEVICE)
+    out = K.gate_sqrtsoftplus_topk(**inp, config=SPLIT)
+    assert all(SG.check_gate(out, R.gate_sqrtsoftplus_topk(**inp), inp))
+
+
+def test_bad_inputs():
+    inp = _inputs(T=2, E=16, D=64)
+    x, W = inp["hidden_states"], inp["gate_weight"]
+    with pytest.raises(TypeError, match="hidden_states"):
+        K.gate_sqrtsoftplus_topk(x.float(), W)
+    with pytest.raises(TypeError, match="gate_weight"):
+        K.gate_sqrtsoftplus_topk(x, W.float())
+    with pytest.raises(ValueError, match="gate_weight"):
+        K.gate_sqrtsoftplus_topk(x, W[:, :32])
+    with pytest.raises(ValueError, match="hidden_states"):
+        K.gate_sqrtsoftplus_topk(x.t(), W[:, :2].contiguous())
+    with pytest.raises(ValueError, match="topk"):
+        K.gate_sqrtsoftplus_topk(x, W, topk=17)
+    with pytest.raises(ValueError, match="e_score_correction_bias"):
+        K.gate_sqrtsoftplus_topk(x, W, torch.zeros(15, device=DEVICE))
+    with pytest.raises(ValueError, match="tid2eid"):
+        K.gate_sqrtsoftplus_topk(x, W, input_ids=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        K.gate_sqrtsoftplus_topk(x, W, routed_scaling_factor=float("nan"))
+    with pytest.raises(ValueError, match="arrivals"):
+        K.gate_sqrtsoftplus_topk(x, W, arrivals=torch.zeros(0, dtype=torch.int32, device=DEVICE), config=SPLIT)
+
+
+def test_backend_gate_route_matches_the_unfused_pair():
+    """KernelBackend.gate_route (one launch) == the Backend default (linear fp32 + route) on ids,
+    and its op group names the fused kernel."""
+    from ds4lab.model.backend_kernel import KernelBackend
+    from ds4lab.model.ops import Backend, Linear, set_hook
+    kb = KernelBackend()
+    inp = _inputs(T=3, E=64, D=256)
+    lin = Linear(inp["gate_weight"])
+    seen = []
+
+    class Hook:
+        def enter(self, name, kind):
+            seen.append((name, kind))
+
+        def exit(self, name, kind):
+            pass
+    old = set_hook(Hook())
+    try:
+        w, e = kb.gate_route(inp["hidden_states"], lin, inp["e_score_correction_bias"], 6, 1.5, None, None)
+    finally:
+        set_hook(old)
+    assert seen == [("moe.gate_route", "kernel:moe_gate.gate_sqrtsoftplus_topk")]
+    w2, e2 = Backend.gate_route(kb, inp["hidden_states"], lin, inp["e_score_correction_bias"], 6, 1.5, None, None)
+    assert torch.equal(e, e2) and torch.allclose(w, w2, rtol=1e-5, atol=0)
