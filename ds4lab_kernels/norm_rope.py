@@ -89,27 +89,28 @@ def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_pt
     t = tl.program_id(0)
     seg = tl.program_id(1)
     xrow = x_ptr + t.to(tl.int64) * stride_xt
+    # each branch names its own values: Triton merges a name bound in both branches into one type
     if seg == 0:
-        c = tl.arange(0, BLOCK_Q)
-        m = c < DQ
-        x = tl.load(xrow + c, mask=m, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / DQ + eps)
-        w = tl.load(wq_ptr + c, mask=m, other=0.0).to(tl.float32)
-        tl.store(q_ptr + t.to(tl.int64) * DQ + c, (x * rstd * w).to(tl.bfloat16), mask=m)
+        cq = tl.arange(0, BLOCK_Q)
+        mq = cq < DQ
+        xq = tl.load(xrow + cq, mask=mq, other=0.0).to(tl.float32)
+        rq = tl.math.rsqrt(tl.sum(xq * xq, axis=0) / DQ + eps)
+        wq = tl.load(wq_ptr + cq, mask=mq, other=0.0).to(tl.float32)
+        tl.store(q_ptr + t.to(tl.int64) * DQ + cq, (xq * rq * wq).to(tl.bfloat16), mask=mq)
     else:
-        c = tl.arange(0, BLOCK_KV)
-        m = c < DKV
-        x = tl.load(xrow + DQ + c, mask=m, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / DKV + eps)
-        w = tl.load(wkv_ptr + c, mask=m, other=0.0).to(tl.float32)
+        ck = tl.arange(0, BLOCK_KV)
+        mk = ck < DKV
+        xk = tl.load(xrow + DQ + ck, mask=mk, other=0.0).to(tl.float32)
+        rk = tl.math.rsqrt(tl.sum(xk * xk, axis=0) / DKV + eps)
+        wk = tl.load(wkv_ptr + ck, mask=mk, other=0.0).to(tl.float32)
         orow = kv_ptr + t.to(tl.int64) * DKV
-        tl.store(orow + c, (x * rstd * w).to(tl.bfloat16), mask=c < DKV - R)
+        tl.store(orow + ck, (xk * rk * wk).to(tl.bfloat16), mask=ck < DKV - R)
         half = tl.arange(0, R // 2)
         e_off = DKV - R + 2 * half
         # the normed kv is rounded to bf16 before the rotation (vLLM: kv_norm's bf16 output feeds the rope)
-        ev = (tl.load(xrow + DQ + e_off).to(tl.float32) * rstd
+        ev = (tl.load(xrow + DQ + e_off).to(tl.float32) * rk
               * tl.load(wkv_ptr + e_off).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-        od = (tl.load(xrow + DQ + e_off + 1).to(tl.float32) * rstd
+        od = (tl.load(xrow + DQ + e_off + 1).to(tl.float32) * rk
               * tl.load(wkv_ptr + e_off + 1).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
         p = tl.load(pos_ptr + t).to(tl.int64)
         ok = (p >= 0) & (p < max_pos)            # out-of-table position: NaN, never a wrong angle
