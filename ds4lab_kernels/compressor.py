@@ -125,8 +125,10 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
     """The compressor for one decode step: save the state rows, compress every boundary token.
 
     Args:
-        kv_score: ``(T, 2*coff*hd)`` float32 ``kv || score`` (the ``wkv_gate`` GEMM output), last
-            dim contiguous; ``coff = 2`` for ratio 4, 1 for ratio 128; ``hd`` 512 or 128.
+        kv_score: ``(T, 2*coff*hd)`` float32 or bfloat16 ``kv || score`` (the ``wkv_gate`` GEMM
+            output; bf16 is read and upcast in the state write, so the bf16 GEMM output needs no
+            conversion launch), last dim contiguous, any row stride (a column slice of a fused GEMM's
+            output); ``coff = 2`` for ratio 4, 1 for ratio 128; ``hd`` 512 or 128.
         positions: ``(T,)`` int32/int64 token positions (>= 0).
         state: ``(N, 2*coff*hd)`` float32 state ring (all requests), written in place.
         state_slots: ``(T,)`` int32/int64 row of ``state`` for each token (outside ``[0, N)``: skipped).
@@ -152,7 +154,7 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
     if ratio not in RATIOS:
         raise ValueError(f"ratio={ratio!r}: expected one of {RATIOS}")
     coff = 2 if ratio == 4 else 1
-    chk.tensor("kv_score", kv_score, torch.float32, 2)
+    chk.tensor("kv_score", kv_score, (torch.float32, torch.bfloat16), 2)
     width2 = kv_score.shape[1]
     if width2 % (2 * coff) or (width2 // (2 * coff)) not in HEAD_DIMS:
         raise ValueError(f"kv_score: width {width2} is not 2*coff*hd for coff={coff}, hd in {HEAD_DIMS}")

@@ -13,8 +13,14 @@ per word (DeepGEMM's packed layout). Any scale strides are accepted (row-major o
 MN-major / TMA-aligned layout).
 
 Small M (decode) is weight-streaming: narrow tiles (16 x 32) and, when the tiles cannot fill the
-GPU, split-K into an fp32 workspace ``(split, M, N)`` followed by a reduce kernel (deterministic, no
-atomics, no host sync: CUDA-graph safe). Large M uses 128 x 128 tiles, grouped tile order for L2.
+GPU, split-K in the same launch: every split stores its fp32 partial tile to a workspace slot and
+bumps the tile's arrival counter; the last to arrive sums the slots in split order (bitwise
+deterministic, independent of arrival order), writes bf16 D and resets the counter (no second
+kernel, no host sync, counters reused by every CUDA-graph replay). Large M uses 128 x 128 tiles,
+grouped tile order for L2.
+
+``w8a8_block_fp8_linear`` takes bf16 activations and, at decode sizes, quantizes them per 1x128
+group (UE8M0) in the GEMM's K loop: one launch per linear instead of quant + GEMM.
 """
 import torch
 import triton
@@ -22,7 +28,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
-from ._fp8 import ue8m0_to_fp32
+from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3, ue8m0_to_fp32
 
 BLOCK_K = 128
 
@@ -42,18 +48,25 @@ def _load_scale(ptr, kb, FMT: tl.constexpr):
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_nt_kernel(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, d_ptr,
+    a_ptr, b_ptr, sa_ptr, sb_ptr, d_ptr, ws_ptr, cnt_ptr,
     M, N, K,
-    stride_am, stride_bn, stride_dm, stride_ds,
+    stride_am, stride_bn, stride_dm,
     stride_sam, stride_sak, stride_sbn, stride_sbk,
-    kb_per_split,
+    kb_per_split, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    A_FMT: tl.constexpr, B_FMT: tl.constexpr, OUT_FP32: tl.constexpr,
+    A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_BF16: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split)``: output tiles in GROUP_M order x k splits.
-    One program: a BLOCK_M x BLOCK_N tile of D over its split's k-blocks (fp32 to ``ws[pid_k]`` if split)."""
+    One program: a BLOCK_M x BLOCK_N tile of D over its split's k-blocks.
+
+    ``A_BF16``: ``a_ptr`` holds bf16 activations, quantized here per (row, k-block) exactly as
+    ``per_token_group_quant_fp8(x, 128, scale_fmt="ue8m0")`` does (``sa_ptr`` unused).
+    ``SPLIT`` (split-K in one launch): each program stores its fp32 partial tile to its slot
+    ``ws[tile, pid_k]``, then bumps the tile's arrival counter (acq_rel, gpu scope); the program that
+    arrives last sums the ``split`` slots in split order (bitwise deterministic), writes bf16 D and
+    resets the counter to 0 for the next launch (no second kernel, no host sync)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -88,12 +101,17 @@ def _fp8_gemm_nt_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
-        a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
-        if A_FMT == 2:
-            sa = _load_scale(sa_row + (kb // 4) * stride_sak, kb, A_FMT)
+        if A_BF16:
+            # the 1x128 group quant of fp8_quant (same helper), scale through its UE8M0 byte and back
+            a, sa = quant_rows_e4m3(tl.load(a_ptrs).to(tl.float32), eps, True)
+            sa = ue8m0_to_fp32(fp32_pow2_to_ue8m0(sa))
         else:
-            sa = _load_scale(sa_row + kb * stride_sak, kb, A_FMT)
+            a = tl.load(a_ptrs)
+            if A_FMT == 2:
+                sa = _load_scale(sa_row + (kb // 4) * stride_sak, kb, A_FMT)
+            else:
+                sa = _load_scale(sa_row + kb * stride_sak, kb, A_FMT)
         if B_FMT == 2:
             sb = _load_scale(sb_row + (kb // 4) * stride_sbk, kb, B_FMT)
         else:
@@ -107,28 +125,22 @@ def _fp8_gemm_nt_kernel(
         b_ptrs += BLOCK_K
 
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    d_off = pid_k.to(tl.int64) * stride_ds + offs_m.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
-    if OUT_FP32:
-        tl.store(d_ptr + d_off, acc, mask=mask)
+    d_ptrs = d_ptr + offs_m.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
+    if SPLIT:
+        n_split = tl.num_programs(1)
+        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        slot0 = ws_ptr + pid.to(tl.int64) * n_split * (BLOCK_M * BLOCK_N)
+        tl.store(slot0 + pid_k * (BLOCK_M * BLOCK_N) + tile, acc, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partial is written before the arrival is published
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_split - 1:
+            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, n_split):
+                tot += tl.load(slot0 + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+            tl.store(d_ptrs, tot.to(tl.bfloat16), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
     else:
-        tl.store(d_ptr + d_off, acc.to(tl.bfloat16), mask=mask)
-
-
-@triton.jit
-def _splitk_reduce_kernel(ws_ptr, d_ptr, M, N, stride_ws, stride_wm, stride_dm,
-                          SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(cdiv(N, BLOCK), M)``.
-    One program: BLOCK columns of one output row, summed over the SPLIT partials.
-
-    ``D[m, n] = bf16(sum_s ws[s, m, n])`` in a fixed order (deterministic)."""
-    pid = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
-    offs_n = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs_n < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT):
-        acc += tl.load(ws_ptr + s * stride_ws + m * stride_wm + offs_n, mask=mask, other=0.0)
-    tl.store(d_ptr + m * stride_dm + offs_n, acc.to(tl.bfloat16), mask=mask)
+        tl.store(d_ptrs, acc.to(tl.bfloat16), mask=mask)
 
 
 # ---- launcher ----------------------------------------------------------------------------------
@@ -170,7 +182,8 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
             ``(ceil(N/128), ceil(K/512))`` int32 packed. ``N`` need not be a multiple of 128.
         out: optional ``(num_tokens, N)`` bfloat16 output with ``out.stride(1) == 1``.
         config: a row of ``CONFIGS[arch]`` (``BLOCK_M``, ``BLOCK_N``, ``GROUP_M``, ``SPLIT_K`` int
-            or ``"auto"``, ``num_warps``, ``num_stages``); default picks by ``num_tokens``.
+            or ``"auto"``, optional ``SPLIT_PER_SM`` (auto split target, default 2), ``num_warps``,
+            ``num_stages``); default picks by ``num_tokens``.
 
     Returns:
         ``(num_tokens, N)`` bfloat16. NaN in a scale or value propagates to the affected outputs.
@@ -182,9 +195,10 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
             a non-unit last stride, tensors on different devices, a malformed ``config``, a device
             without FP8 tensor cores (compute capability < 8.9, ``_arch.require_fp8``).
 
-    Split-K (decode, when the tiles cannot fill the GPU) writes fp32 partials to a workspace of
-    ``split * num_tokens * N * 4`` bytes and reduces them in a second kernel; no host sync, so the
-    call is CUDA-graph safe.
+    Split-K (decode, when the tiles cannot fill the GPU) runs in the one launch: fp32 partial tiles
+    in a workspace of ``tiles * split * BLOCK_M * BLOCK_N * 4`` bytes, reduced in split order by the
+    last program of each tile (bitwise deterministic; :func:`splitk_counters`); no host sync, so
+    the call is CUDA-graph safe.
     """
     check.tensor("a", a, torch.float8_e4m3fn, 2)
     check.tensor("b", b, torch.float8_e4m3fn, 2)
@@ -201,36 +215,150 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
     a_scale, a_fmt = _check_scale("a_scale", a_scale, M, G, a)
     b_scale, b_fmt = _check_scale("b_scale", b_scale, triton.cdiv(N, 128), G, a)
     require_fp8("a", a.device, "fp8_gemm_nt")
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.bfloat16, device=a.device)
-    else:
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16:
-            raise TypeError(f"out: expected a bfloat16 tensor, got {getattr(out, 'dtype', type(out).__name__)}")
-        if tuple(out.shape) != (M, N) or (M and N and out.stride(1) != 1) or out.device != a.device:
-            raise ValueError(f"out: expected shape ({M}, {N}) on {a.device} with stride(1)=1, got "
-                             f"{tuple(out.shape)} strides {tuple(out.stride())} on {out.device}")
+    out = _check_out(out, M, N, a.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or pick_config(M, a.device)
+    _launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out, config or pick_config(M, a.device), False, 1e-10)
+    return out
+
+
+def _check_out(out, M: int, N: int, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty((M, N), dtype=torch.bfloat16, device=device)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16:
+        raise TypeError(f"out: expected a bfloat16 tensor, got {getattr(out, 'dtype', type(out).__name__)}")
+    if tuple(out.shape) != (M, N) or (M and N and out.stride(1) != 1) or out.device != device:
+        raise ValueError(f"out: expected shape ({M}, {N}) on {device} with stride(1)=1, got "
+                         f"{tuple(out.shape)} strides {tuple(out.stride())} on {out.device}")
+    return out
+
+
+# split-K arrival counters, one int32 per output tile, zero between launches (the last program of
+# each tile resets its own); one buffer per device, grown outside CUDA-graph capture only
+_COUNTERS: dict = {}
+_MIN_COUNTERS = 4096
+
+
+def splitk_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The zeroed ``int32`` arrival counters split-K uses on ``device`` (at least ``tiles``).
+
+    Allocated once per device (4,096 counters, or more for a larger grid) and left zero by every
+    launch, so CUDA-graph replays reuse it. Launches that split must not run concurrently on two
+    streams of one device (they share the counters).
+
+    Raises:
+        RuntimeError: the buffer would have to grow while a CUDA graph is being captured (run the
+            same call once before capturing)."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fp8_gemm_nt: split-K needs {tiles} tile counters on {device}; they are "
+                               f"allocated on first use, which cannot happen during CUDA-graph capture "
+                               f"(run the call once before capturing)")
+        buf = torch.zeros(max(_MIN_COUNTERS, tiles), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out, cfg, a_bf16: bool, eps: float) -> None:
+    M, K = a.shape
+    N = b.shape[0]
+    G = K // BLOCK_K
     BM, BN = _check_config(cfg)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     split = _split_k(cfg, tiles, G, a.device)
     kb_per = triton.cdiv(G, split)
     split = triton.cdiv(G, kb_per)  # no empty splits
-    meta = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK_K, GROUP_M=cfg.get("GROUP_M", 1),
-                A_FMT=a_fmt, B_FMT=b_fmt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    args = (M, N, K, a.stride(0), b.stride(0))
-    sargs = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), kb_per)
-    if split == 1:
-        _fp8_gemm_nt_kernel[(tiles, 1)](a, b, a_scale, b_scale, out, *args, out.stride(0), 0, *sargs,
-                                        OUT_FP32=False, **meta)
+    if split > 1:
+        ws = torch.empty((tiles, split, BM * BN), dtype=torch.float32, device=a.device)
+        cnt = splitk_counters(a.device, tiles)
+    else:
+        ws = cnt = out  # unused
+    sa = a if a_scale is None else a_scale
+    sa_strides = (0, 0) if a_scale is None else (a_scale.stride(0), a_scale.stride(1))
+    _fp8_gemm_nt_kernel[(tiles, split)](
+        a, b, sa, b_scale, out, ws, cnt, M, N, K, a.stride(0), b.stride(0), out.stride(0),
+        *sa_strides, b_scale.stride(0), b_scale.stride(1), kb_per, eps,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK_K, GROUP_M=cfg.get("GROUP_M", 1), A_FMT=a_fmt, B_FMT=b_fmt,
+        A_BF16=a_bf16, SPLIT=split > 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# decode sizes at which w8a8_block_fp8_linear quantizes A inside the GEMM (each program re-quantizes
+# its rows, once per N tile: cheap at M <= 32); above, the standalone quant kernel runs first
+FUSED_MAX_M = 32
+
+
+def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          out: torch.Tensor | None = None, config: dict | None = None,
+                          eps: float = 1e-10, fused: bool | None = None) -> torch.Tensor:
+    """Block-FP8 linear from bf16 activations: ``per_token_group_quant_fp8(x, 128, "ue8m0")`` then
+    :func:`fp8_gemm_nt`, with the activation quant fused into the GEMM's prologue for decode.
+
+    Semantics: vLLM ``W8A8BlockFp8LinearOp.apply`` / ``apply_w8a8_block_fp8_linear`` with
+    ``block_size=[128, 128]`` and UE8M0 activation scales (DeepSeek-V4, DeepGEMM
+    ``per_token_cast_to_fp8(use_ue8m0=True)``): per row and 128-wide k-block
+    ``s = ceil_pow2(max(amax, eps) / 448)``, ``q = rne_e4m3(clamp(x / s))``, then
+    ``D = sum_kb dot(q, W) * s * weight_scale``. The fused path (``num_tokens <= FUSED_MAX_M``, one
+    launch) gives D bit-identical to the two-launch path at the same ``config``.
+
+    Args:
+        x: ``(num_tokens, K)`` bfloat16 (or float16 / float32, as the quant takes) activations,
+            ``x.stride(1) == 1``; ``K`` a multiple of 128.
+        weight: ``(N, K)`` float8_e4m3fn, ``weight.stride(1) == 1``.
+        weight_scale: per 128x128 block, any encoding :func:`fp8_gemm_nt` takes for ``b_scale``.
+        out: optional ``(num_tokens, N)`` bfloat16 output with ``out.stride(1) == 1``.
+        config: a row of ``CONFIGS[arch]``; default :func:`pick_config` by ``num_tokens``, except
+            that ``17 <= num_tokens <= FUSED_MAX_M`` takes the ``"decode"`` row (fused) instead of
+            ``"small"`` (64-row tiles, two launches).
+        eps: the quant's amax floor (a positive normal float32), as in ``per_token_group_quant_fp8``.
+        fused: force the fused (True) or two-launch (False) path; None: fused iff
+            ``num_tokens <= FUSED_MAX_M`` and the config's ``BLOCK_M <= FUSED_MAX_M`` (the small /
+            mid / prefill tiles with a bf16 A tile exceed sm_89's shared memory or spill).
+
+    Returns:
+        ``(num_tokens, N)`` bfloat16. A row group holding NaN or ±inf gets a NaN scale (its UE8M0
+        byte is 255), so that row of D is NaN, as in the two-launch path.
+
+    Raises:
+        TypeError / ValueError: as :func:`fp8_gemm_nt` (naming ``x``, ``weight``, ``weight_scale``,
+        ``out``, ``config``) and ``per_token_group_quant_fp8`` (``eps``); ``fused=True`` with a
+        config whose ``BLOCK_M > FUSED_MAX_M`` (ValueError naming ``config``).
+    """
+    check.tensor("x", x, (torch.bfloat16, torch.float16, torch.float32), 2)
+    check.tensor("weight", weight, torch.float8_e4m3fn, 2)
+    M, K = x.shape
+    N, Kb = weight.shape
+    if Kb != K:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} has K={Kb}, x has K={K}")
+    if K <= 0 or K % BLOCK_K:
+        raise ValueError(f"x: K={K} must be a positive multiple of {BLOCK_K} (the scale block)")
+    check.same_device("x", x, weight=weight)
+    check.last_dim_contiguous("x", x)
+    check.last_dim_contiguous("weight", weight)
+    weight_scale, b_fmt = _check_scale("weight_scale", weight_scale, triton.cdiv(N, 128), K // BLOCK_K, x)
+    eps = check.fp32_scalar("eps", eps, positive=True)
+    require_fp8("x", x.device, "w8a8_block_fp8_linear")
+    out = _check_out(out, M, N, x.device)
+    if M == 0 or N == 0:
         return out
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
-    _fp8_gemm_nt_kernel[(tiles, split)](a, b, a_scale, b_scale, ws, *args, ws.stride(1), ws.stride(0), *sargs,
-                                        OUT_FP32=True, **meta)
-    RB = cfg.get("REDUCE_BLOCK", 1024)
-    _splitk_reduce_kernel[(triton.cdiv(N, RB), M)](ws, out, M, N, ws.stride(0), ws.stride(1), out.stride(0),
-                                                   SPLIT=split, BLOCK=RB, num_warps=4)
+    cfg = config or pick_config(M, x.device)
+    if config is None and fused is not False and M <= FUSED_MAX_M and cfg["BLOCK_M"] > FUSED_MAX_M:
+        # 17..32 tokens: pick_config's "small" row (64-row tiles) cannot take the fused quant; the
+        # decode row can (two 16-row tiles; scripts/gpu/gemm.sh times it against quant + "small")
+        cfg = CONFIGS[arch_of(x.device)]["decode"]
+    BM, _ = _check_config(cfg)
+    if fused is None:
+        fused = M <= FUSED_MAX_M and BM <= FUSED_MAX_M
+    elif fused and BM > FUSED_MAX_M:
+        raise ValueError(f"config={cfg!r}: the fused quant needs BLOCK_M <= {FUSED_MAX_M} (a bf16 A tile of "
+                         f"BLOCK_M x 128 per stage next to the fp8 one); pass fused=None or a decode config")
+    if fused:
+        _launch(x, None, 0, weight, weight_scale, b_fmt, out, cfg, True, eps)
+        return out
+    from .fp8_quant import per_token_group_quant_fp8
+    q, s = per_token_group_quant_fp8(x, BLOCK_K, scale_fmt="ue8m0", eps=eps)
+    _launch(q, s, 1, weight, weight_scale, b_fmt, out, cfg, False, eps)
     return out
 
 
@@ -253,34 +381,71 @@ def _check_config(cfg: dict) -> tuple[int, int]:
 
 def _split_k(cfg: dict, tiles: int, kblocks: int, device: torch.device) -> int:
     """``SPLIT_K='auto'``: split only when the output tiles cannot fill one wave of SMs; aim at
-    ~2 programs per SM, keeping at least 2 k-blocks per split (so the pipeline has work)."""
+    ``SPLIT_PER_SM`` (default 2) programs per SM, keeping at least 2 k-blocks per split (so the
+    pipeline has work)."""
     s = cfg.get("SPLIT_K", "auto")
     if s != "auto":
         return max(1, min(int(s), kblocks))
     sms = num_sms(device)
     if tiles >= sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, tiles), kblocks // 2))
+    return max(1, min(triton.cdiv(int(cfg.get("SPLIT_PER_SM", 2)) * sms, tiles), kblocks // 2))
 
 
 # ---- config table ------------------------------------------------------------------------------
-# Stage bytes = (BLOCK_M + BLOCK_N) * 128 (fp8). sm_89: <= 101,376 B per block, i.e. 3 stages of
-# 128x128 (96 KiB) at most. decode: 16x32 tiles stream the weight from every SM (N/32 programs;
-# split-K when that is < #SMs); small: 64x64; mid: 64x128; prefill: 128x128 with GROUP_M=8.
+# Stage bytes = (BLOCK_M + BLOCK_N) * 128 (fp8 A) or (2 * BLOCK_M + BLOCK_N) * 128 (bf16 A, fused
+# quant). sm_89: <= 101,376 B per block, i.e. 3 stages of 128x128 (96 KiB) at most.
+# decode: 16x32 tiles stream the weight from every SM (N/32 programs; split-K when that is < #SMs);
+# small: 64x64; mid: 64x128; prefill: 128x128 with GROUP_M=8.
+# decode_*: decode candidates (issue 20) timed by scripts/gpu/gemm.sh at the TP=4 shapes, M <= 32:
+# wider tiles (fewer programs, more bytes in flight each), 2 warps, a split target of 4 programs per
+# SM, and 32-row tiles for 17 <= M <= 32 (one row tile instead of two). pick_config does not return
+# them until a timed run of their own build says so (DECODE_CANDIDATES; NOTES.md).
+def _d(bm, bn, w, s, **kw):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 1, "SPLIT_K": "auto", "num_warps": w, "num_stages": s, **kw}
+
+
 CONFIGS = {
     "sm_89": {
-        "decode": {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 1, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 4},
+        "decode": _d(16, 32, 4, 4),
         "small": {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 1, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 4},
         "mid": {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 4},
         "prefill": {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "SPLIT_K": "auto", "num_warps": 8, "num_stages": 4},
+        "decode_16x32_w2": _d(16, 32, 2, 4),
+        "decode_16x32_k4": _d(16, 32, 4, 4, SPLIT_PER_SM=4),
+        "decode_16x64": _d(16, 64, 4, 4),
+        "decode_16x128": _d(16, 128, 4, 3),
+        "decode_32x32": _d(32, 32, 4, 4),
+        "decode_32x64": _d(32, 64, 4, 4),
     },
     "sm_90": {
-        "decode": {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 1, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 6},
+        "decode": _d(16, 32, 4, 6),
         "small": {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 1, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 5},
         "mid": {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 5},
         "prefill": {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "SPLIT_K": "auto", "num_warps": 8, "num_stages": 4},
+        "decode_16x32_w2": _d(16, 32, 2, 6),
+        "decode_16x32_k4": _d(16, 32, 4, 6, SPLIT_PER_SM=4),
+        "decode_16x64": _d(16, 64, 4, 5),
+        "decode_16x128": _d(16, 128, 4, 4),
+        "decode_32x32": _d(32, 32, 4, 5),
+        "decode_32x64": _d(32, 64, 4, 5),
     },
 }
+
+# the decode labels a benchmark times at num_tokens <= 16 and at 16 < num_tokens <= 32
+DECODE_CANDIDATES = {16: ("decode", "decode_16x32_w2", "decode_16x32_k4", "decode_16x64", "decode_16x128"),
+                     32: ("decode", "decode_16x64", "decode_16x128", "decode_32x32", "decode_32x64")}
+# the rows pick_config can return on a GPU (the compile report builds these for sm_120)
+GPU_DEFAULTS = {"sm_89": ("decode", "small", "mid", "prefill"), "sm_90": ("decode", "small", "mid", "prefill")}
+
+
+def decode_candidates(M: int) -> tuple[str, ...]:
+    """Config labels worth timing at ``num_tokens = M`` (decode, M <= 32); () above."""
+    for hi, labels in DECODE_CANDIDATES.items():
+        if M <= hi:
+            return labels
+    return ()
+
 
 # num_tokens upper bound -> config label (first match)
 _PICK = ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill"))

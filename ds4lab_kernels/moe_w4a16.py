@@ -359,6 +359,170 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, T, N, E, stride_yp, stride_ot,
              mask=tmask[:, None] & nmask[None, :])
 
 
+# ---- decode variant "mma": expert-grouped tensor-core dequant (issue 20) --------------------------
+@triton.jit
+def _expert_rows(ids_ptr, pair0, P, E, TOPK: tl.constexpr, PB: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The (token, expert) pairs a decode program owns, found in-kernel without a sort.
+
+    Program ``pair0`` leads a tile if its id ``e`` is valid and ``pair0`` is the
+    ``(BLOCK_M * c)``-th occurrence of ``e`` among the ``P`` pairs (c = 0, 1, ...): it then owns the
+    occurrences ``c*BLOCK_M .. c*BLOCK_M + BLOCK_M - 1`` of ``e`` (ascending pair order).
+    Returns ``(lead, e, prow [BLOCK_M] pair index, mvalid [BLOCK_M])``; every valid pair is owned by
+    exactly one leader, so each expert's weights are read once per ``BLOCK_M`` of its pairs."""
+    e = tl.load(ids_ptr + pair0)
+    q = tl.arange(0, PB)
+    idq = tl.load(ids_ptr + q, mask=q < P, other=-1)
+    match = (idq == e) & (q < P)
+    mi = match.to(tl.int32)
+    before = tl.sum(tl.where(q < pair0, mi, 0), axis=0)
+    lead = (e >= 0) & (e < E) & (before % BLOCK_M == 0)
+    occ = tl.cumsum(mi, axis=0) - mi
+    m = tl.arange(0, BLOCK_M)
+    sel = match[None, :] & (occ[None, :] == (before + m)[:, None])
+    prow = tl.sum(tl.where(sel, q[None, :], 0), axis=1)
+    mvalid = tl.sum(sel.to(tl.int32), axis=1) > 0
+    return lead, e, prow, mvalid
+
+
+@triton.jit
+def _nib16(p, J: tl.constexpr, DT: tl.constexpr):
+    """Nibble J of each word as ``q - 8`` in ``DT`` (bf16/fp16, exact), via the 2^23 bit trick."""
+    q = ((p >> (4 * J)) & 0xF) | 0x4B000000
+    return (q.to(tl.float32, bitcast=True) - 8388616.0).to(DT)
+
+
+@triton.jit
+def _mma_group(acc, a_row_ptr, a_stride, prow_a, mvalid, k0, p, DT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc[m, n] += sum_{c<16, j<8} A[prow_a[m], k0 + 8c + j] * (nibble j of p[c, n] - 8) over one
+    128-group: 8 tensor-core dots of K=16, the A columns gathered in the words' nibble order."""
+    c = tl.arange(0, 16)
+    for j in tl.static_range(8):
+        a = tl.load(a_row_ptr + prow_a[:, None] * a_stride + k0 + c[None, :] * 8 + j, mask=mvalid[:, None],
+                    other=0.0).to(DT)
+        acc = tl.dot(a, _nib16(p, j, DT), acc)
+    return acc
+
+
+@triton.jit
+def _dec_mma_w13_kernel(
+    x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr,
+    P, I, E, limit,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp, stride_ps, stride_pp,
+    K: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid ``(pairs, inter / BLOCK_N, SPLIT)``.
+    One program (a leader, see ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N gate
+    columns and the same BLOCK_N up columns x one K split.
+
+    gate/up[m, n] = sum_k x[tok_m, k] * dequant(w13[e, n (+I), k]) on tensor cores (bf16 x exact
+    bf16 nibbles, fp32 accumulation, scale per 128-group in fp32). SPLIT == 1: h = swiglu(gate, up)
+    stored fp16 ``h[pair, n]``. SPLIT > 1: fp32 partials ``part[split, pair, :]``, then a ticket
+    (atomic counter per (leader, column block)); the last of the SPLIT programs sums the partials
+    in split order (deterministic), applies the SwiGLU, stores h and resets the counter to 0."""
+    pair0 = tl.program_id(0)
+    nb = tl.program_id(1)
+    split = tl.program_id(2)
+    lead, e, prow, mvalid = _expert_rows(ids_ptr, pair0, P, E, TOPK, PB, BLOCK_M)
+    if lead:
+        KS: tl.constexpr = K // SPLIT
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        e64 = e.to(tl.int64)
+        c = tl.arange(0, 16)
+        g_off = e64 * stride_we + n.to(tl.int64)[None, :] * stride_wn + c[:, None]
+        u_off = g_off + I * stride_wn
+        gs_off = e64 * stride_se + n.to(tl.int64) * stride_sn
+        us_off = gs_off + I * stride_sn
+        tok = (prow // TOPK).to(tl.int64)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g in range(split * (KS // 128), (split + 1) * (KS // 128)):
+            pg = tl.load(w_ptr + g_off + g * 16)
+            pu = tl.load(w_ptr + u_off + g * 16)
+            sg = tl.load(s_ptr + gs_off + g * stride_sk).to(tl.float32)
+            su = tl.load(s_ptr + us_off + g * stride_sk).to(tl.float32)
+            zg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            zu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            zg = _mma_group(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, BLOCK_M)
+            zu = _mma_group(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, BLOCK_M)
+            acc_g += zg * sg[None, :]
+            acc_u += zu * su[None, :]
+        p64 = prow.to(tl.int64)
+        smask = mvalid[:, None] & (n < I)[None, :]
+        if SPLIT == 1:
+            h = _swiglu(acc_g, acc_u, limit)
+            tl.store(h_ptr + p64[:, None] * stride_hp + n[None, :], h.to(tl.float16), mask=smask)
+        else:
+            base = part_ptr + p64[:, None] * stride_pp + n[None, :]
+            tl.store(base + split * stride_ps, acc_g, mask=smask)
+            tl.store(base + split * stride_ps + I, acc_u, mask=smask)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr + pair0 * tl.num_programs(1) + nb, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                us = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    gs += tl.load(base + s * stride_ps, mask=smask, other=0.0, cache_modifier=".cg")
+                    us += tl.load(base + s * stride_ps + I, mask=smask, other=0.0, cache_modifier=".cg")
+                h = _swiglu(gs, us, limit)
+                tl.store(h_ptr + p64[:, None] * stride_hp + n[None, :], h.to(tl.float16), mask=smask)
+                tl.atomic_xchg(cnt_ptr + pair0 * tl.num_programs(1) + nb, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _dec_mma_w2_kernel(
+    h_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, y_ptr, out_ptr, cnt_ptr,
+    T, P, N, E,
+    stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_yp, stride_ot,
+    IK: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grid ``(pairs, hidden / BLOCK_N)``.
+    One program (a leader, ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N columns: y[pair_m, n] =
+    sum_k h[pair_m, k] * dequant(w2[e, n, k]) on tensor cores (fp16 h x exact fp16 nibbles, fp32
+    accumulation, scale per group), stored fp32. Every program (leader or not) then takes a ticket
+    on its column block's counter; the last of the ``pairs`` programs writes
+    out[t, n] = sum_{j in slot order, valid ids} topk_weights[t, j] * y[t*TOPK + j, n] for every
+    token (skipped pairs never read) and resets the counter: the top-k sum without a third launch."""
+    pair0 = tl.program_id(0)
+    nb = tl.program_id(1)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    lead, e, prow, mvalid = _expert_rows(ids_ptr, pair0, P, E, TOPK, PB, BLOCK_M)
+    if lead:
+        e64 = e.to(tl.int64)
+        c = tl.arange(0, 16)
+        w_off = e64 * stride_we + n.to(tl.int64)[None, :] * stride_wn + c[:, None]
+        s_off = e64 * stride_se + n.to(tl.int64) * stride_sn
+        p64 = prow.to(tl.int64)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g in range(0, IK // 128):
+            p = tl.load(w_ptr + w_off + g * 16)
+            s = tl.load(s_ptr + s_off + g * stride_sk).to(tl.float32)
+            z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            z = _mma_group(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, BLOCK_M)
+            acc += z * s[None, :]
+        tl.store(y_ptr + p64[:, None] * stride_yp + n[None, :], acc, mask=mvalid[:, None] & nmask[None, :])
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu")
+    if ticket == P - 1:
+        for t0 in range(0, T, BLOCK_T):
+            tt = t0 + tl.arange(0, BLOCK_T)
+            tmask = tt < T
+            o = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(TOPK):
+                pr = tt.to(tl.int64) * TOPK + j
+                eid = tl.load(ids_ptr + pr, mask=tmask, other=-1)
+                ok = tmask & (eid >= 0) & (eid < E)
+                yv = tl.load(y_ptr + pr[:, None] * stride_yp + n[None, :], mask=ok[:, None] & nmask[None, :],
+                             other=0.0, cache_modifier=".cg")
+                wt = tl.load(tw_ptr + pr, mask=ok, other=0.0)
+                o += tl.where(ok[:, None], wt[:, None] * yv, 0.0)
+            tl.store(out_ptr + tt.to(tl.int64)[:, None] * stride_ot + n[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=tmask[:, None] & nmask[None, :])
+        tl.atomic_xchg(cnt_ptr + nb, 0, sem="relaxed", scope="gpu")
+
+
 # ---- launchers ------------------------------------------------------------------------------------
 def _check_weights(name, packed, scale, E, N, K, x):
     check.tensor(f"{name}_packed", packed, torch.int32)  # 8 nibbles per word
@@ -466,6 +630,8 @@ def _decode(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
     I = N2 // 2
     K_TOP = ids.shape[1]
     P = T * K_TOP
+    if cfg.get("variant") == "mma":
+        return _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace)
     if cfg.get("unpack") == "2d":
         return _decode_h(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace)
     BK1, BK2 = min(cfg["BLOCK_K"], D), min(cfg["BLOCK_K2"], I)  # small (test) shapes
@@ -523,6 +689,75 @@ def _decode_h(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
         out.stride(0),
         TOPK=K_TOP, BLOCK_N=cfg["BLOCK_N2"], BLOCK_K=BK2, num_warps=cfg["num_warps2"],
         num_stages=cfg.get("num_stages", 2))
+    return out
+
+
+_COUNTERS: dict = {}
+COUNTER_SLOTS = 1 << 16
+
+
+def _counters(dev, n: int) -> torch.Tensor:
+    """Zeroed int32 ticket counters, one cached buffer per device (the kernels reset every counter
+    they use before they finish, so the buffer stays zero between calls and CUDA-graph replays).
+    One buffer per device assumes the launches of one device are ordered (one stream)."""
+    if n > COUNTER_SLOTS:
+        return torch.zeros(n, dtype=torch.int32, device=dev)
+    key = (dev.type, dev.index)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=dev)
+    return buf
+
+
+def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
+    """Decode variant "mma" (candidate configs ``mma_*``): pairs grouped by expert in-kernel, int4
+    dequantized to bf16/fp16 in registers and multiplied on tensor cores (BLOCK_M 16 pairs of one
+    expert per tile); w13 split-K reduced and SwiGLU applied by the last program of each tile
+    (tickets), w2 with the weighted top-k sum done by the last program per column block. 2 launches."""
+    T, D = x.shape
+    E, N2 = w13p.shape[:2]
+    I = N2 // 2
+    K_TOP = ids.shape[1]
+    P = T * K_TOP
+    BN, BN2, BM = min(cfg["BLOCK_N"], I), min(cfg["BLOCK_N2"], D), 16
+    if I % BN or D % BN2 or BN < 16 or BN2 < 16:
+        raise ValueError(f"config: BLOCK_N={BN} / BLOCK_N2={BN2} must be >= 16 and divide inter={I} / hidden={D}")
+    splits = cfg.get("SPLIT_K", 1)
+    while splits > 1 and D % (splits * GROUP):
+        splits //= 2
+    ws = workspace or {}
+    dev = x.device
+
+    def buf(name, shape, dtype):
+        b = ws.get(name)
+        if b is None:
+            return torch.empty(shape, dtype=dtype, device=dev)
+        if b.dtype != dtype or tuple(b.shape) != tuple(shape) or not b.is_contiguous():
+            raise ValueError(f"workspace[{name!r}]: expected contiguous {dtype} {tuple(shape)}")
+        return b
+    h = buf("h", (P, I), torch.float16)
+    y = buf("y", (P, D), torch.float32)
+    part = buf("part", (splits, P, N2), torch.float32) if splits > 1 else h
+    nb1, nb2 = I // BN, D // BN2
+    cnt = ws.get("counters")
+    if cnt is None:
+        cnt = _counters(dev, P * nb1 + nb2)
+    elif cnt.dtype != torch.int32 or cnt.numel() < P * nb1 + nb2:
+        raise ValueError(f"workspace['counters']: expected zeroed int32 with >= {P * nb1 + nb2} elements")
+    cnt13, cnt2 = cnt, cnt[P * nb1:]
+    PB = max(128, triton.next_power_of_2(P))  # one specialisation for every decode batch
+    _dec_mma_w13_kernel[(P, nb1, splits)](
+        x, w13p, w13s, ids, h, part, cnt13, P, I, E, float(limit),
+        x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
+        h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
+        K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
+    _dec_mma_w2_kernel[(P, nb2)](
+        h, w2p, w2s, ids, tw, y, out, cnt2, T, P, D, E,
+        h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2),
+        y.stride(0), out.stride(0),
+        IK=I, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN2, BLOCK_T=cfg.get("BLOCK_T", 16),
+        num_warps=cfg["num_warps2"], num_stages=cfg.get("num_stages", 2))
     return out
 
 
@@ -614,6 +849,19 @@ _DECODE = {
                      "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
     "decode_2d_w8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8,
                      "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 8, "num_stages": 4},
+    # candidates (issue 20, H200 run 5): decode variant "mma" (pairs grouped by expert in-kernel,
+    # BLOCK_M 16, nibbles -> bf16/fp16 in registers, tl.dot; split-K + SwiGLU by the last program
+    # of each tile; w2 + weighted top-k sum by the last program per column block; 2 launches)
+    "mma_n32s4": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 4, "num_warps": 4,
+                  "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mma_n16s8": {"path": "decode", "variant": "mma", "BLOCK_N": 16, "SPLIT_K": 8, "num_warps": 2,
+                  "BLOCK_N2": 16, "num_warps2": 2, "num_stages": 3},
+    "mma_n64s2": {"path": "decode", "variant": "mma", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4,
+                  "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    "mma_n32s1": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4,
+                  "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mma_n32s8w2": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 2,
+                    "BLOCK_N2": 32, "num_warps2": 2, "num_stages": 4},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {

@@ -1,5 +1,6 @@
-"""Fused attention/MLP glue: per-row RMSNorm + GPT-J RoPE (``rmsnorm_rope``) and the clamped SwiGLU
-of the shared expert (``swiglu_clamp``), one launch each.
+"""Fused attention/MLP glue: per-row RMSNorm + GPT-J RoPE (``rmsnorm_rope``), the q_norm + kv_norm +
+kv RoPE of the fused ``wq_a | wkv`` output (``q_kv_rmsnorm_rope``) and the clamped SwiGLU of the
+shared expert (``swiglu_clamp``), one launch each.
 
 Semantics (vLLM 0.32 ``models/deepseek_v4``; ds4lab twin ``ds4lab/model/backend_ref.py``):
 
@@ -10,6 +11,9 @@ Semantics (vLLM 0.32 ``models/deepseek_v4``; ds4lab twin ``ds4lab/model/backend_
   taken at row ``positions[t]`` of the float32 ``cos || sin`` table (:mod:`ds4lab.reference.rope`).
   One bfloat16 rounding at the end. This covers the q head norm (``(T, H, 512)``, no weight, norm
   + rope), ``q_norm`` / ``kv_norm`` (weight, no rope) and the kv latent RoPE (no norm, rope).
+* ``q_kv_rmsnorm_rope``: ``x (T, q_dim + Dkv)``: ``q = bf16(rms(x[:, :q_dim]) * q_weight)`` and
+  ``kv = bf16(rope(bf16(rms(x[:, q_dim:]) * kv_weight)))`` (the kv rounded to bf16 between norm and
+  rotation, the boundary vLLM's separate ``kv_norm`` module has), two contiguous outputs.
 * ``swiglu_clamp``: ``gu (T, 2I)`` -> ``silu(min(g, limit)) * clamp(u, -limit, limit)`` with
   ``g = gu[:, :I]``, ``u = gu[:, I:]`` (float32 math, bf16 out).
 """
@@ -20,16 +24,18 @@ import triton.language as tl
 from . import _checks
 from ._arch import arch_of
 
-__all__ = ["rmsnorm_rope", "swiglu_clamp", "CONFIGS"]
+__all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "swiglu_clamp", "CONFIGS"]
 
 
 @triton.jit
-def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_token, D, max_pos, eps,
+def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_token, stride_xt, D, max_pos, eps,
                          HAS_W: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
                          BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     """Grid ``(cdiv(n_rows, ROWS),)``.
     One program owns ``ROWS`` whole rows of ``D`` bf16 values: the fp32 sum of squares, the scaled
-    body ``[0, D - R)`` and, with ``ROPE``, the ``R/2`` rotated (even, odd) pairs of the tail."""
+    body ``[0, D - R)`` and, with ``ROPE``, the ``R/2`` rotated (even, odd) pairs of the tail.
+    Row ``r`` (token ``r // rows_per_token``) is read at ``token * stride_xt + (r % rows_per_token) * D``
+    and written contiguously."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     half = tl.arange(0, R // 2)
@@ -44,7 +50,8 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
         r = pid * ROWS + i
         if r < n_rows:
             row = r.to(tl.int64) * D
-            x = tl.load(x_ptr + row + cols, mask=dmask, other=0.0).to(tl.float32)
+            xrow = (r // rows_per_token).to(tl.int64) * stride_xt + (r % rows_per_token) * D
+            x = tl.load(x_ptr + xrow + cols, mask=dmask, other=0.0).to(tl.float32)
             if NORM:
                 rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
             else:
@@ -55,8 +62,8 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
             tl.store(y_ptr + row + cols, y.to(tl.bfloat16), mask=body)
             if ROPE:
                 e_off = D - R + 2 * half
-                ev = tl.load(x_ptr + row + e_off).to(tl.float32) * rstd
-                od = tl.load(x_ptr + row + e_off + 1).to(tl.float32) * rstd
+                ev = tl.load(x_ptr + xrow + e_off).to(tl.float32) * rstd
+                od = tl.load(x_ptr + xrow + e_off + 1).to(tl.float32) * rstd
                 if HAS_W:
                     ev = ev * tl.load(w_ptr + e_off).to(tl.float32)
                     od = od * tl.load(w_ptr + e_off + 1).to(tl.float32)
@@ -70,6 +77,47 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
                 s = tl.where(ok, s, nan)
                 tl.store(y_ptr + row + e_off, (ev * c - od * s).to(tl.bfloat16))
                 tl.store(y_ptr + row + e_off + 1, (od * c + ev * s).to(tl.bfloat16))
+
+
+@triton.jit
+def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_ptr, stride_xt, DQ, DKV, max_pos,
+                           eps, R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """Grid ``(T, 2)``.
+    One program owns one segment of token ``t``: ``(t, 0)`` the q segment ``x[t, :DQ]`` (norm x gain
+    -> ``q[t]``); ``(t, 1)`` the kv segment ``x[t, DQ:DQ+DKV]`` (norm x gain, bf16 round, GPT-J RoPE on the last
+    ``R`` dims as ``R/2`` (even, odd) pairs -> ``kv[t]``)."""
+    t = tl.program_id(0)
+    seg = tl.program_id(1)
+    xrow = x_ptr + t.to(tl.int64) * stride_xt
+    if seg == 0:
+        c = tl.arange(0, BLOCK_Q)
+        m = c < DQ
+        x = tl.load(xrow + c, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / DQ + eps)
+        w = tl.load(wq_ptr + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(q_ptr + t.to(tl.int64) * DQ + c, (x * rstd * w).to(tl.bfloat16), mask=m)
+    else:
+        c = tl.arange(0, BLOCK_KV)
+        m = c < DKV
+        x = tl.load(xrow + DQ + c, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / DKV + eps)
+        w = tl.load(wkv_ptr + c, mask=m, other=0.0).to(tl.float32)
+        orow = kv_ptr + t.to(tl.int64) * DKV
+        tl.store(orow + c, (x * rstd * w).to(tl.bfloat16), mask=c < DKV - R)
+        half = tl.arange(0, R // 2)
+        e_off = DKV - R + 2 * half
+        # the normed kv is rounded to bf16 before the rotation (vLLM: kv_norm's bf16 output feeds the rope)
+        ev = (tl.load(xrow + DQ + e_off).to(tl.float32) * rstd
+              * tl.load(wkv_ptr + e_off).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+        od = (tl.load(xrow + DQ + e_off + 1).to(tl.float32) * rstd
+              * tl.load(wkv_ptr + e_off + 1).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+        p = tl.load(pos_ptr + t).to(tl.int64)
+        ok = (p >= 0) & (p < max_pos)            # out-of-table position: NaN, never a wrong angle
+        pc = tl.where(ok, p, 0)
+        cs = tl.where(ok, tl.load(cs_ptr + pc * R + half), float("nan"))
+        sn = tl.where(ok, tl.load(cs_ptr + pc * R + R // 2 + half), float("nan"))
+        tl.store(orow + e_off, (ev * cs - od * sn).to(tl.bfloat16))
+        tl.store(orow + e_off + 1, (od * cs + ev * sn).to(tl.bfloat16))
 
 
 @triton.jit
@@ -104,8 +152,9 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float
     whole rows (``BLOCK_D = next_pow2(D)`` lanes, the rope tail as ``R/2`` even/odd pairs).
 
     Args:
-        x: bfloat16 ``(T, D)`` or ``(T, H, D)``, contiguous (a ``(T, H, D)`` row belongs to token
-            ``row // H``). ``D <= 16384``.
+        x: bfloat16 ``(T, D)`` or ``(T, H, D)`` (a ``(T, H, D)`` row belongs to token ``row // H``),
+            rows contiguous within a token (``stride(-1) == 1``, ``stride(1) == D`` for 3-d); any
+            token stride ``stride(0)`` (a column slice of a wider GEMM output). ``D <= 16384``.
         weight: None, or ``(D,)`` bfloat16/float32 norm gain.
         eps: RMSNorm epsilon (``rms_norm_eps``).
         positions: None (no RoPE) or ``(T,)`` int32/int64 token positions in ``[0, cos_sin.shape[0])``;
@@ -116,10 +165,10 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float
         config: a row of ``CONFIGS["rmsnorm_rope"][arch]`` to force; default picks by arch and rows.
 
     Returns:
-        bfloat16 tensor of ``x``'s shape (one rounding of the float32 result).
+        bfloat16 tensor of ``x``'s shape, contiguous (one rounding of the float32 result).
 
     Raises:
-        TypeError: wrong dtypes. ValueError: wrong shapes, non-contiguous ``x``, missing ``cos_sin``,
+        TypeError: wrong dtypes. ValueError: wrong shapes, ``x`` rows not contiguous, missing ``cos_sin``,
         devices that differ.
 
     Semantics: DeepSeek-V4 q/kv RMSNorm and RoPE (vLLM 0.32 ``models/deepseek_v4``,
@@ -128,9 +177,10 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float
     _check_tensor("x", x, (torch.bfloat16,))
     if x.dim() not in (2, 3):
         raise ValueError(f"x: expected (T, D) or (T, H, D), got shape {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"x: must be contiguous, got strides {tuple(x.stride())}")
     T, D = x.shape[0], x.shape[-1]
+    if x.numel() and ((D > 1 and x.stride(-1) != 1) or (x.dim() == 3 and x.shape[1] > 1 and x.stride(1) != D)):
+        raise ValueError(f"x: rows must be contiguous within a token (stride(-1) == 1, stride(1) == D), "
+                         f"got strides {tuple(x.stride())}")
     if not 1 <= D <= 16384:
         raise ValueError(f"x: last dim {D} outside 1..16384")
     if weight is not None:
@@ -162,7 +212,7 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float
     for n, t in (("weight", weight), ("positions", positions), ("cos_sin", cos_sin)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{n}: device {t.device} != x device {x.device}")
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x.numel() // D if D else 0
     if n_rows == 0:
         return y
@@ -171,10 +221,81 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float
     dummy = x
     _rmsnorm_rope_kernel[(triton.cdiv(n_rows, rows),)](
         x, weight if weight is not None else dummy, positions if rope else dummy,
-        cos_sin if rope else dummy, y, n_rows, n_rows // T, D, cos_sin.shape[0] if rope else 0, float(eps),
+        cos_sin if rope else dummy, y, n_rows, n_rows // T, x.stride(0), D, cos_sin.shape[0] if rope else 0,
+        float(eps),
         HAS_W=weight is not None, NORM=bool(norm), ROPE=rope, R=R, BLOCK_D=triton.next_power_of_2(D),
         ROWS=rows, num_warps=cfg["num_warps"], num_stages=1)
     return y
+
+
+def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, q_dim: int, eps: float,
+                      positions: torch.Tensor, cos_sin: torch.Tensor, config: dict | None = None):
+    """The q_norm and kv_norm of the fused ``wq_a | wkv`` output, and the kv RoPE, one launch.
+
+    Grid: ``(T, 2)``; program ``(t, 0)`` norms token ``t``'s q segment, ``(t, 1)`` its kv segment
+    and rotates the kv rope tail.
+
+    Args:
+        x: bfloat16 ``(T, q_dim + Dkv)`` (the ``wqkv_a`` GEMM output), last dim contiguous, any
+            row stride. ``q_dim``, ``Dkv`` in ``1..16384``.
+        q_weight: ``(q_dim,)`` bfloat16/float32 ``q_norm`` gain; kv_weight: ``(Dkv,)`` ``kv_norm`` gain.
+        q_dim: width of the q segment (``q_lora_rank``).
+        eps: RMSNorm epsilon (both norms).
+        positions: ``(T,)`` int32/int64 token positions; outside ``[0, cos_sin.shape[0])`` gives NaN
+            in that token's kv rope dims (no host sync to check).
+        cos_sin: float32 ``(max_pos, R)`` ``cos || sin`` table, ``R`` even, a power of two, ``<= Dkv``.
+        config: a row of ``CONFIGS["q_kv_rmsnorm_rope"][arch]`` to force.
+
+    Returns:
+        ``(q (T, q_dim), kv (T, Dkv))`` bfloat16, contiguous: ``q = bf16(rms(x_q) * q_weight)``,
+        ``kv = bf16(rope(bf16(rms(x_kv) * kv_weight)))`` (float32 math; the kv is rounded to bf16
+        between its norm and its rotation, as vLLM's ``kv_norm`` output feeds its rope kernel).
+
+    Raises:
+        TypeError: wrong dtypes. ValueError: wrong shapes, ``q_dim`` outside the row, last dim not
+        contiguous, bad ``cos_sin``, devices that differ.
+
+    Semantics: vLLM 0.32 ``models/deepseek_v4`` attention (``q_norm``, ``kv_norm`` RMSNorm modules,
+    then the kv side of ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``);
+    :func:`ds4lab.reference.norm_rope.q_kv_rmsnorm_rope`.
+    """
+    _check_tensor("x", x, (torch.bfloat16,))
+    if x.dim() != 2:
+        raise ValueError(f"x: expected (T, q_dim + Dkv), got shape {tuple(x.shape)}")
+    if x.numel() and x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"x: last dim must be contiguous, got strides {tuple(x.stride())}")
+    T, D = x.shape
+    if not isinstance(q_dim, int) or isinstance(q_dim, bool) or not 1 <= q_dim < D or q_dim > 16384 or \
+            D - q_dim > 16384:
+        raise ValueError(f"q_dim={q_dim!r}: expected an int with 1 <= q_dim < x.shape[1]={D}, both segments "
+                         f"<= 16384 wide")
+    dkv = D - q_dim
+    for n, w, d in (("q_weight", q_weight, q_dim), ("kv_weight", kv_weight, dkv)):
+        _check_tensor(n, w, (torch.bfloat16, torch.float32))
+        if tuple(w.shape) != (d,):
+            raise ValueError(f"{n}: expected shape ({d},), got {tuple(w.shape)}")
+    eps = _checks.fp32_scalar("eps", eps, nonnegative=True)
+    _check_tensor("positions", positions, (torch.int32, torch.int64))
+    if positions.dim() != 1 or positions.shape[0] != T:
+        raise ValueError(f"positions: expected shape ({T},), got {tuple(positions.shape)}")
+    _check_tensor("cos_sin", cos_sin, (torch.float32,))
+    R = cos_sin.shape[1] if cos_sin.dim() == 2 else 0
+    if cos_sin.dim() != 2 or R < 2 or R % 2 or R > dkv or R & (R - 1):
+        raise ValueError(f"cos_sin: expected (max_pos, R) with R even, a power of two, <= Dkv={dkv}; "
+                         f"got {tuple(cos_sin.shape)}")
+    for n, t in (("q_weight", q_weight), ("kv_weight", kv_weight), ("positions", positions), ("cos_sin", cos_sin)):
+        if t.device != x.device:
+            raise ValueError(f"{n}: device {t.device} != x device {x.device}")
+    q = torch.empty(T, q_dim, dtype=torch.bfloat16, device=x.device)
+    kv = torch.empty(T, dkv, dtype=torch.bfloat16, device=x.device)
+    if T == 0:
+        return q, kv
+    cfg = config or pick_config("q_kv_rmsnorm_rope", T, x.device)
+    _q_kv_norm_rope_kernel[(T, 2)](x, q_weight.contiguous(), kv_weight.contiguous(), positions.contiguous(),
+                                   cos_sin.contiguous(), q, kv, x.stride(0), q_dim, dkv, cos_sin.shape[0],
+                                   float(eps), R=R, BLOCK_Q=triton.next_power_of_2(q_dim),
+                                   BLOCK_KV=triton.next_power_of_2(dkv), num_warps=cfg["num_warps"], num_stages=1)
+    return q, kv
 
 
 def swiglu_clamp(gu: torch.Tensor, limit: float, config: dict | None = None) -> torch.Tensor:
@@ -222,6 +343,10 @@ CONFIGS = {
         "sm_89": {"row1": {"ROWS": 1, "num_warps": 4}, "row4": {"ROWS": 4, "num_warps": 4}},
         "sm_90": {"row1": {"ROWS": 1, "num_warps": 4}, "row4": {"ROWS": 4, "num_warps": 4}},
     },
+    "q_kv_rmsnorm_rope": {
+        "sm_89": {"w4": {"num_warps": 4}, "w8": {"num_warps": 8}},
+        "sm_90": {"w4": {"num_warps": 4}, "w8": {"num_warps": 8}},
+    },
     "swiglu_clamp": {
         "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b256": {"BLOCK": 256, "num_warps": 2}},
         "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b256": {"BLOCK": 256, "num_warps": 2}},
@@ -230,10 +355,15 @@ CONFIGS = {
 
 
 def pick_config(op: str, rows: int, device: torch.device) -> dict:
-    """The default config of ``op`` (``"rmsnorm_rope"`` / ``"swiglu_clamp"``) for ``rows`` rows."""
+    """The default config of ``op`` (``"rmsnorm_rope"`` / ``"q_kv_rmsnorm_rope"`` / ``"swiglu_clamp"``)
+    for ``rows`` rows (tokens for ``q_kv_rmsnorm_rope``: one program per segment of a token, 4 warps
+    for the 1536-wide q segment; timed by the registry's configs)."""
     if device.type != "cuda":
-        return {"ROWS": 8, "num_warps": 4} if op == "rmsnorm_rope" else {"BLOCK": 1024, "num_warps": 4}
+        return {"rmsnorm_rope": {"ROWS": 8, "num_warps": 4}, "q_kv_rmsnorm_rope": {"num_warps": 4},
+                "swiglu_clamp": {"BLOCK": 1024, "num_warps": 4}}[op]
     table = CONFIGS[op][arch_of(device)]
+    if op == "q_kv_rmsnorm_rope":
+        return table["w4"]
     if op == "rmsnorm_rope":
         return table["row4"] if rows >= 4096 else table["row1"]
     return table["b1024"] if rows >= 64 else table["b256"]

@@ -171,9 +171,172 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, n_elem, SPLIT_K: tl.constexpr, BLOC
     tl.store(out_ptr + offs, acc.to(tl.bfloat16), mask=mask)
 
 
+@triton.jit
+def _fused_epilogue(tot, rm64, rn, mmask, omask, g, pid_n, out_ptr, q_ptr, qs_ptr, eps,
+                    stride_ot, stride_og, stride_qt, stride_qg, stride_qst, stride_qsg,
+                    STORE_OUT: tl.constexpr, QUANT_OUT: tl.constexpr, POW2: tl.constexpr,
+                    QS_UE8M0: tl.constexpr):
+    """Write a finished fp32 tile: bf16 ``out`` and/or (QUANT_OUT, BLOCK_N == 128) the bf16-rounded
+    tile quantized 1x128 (``fp8_quant.per_token_group_quant_fp8`` of the bf16 values, bit for bit)."""
+    tb = tot.to(tl.bfloat16)
+    if STORE_OUT:
+        tl.store(out_ptr + rm64[:, None] * stride_ot + g * stride_og + rn[None, :], tb, mask=omask)
+    if QUANT_OUT:
+        q, s = quant_rows_e4m3(tb.to(tl.float32), eps, POW2)
+        tl.store(q_ptr + rm64[:, None] * stride_qt + g * stride_qg + rn[None, :], q, mask=omask)
+        s_off = qs_ptr + rm64 * stride_qst + g * stride_qsg + pid_n
+        if QS_UE8M0:
+            tl.store(s_off, fp32_pow2_to_ue8m0(s).to(tl.uint8), mask=mmask)
+        else:
+            tl.store(s_off, s, mask=mmask)
+
+
+@triton.jit
+def _fused_gemm_kernel(
+    a_ptr, as_ptr, pos_ptr, cs_ptr, w_ptr, ws_ptr, part_ptr, cnt_ptr, out_ptr, q_ptr, qs_ptr,
+    T, N, K_SPLIT, n_pos, eps,
+    stride_at, stride_ag, stride_ah, stride_ast, stride_asg, stride_ask, stride_cs,
+    stride_wg, stride_wn, stride_wsg, stride_wsn, stride_wsk,
+    stride_ps, stride_pt, stride_pg,
+    stride_ot, stride_og, stride_qt, stride_qg, stride_qst, stride_qsg,
+    A_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, POW2: tl.constexpr,
+    XS_UE8M0: tl.constexpr, WS_UE8M0: tl.constexpr, STORE_OUT: tl.constexpr, QUANT_OUT: tl.constexpr,
+    QS_UE8M0: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Grid ``(cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), G * SPLIT_K)``.
+    One program: a BLOCK_M x BLOCK_N tile of one group's output over one K split (the tile's last split sums them).
+
+    ``out[t, g, n] = sum_k A[t, g, k] sA[t, g, k/128] * w[g, n, k] sw[g, n/128, k/128]`` with the
+    activation block ``A`` made in the prologue of every k step (BLOCK_K == 128 == one scale):
+    ``A_MODE`` 0 loads e4m3 + scales; 1 quantizes a bf16 block (``quant_rows_e4m3``); 2 reads the
+    attention output ``o[t, g*HPG + k/HEAD_DIM, k%HEAD_DIM]`` (head stride ``stride_ah``), rotates
+    the last ROPE dims of the head back by ``-theta`` (same products and sums as
+    ``_inv_rope_quant_kernel``) and quantizes it, so the bytes fed to the MMA are those of
+    ``inv_rope_fp8_quant``. Split-K in the same launch: every split stores its fp32 partial to
+    ``part[s, t, g, n]``, then takes a ticket on the tile's counter (acq_rel, after a CTA barrier);
+    the split that draws the last ticket sums the partials in split order (deterministic, whoever
+    arrives last), runs the epilogue and resets the counter to 0 for the next launch (stream order).
+    """
+    NOPE: tl.constexpr = HEAD_DIM - ROPE
+    HALF: tl.constexpr = ROPE // 2
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    g = (pid_z // SPLIT_K).to(tl.int64)
+    s = pid_z % SPLIT_K
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mmask = rm < T
+    nmask = rn < N
+    rm64 = rm.to(tl.int64)
+    a_row = a_ptr + g * stride_ag + rm64[:, None] * stride_at
+    w_base = w_ptr + g * stride_wg + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    ws_base = ws_ptr + g * stride_wsg + ((pid_n * BLOCK_N) // 128) * stride_wsn
+    if A_MODE == 2:
+        pos = tl.load(pos_ptr + rm, mask=mmask, other=0).to(tl.int64)
+        bad = (pos < 0) | (pos >= n_pos)
+        pos = tl.where(bad, 0, pos)
+        cs_row = cs_ptr + pos[:, None] * stride_cs
+    k0 = s * K_SPLIT
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        k = k0 + kk
+        b = tl.load(w_base + k, mask=nmask[:, None], other=0.0)
+        ws = _decode_scale(tl.load(ws_base + (k // 128) * stride_wsk), WS_UE8M0)
+        if A_MODE == 0:
+            a = tl.load(a_row + k + rk[None, :], mask=mmask[:, None], other=0.0)
+            xs = _decode_scale(tl.load(as_ptr + g * stride_asg + rm64 * stride_ast + (k // 128) * stride_ask,
+                                       mask=mmask, other=0), XS_UE8M0)
+        else:
+            if A_MODE == 2:
+                hd = k // HEAD_DIM
+                d = (k - hd * HEAD_DIM) + rk
+                h_row = a_row + hd * stride_ah
+                x = tl.load(h_row + d[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+                is_rope = d >= NOPE
+                r = tl.maximum(d - NOPE, 0)
+                m2 = mmask[:, None] & is_rope[None, :]
+                xp = tl.load(h_row + (d ^ 1)[None, :], mask=m2, other=0.0).to(tl.float32)
+                ci = (r >> 1)[None, :]
+                cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
+                sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
+                pa = x * cosv
+                pb = xp * sinv
+                rot = tl.where(((r & 1) == 0)[None, :], pa + pb, pa - pb)
+                x = tl.where(is_rope[None, :], rot, x)
+                x = tl.where(bad[:, None], float("nan"), x)
+            else:
+                x = tl.load(a_row + k + rk[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+            a, xs = quant_rows_e4m3(x, eps, POW2)
+        dd = tl.dot(a, tl.trans(b))
+        acc += dd * (xs[:, None] * ws)
+    omask = mmask[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        _fused_epilogue(acc, rm64, rn, mmask, omask, g, pid_n, out_ptr, q_ptr, qs_ptr, eps,
+                        stride_ot, stride_og, stride_qt, stride_qg, stride_qst, stride_qsg,
+                        STORE_OUT, QUANT_OUT, POW2, QS_UE8M0)
+    else:
+        p_off = rm64[:, None] * stride_pt + g * stride_pg + rn[None, :]
+        tl.store(part_ptr + s.to(tl.int64) * stride_ps + p_off, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases them
+        tile = (pid_m * (tl.num_programs(2) // SPLIT_K) + g) * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(SPLIT_K):
+                tot += tl.load(part_ptr + j * stride_ps + p_off, mask=omask, other=0.0, cache_modifier=".cg")
+            _fused_epilogue(tot, rm64, rn, mmask, omask, g, pid_n, out_ptr, q_ptr, qs_ptr, eps,
+                            stride_ot, stride_og, stride_qt, stride_qg, stride_qst, stride_qsg,
+                            STORE_OUT, QUANT_OUT, POW2, QS_UE8M0)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
 # ---- launchers ---------------------------------------------------------------------------------
 def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_rope_args(o, positions, cos_sin_cache, heads_per_group, quantize, scale_fmt, eps,
+                     check_positions, who):
+    """The argument checks of :func:`inv_rope_fp8_quant` (also run by the fused ``o_proj``);
+    returns ``(T, H, D, max_positions, rope_dim, eps)``."""
+    check.tensor("o", o, torch.bfloat16)
+    check.tensor("positions", positions, (torch.int64, torch.int32))
+    check.tensor("cos_sin_cache", cos_sin_cache, torch.float32)
+    if o.dim() != 3:
+        raise ValueError(f"o: expected 3 dims (num_tokens, num_heads, head_dim), got shape {tuple(o.shape)}")
+    T, H, D = o.shape
+    if not isinstance(heads_per_group, int) or heads_per_group <= 0 or H % heads_per_group:
+        raise ValueError(f"o: num_heads={H} is not a multiple of heads_per_group={heads_per_group}")
+    if D % QUANT_GROUP:
+        raise ValueError(f"o: head_dim={D} is not a multiple of {QUANT_GROUP}")
+    if positions.dim() != 1 or positions.shape[0] != T:
+        raise ValueError(f"positions: expected shape ({T},) to match o's num_tokens, got {tuple(positions.shape)}")
+    if cos_sin_cache.dim() != 2:
+        raise ValueError(f"cos_sin_cache: expected 2 dims (max_positions, rope_dim), got {tuple(cos_sin_cache.shape)}")
+    P, R = cos_sin_cache.shape
+    if R % 2 or R <= 0 or R > QUANT_GROUP or R > D:
+        raise ValueError(f"cos_sin_cache: rope_dim={R} must be even, <= {QUANT_GROUP} and <= head_dim={D}")
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt={scale_fmt!r}: expected one of {SCALE_FMTS}")
+    eps = check.fp32_scalar("eps", eps, positive=True)
+    check.last_dim_contiguous("o", o)
+    check.last_dim_contiguous("cos_sin_cache", cos_sin_cache)
+    if positions.stride(0) != 1 and T > 1:
+        raise ValueError(f"positions: must be contiguous, got stride {positions.stride(0)}")
+    check.same_device("o", o, positions=positions, cos_sin_cache=cos_sin_cache)
+    if quantize:
+        require_fp8("o", o.device, who)
+    if T and check_positions and not _capturing(o.device):
+        if P == 0:
+            raise ValueError("cos_sin_cache: has no rows (max_positions=0)")
+        lo, hi = (int(v) for v in torch.aminmax(positions))
+        if lo < 0 or hi >= P:
+            raise ValueError(f"positions: values in [{lo}, {hi}] but cos_sin_cache has rows [0, {P}) "
+                             f"(missing cos/sin rows)")
+    return T, H, D, P, R, eps
 
 
 def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -216,40 +379,9 @@ def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
             positions outside the cache, unknown ``scale_fmt``, devices that differ, ``eps`` not a
             positive normal float32, ``quantize=True`` on a device without FP8 (compute capability < 8.9).
     """
-    check.tensor("o", o, torch.bfloat16)
-    check.tensor("positions", positions, (torch.int64, torch.int32))
-    check.tensor("cos_sin_cache", cos_sin_cache, torch.float32)
-    if o.dim() != 3:
-        raise ValueError(f"o: expected 3 dims (num_tokens, num_heads, head_dim), got shape {tuple(o.shape)}")
-    T, H, D = o.shape
-    if not isinstance(heads_per_group, int) or heads_per_group <= 0 or H % heads_per_group:
-        raise ValueError(f"o: num_heads={H} is not a multiple of heads_per_group={heads_per_group}")
-    if D % QUANT_GROUP:
-        raise ValueError(f"o: head_dim={D} is not a multiple of {QUANT_GROUP}")
-    if positions.dim() != 1 or positions.shape[0] != T:
-        raise ValueError(f"positions: expected shape ({T},) to match o's num_tokens, got {tuple(positions.shape)}")
-    if cos_sin_cache.dim() != 2:
-        raise ValueError(f"cos_sin_cache: expected 2 dims (max_positions, rope_dim), got {tuple(cos_sin_cache.shape)}")
-    P, R = cos_sin_cache.shape
-    if R % 2 or R <= 0 or R > QUANT_GROUP or R > D:
-        raise ValueError(f"cos_sin_cache: rope_dim={R} must be even, <= {QUANT_GROUP} and <= head_dim={D}")
-    if scale_fmt not in SCALE_FMTS:
-        raise ValueError(f"scale_fmt={scale_fmt!r}: expected one of {SCALE_FMTS}")
-    eps = check.fp32_scalar("eps", eps, positive=True)
-    check.last_dim_contiguous("o", o)
-    check.last_dim_contiguous("cos_sin_cache", cos_sin_cache)
-    if positions.stride(0) != 1 and T > 1:
-        raise ValueError(f"positions: must be contiguous, got stride {positions.stride(0)}")
-    check.same_device("o", o, positions=positions, cos_sin_cache=cos_sin_cache)
-    if quantize:
-        require_fp8("o", o.device, "inv_rope_fp8_quant(quantize=True)")
-    if T and check_positions and not _capturing(o.device):
-        if P == 0:
-            raise ValueError("cos_sin_cache: has no rows (max_positions=0)")
-        lo, hi = (int(v) for v in torch.aminmax(positions))
-        if lo < 0 or hi >= P:
-            raise ValueError(f"positions: values in [{lo}, {hi}] but cos_sin_cache has rows [0, {P}) "
-                             f"(missing cos/sin rows)")
+    T, H, D, P, R, eps = _check_rope_args(o, positions, cos_sin_cache, heads_per_group, quantize,
+                                          scale_fmt, eps, check_positions,
+                                          "inv_rope_fp8_quant(quantize=True)")
     G, K = H // heads_per_group, heads_per_group * D
     if quantize:
         q = torch.empty((T, G, K), dtype=torch.float8_e4m3fn, device=o.device)
@@ -430,6 +562,132 @@ def _wo_b(z: torch.Tensor, wo_b: torch.Tensor, wo_b_s, scale_fmt: str, config) -
     return fp8_gemm_nt(zq, zs, wo_b, wo_b_s, config=cfg.get("wo_b_fp8"))
 
 
+# ---- fused o_proj (2 launches) ------------------------------------------------------------------
+#: int32 tile counters of the in-launch split-K reduction, one buffer per device, zeroed once; every
+#: launch leaves them at 0 again (the last split of a tile resets its counter). Launches that share
+#: the buffer must be stream-ordered (one stream per device, as the decode step and its CUDA graph).
+_COUNTERS: dict = {}
+COUNTER_SLOTS = 4096
+FUSED_MAX_T = 64        # the fused path is a decode path: above this many tokens o_proj runs the parts
+_QUANT_Z = ("wo_a", "wo_b")
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """The device's counter buffer, at least ``n`` slots (allocated zeroed on first use)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, COUNTER_SLOTS), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _fused_split(cfg: dict, tiles: int, steps: int, T: int, N: int, K: int, device) -> int:
+    """``SPLIT_K`` of a fused launch: the config's int (lowered to the largest divisor of the
+    128-deep k steps), or (None) a power of two that brings the programs to ~2 per SM with at least
+    2 k steps each and the fp32 partials under 1/8 of the weight bytes (as ``auto_split_k``)."""
+    split = cfg.get("SPLIT_K")
+    if split is None:
+        split = 1
+        while (tiles * split < 2 * num_sms(device) and steps % (2 * split) == 0 and steps // (2 * split) >= 2
+               and 2 * split * T * N * 4 <= N * K // 8):
+            split *= 2
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"config: SPLIT_K={split!r} must be a positive int or None")
+    split = min(split, steps)
+    while steps % split:  # a short K (tests, small models): the largest split that divides it
+        split -= 1
+    return split
+
+
+def _fused_gemm(mode, a, a_s, w, w_s, T, G, N, K, cfg, *, out=None, q=None, qs=None, positions=None,
+                cos_sin=None, head_stride=0, head_dim=QUANT_GROUP, rope=0, pow2=True, eps=1e-10,
+                counter_base=0):
+    """One launch of ``_fused_gemm_kernel`` (A_MODE ``mode``) over ``G`` groups: ``a`` is
+    ``[T, G, K]``-addressable (token stride ``a.stride(0)``, group stride ``a.stride(1)``; mode 2 reads
+    heads of ``head_dim`` at ``head_stride``), ``w [G, N, K]`` e4m3 with ``w_s [G, N/128, K/128]``."""
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if W_BLOCK % BN and BN % W_BLOCK:
+        raise ValueError(f"config: BLOCK_N={BN} must divide {W_BLOCK} (or equal it)")
+    if q is not None and BN != W_BLOCK:
+        raise ValueError(f"config: quantizing the output needs BLOCK_N={W_BLOCK}, got {BN}")
+    n_tiles, m_tiles = triton.cdiv(N, BN), triton.cdiv(T, BM)
+    steps = K // W_BLOCK
+    split = _fused_split(cfg, n_tiles * m_tiles * G, steps, T, N, K, a.device)
+    dev = a.device
+    if split > 1:
+        part = torch.empty((split, T, G, N), dtype=torch.float32, device=dev)
+        pst = part.stride()[:3]
+        cnt = _counters(dev, counter_base + n_tiles * m_tiles * G)[counter_base:]
+    else:
+        part, pst, cnt = w, (0, 0, 0), w
+    ast = a_s.stride() if a_s is not None else (0, 0, 0)
+    ost = (out.stride(0), out.stride(1)) if out is not None else (0, 0)
+    qst = (q.stride(0), q.stride(1), qs.stride(0), qs.stride(1)) if q is not None else (0, 0, 0, 0)
+    _fused_gemm_kernel[(n_tiles, m_tiles, G * split)](
+        a, a if a_s is None else a_s, a if positions is None else positions,
+        a if cos_sin is None else cos_sin, w, w_s, part, cnt,
+        w if out is None else out, w if q is None else q, w if qs is None else qs,
+        T, N, K // split, 0 if cos_sin is None else cos_sin.shape[0], eps,
+        a.stride(0), a.stride(1), head_stride, *ast, 0 if cos_sin is None else cos_sin.stride(0),
+        w.stride(0), w.stride(1), *w_s.stride(), *pst, *ost, *qst,
+        A_MODE=mode, HEAD_DIM=head_dim, ROPE=rope, POW2=pow2,
+        XS_UE8M0=a_s is not None and a_s.dtype == torch.uint8, WS_UE8M0=w_s.dtype == torch.uint8,
+        STORE_OUT=out is not None, QUANT_OUT=q is not None,
+        QS_UE8M0=qs is not None and qs.dtype == torch.uint8, SPLIT_K=split,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=W_BLOCK,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
+
+
+def _o_proj_fused(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per_group, scale_fmt,
+                  check_positions, cfg):
+    """FP8 ``o_proj`` in two launches (see :func:`o_proj`, ``path="fused"``)."""
+    T, H, D, P, Rd, eps = _check_rope_args(o, positions, cos_sin_cache, heads_per_group, True, scale_fmt,
+                                           1e-10, check_positions, "o_proj")
+    G, K = H // heads_per_group, heads_per_group * D
+    R, N = wo_a.shape[1], wo_b.shape[0]
+    if R % W_BLOCK:
+        raise ValueError(f"wo_a: o_lora_rank={R} must be a multiple of {W_BLOCK} on the fused FP8 path")
+    wo_a_s = check.scale_tensor("wo_a_s", wo_a_s, (torch.float32, torch.uint8))
+    wo_b_s = check.scale_tensor("wo_b_s", wo_b_s, (torch.float32, torch.uint8))
+    if tuple(wo_a_s.shape) != (G, R // W_BLOCK, K // W_BLOCK):
+        raise ValueError(f"wo_a_s: shape {tuple(wo_a_s.shape)}, expected ({G}, {R // W_BLOCK}, {K // W_BLOCK})")
+    if tuple(wo_b_s.shape) != (triton.cdiv(N, W_BLOCK), G * R // W_BLOCK):
+        raise ValueError(f"wo_b_s: shape {tuple(wo_b_s.shape)}, expected "
+                         f"({triton.cdiv(N, W_BLOCK)}, {G * R // W_BLOCK})")
+    if wo_a.stride(2) != 1 or wo_b.stride(1) != 1:
+        raise ValueError("wo_a / wo_b: last dim must be contiguous")
+    check.same_device("o", o, wo_a=wo_a, wo_b=wo_b, wo_a_s=wo_a_s, wo_b_s=wo_b_s)
+    out = torch.empty((T, N), dtype=torch.bfloat16, device=o.device)
+    if T == 0:
+        return out
+    ca, cb = cfg.get("wo_a") or {}, cfg.get("wo_b") or {}
+    quant_z = cfg.get("quant_z", "wo_a")
+    if quant_z not in _QUANT_Z:
+        raise ValueError(f"config: quant_z={quant_z!r}, expected one of {_QUANT_Z}")
+    pow2 = scale_fmt != "fp32"
+    common = dict(pow2=pow2, eps=eps)
+    rope = dict(positions=positions, cos_sin=cos_sin_cache, head_stride=o.stride(1), head_dim=D, rope=Rd)
+    # view o as [T, G, K]: token stride, group stride = heads_per_group heads
+    o_g = o.as_strided((T, G, K), (o.stride(0), heads_per_group * o.stride(1), 1))
+    if quant_z == "wo_a":
+        zq = torch.empty((T, G, R), dtype=torch.float8_e4m3fn, device=o.device)
+        zs = torch.empty((T, G, R // W_BLOCK), dtype=torch.uint8 if scale_fmt == "ue8m0" else torch.float32,
+                         device=o.device)
+        _fused_gemm(2, o_g, None, wo_a, wo_a_s, T, G, R, K, ca, q=zq, qs=zs, **rope, **common)
+        a2, a2_s, mode2 = zq.view(T, 1, G * R), zs.view(T, 1, G * R // W_BLOCK), 0
+    else:
+        z = torch.empty((T, G, R), dtype=torch.bfloat16, device=o.device)
+        _fused_gemm(2, o_g, None, wo_a, wo_a_s, T, G, R, K, ca, out=z, **rope, **common)
+        a2, a2_s, mode2 = z.view(T, 1, G * R), None, 1
+    n1 = triton.cdiv(R, ca["BLOCK_N"]) * triton.cdiv(T, ca["BLOCK_M"]) * G
+    _fused_gemm(mode2, a2, a2_s, wo_b.view(1, N, G * R), wo_b_s.view(1, *wo_b_s.shape), T, 1, N, G * R, cb,
+                out=out.view(T, 1, N), counter_base=n1, **common)
+    return out
+
+
 def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, wo_a: torch.Tensor,
            wo_b: torch.Tensor, wo_a_s: torch.Tensor | None = None, wo_b_s: torch.Tensor | None = None,
            heads_per_group: int = 8, scale_fmt: str = "ue8m0", check_positions: bool = True,
@@ -438,7 +696,11 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 
     Semantics: vLLM ``deep_gemm_fp8_o_proj`` (DeepSeek-V4 attention ``_o_proj``). FP8 path (``wo_a_s``
     given): :func:`inv_rope_fp8_quant` -> :func:`fp8_einsum_bhr_hdr_bhd` -> ``z`` bf16 ->
-    1x128 quant -> block-scaled ``wo_b``. BF16 path (``wo_a_s`` None, ``wo_a`` bfloat16: the
+    1x128 quant -> block-scaled ``wo_b``. With FP8 ``wo_a`` and ``wo_b`` and ``path="fused"`` (the
+    default for ``num_tokens <= FUSED_MAX_T``) the same rounding points run as 2 launches of
+    ``_fused_gemm_kernel`` (inverse RoPE + quant in the wo_a prologue, split-K summed in-launch, z
+    quantized in the epilogue or in the wo_b prologue); ``path="unfused"`` runs the parts.
+    BF16 path (``wo_a_s`` None, ``wo_a`` bfloat16: the
     community checkpoint's MTP drafter): rotated bf16 -> :func:`bf16_einsum_bhr_hdr_bhd` ->
     ``wo_b`` (bf16 when ``wo_b_s`` is None, else block-scaled FP8). The FP8 ``wo_b`` step is
     ``fp8_quant.per_token_group_quant_fp8`` + ``fp8_gemm.fp8_gemm_nt`` (DeepGEMM semantics).
@@ -457,15 +719,20 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
         heads_per_group: 8 for DeepSeek-V4 at every TP.
         scale_fmt: activation scale encoding of both quant steps (``fp32``, ``pow2``, ``ue8m0``).
         check_positions: see :func:`inv_rope_fp8_quant`.
-        config: ``{"rope": ..., "einsum": ..., "wo_b": ..., "wo_b_fp8": ...}``: rows of ``CONFIGS``
-            for the parts (``wo_b``: bf16 ``wo_b``; ``wo_b_fp8``: a row of ``fp8_gemm.CONFIGS``);
-            any may be missing (default picks by size).
+        config: ``{"path": "unfused", "rope": ..., "einsum": ..., "wo_b": ..., "wo_b_fp8": ...}``: rows
+            of ``CONFIGS`` for the parts (``wo_b``: bf16 ``wo_b``; ``wo_b_fp8``: a row of
+            ``fp8_gemm.CONFIGS``), or ``{"path": "fused", "quant_z": "wo_a"|"wo_b", "wo_a": {...},
+            "wo_b": {...}}`` (launch rows: ``BLOCK_M``, ``BLOCK_N``, ``SPLIT_K`` int or None,
+            ``num_warps``, ``num_stages``; e.g. ``CONFIGS[arch]["fused"]``). Any key may be missing
+            (``pick_o_proj_config`` / ``fused_config`` fill it in).
 
     Returns:
         ``(num_tokens, hidden)`` bfloat16.
 
     Raises:
-        TypeError / ValueError: from the parts, plus ``wo_a``/``wo_b`` shapes that do not fit ``o``.
+        TypeError / ValueError: from the parts, plus ``wo_a``/``wo_b`` shapes that do not fit ``o``,
+            an unknown ``path`` / ``quant_z``, a fused ``BLOCK_N`` that does not divide 128 (or is
+            not 128 where the z quant runs in launch 1's epilogue), a ``SPLIT_K`` < 1.
     """
     check.tensor("o", o, torch.bfloat16)
     check.tensor("wo_a", wo_a, (torch.float8_e4m3fn, torch.bfloat16))
@@ -497,7 +764,14 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
         raise ValueError(f"wo_b: dtype {wo_b.dtype} without wo_b_s; an FP8 wo_b needs its block scales")
     if wo_a_s is None and wo_a.dtype != torch.bfloat16:
         raise ValueError(f"wo_a: dtype {wo_a.dtype} without wo_a_s; an FP8 wo_a needs its block scales")
-    cfg = config or {}
+    cfg = dict(config or {})
+    if wo_a_s is not None and wo_b_s is not None:
+        path = cfg.get("path") or pick_o_proj_config(T, o.device)["path"]
+        if path not in PATHS:
+            raise ValueError(f"config: path={path!r}, expected one of {PATHS}")
+        if path == "fused":
+            return _o_proj_fused(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per_group,
+                                 scale_fmt, check_positions, {**fused_config(o.device), **cfg})
     if wo_a_s is not None:
         x, xs = inv_rope_fp8_quant(o, positions, cos_sin_cache, heads_per_group, True, scale_fmt,
                                    check_positions=check_positions, config=cfg.get("rope"))
@@ -531,6 +805,44 @@ CONFIGS = {
         "prefill": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K_BF16": 64, "SPLIT_K": None, "num_warps": 8, "num_stages": 4},
     },
 }
+# Whole o_proj (FP8 wo_a and wo_b), one row per candidate of the o_proj bench. "unfused": today's
+# parts (inv-RoPE+quant, einsum [+ split-K reduce], z quant, fp8_gemm_nt [+ reduce]: 4-6 launches).
+# "fused*": 2 launches of _fused_gemm_kernel. Launch 1 = inverse RoPE + 1x128 quant in the prologue
+# of every k step (each program re-quantizes the T rows of its k range: T <= 64), the grouped wo_a
+# product, split-K summed in the same launch by the tile's last split, then (quant_z "wo_a", BLOCK_N
+# 128 = one z quant group per tile) z rounded to bf16 and quantized 1x128 in the epilogue. Launch 2 =
+# wo_b on that fp8 z (or, quant_z "wo_b", z kept bf16 and quantized in the wo_b prologue), same
+# in-launch split-K. TP=4: wo_a is 2 x 1024 x 4096 (8 MiB), wo_b 4096 x 2048 (8 MiB). Splits give
+# ~256 programs on 132 SMs: wo_a 16 tiles of 128 x split 16 (2 k steps each) or x 8; wo_b 128 tiles
+# of 32 x split 2, or 64 of 64 x split 4. smem: wo_a stage 16 KiB (weight) + 2 KiB (A), <= 3 stages.
+_FUSED_ROWS = {
+    "fused": {"path": "fused", "quant_z": "wo_a",
+              "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "num_warps": 4, "num_stages": 2},
+              "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
+    "fused_s8": {"path": "fused", "quant_z": "wo_a",
+                 "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
+                 "wo_b": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}},
+    "fused_zbf16": {"path": "fused", "quant_z": "wo_b",
+                    "wo_a": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
+                    "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
+    "fused_auto": {"path": "fused", "quant_z": "wo_a",
+                   "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": None, "num_warps": 4, "num_stages": 2},
+                   "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": None, "num_warps": 4, "num_stages": 4}},
+}
+for _arch_name, _t in CONFIGS.items():
+    _t.update({k: {**v, "wo_a": dict(v["wo_a"]), "wo_b": dict(v["wo_b"])} for k, v in _FUSED_ROWS.items()})
+    _t["unfused"] = {"path": "unfused", "rope": _t["rope_small"], "einsum": _t["decode"], "wo_b": _t["decode"]}
+PATHS = ("fused", "unfused")
+FUSED_LABELS = tuple(_FUSED_ROWS)
+OPROJ_LABELS = FUSED_LABELS + ("unfused",)
+#: the o_proj row used for T <= FUSED_MAX_T on a GPU (the H200 run of scripts/gpu/oproj.sh picks it;
+#: "unfused" restores the parts). Above FUSED_MAX_T o_proj runs the parts.
+DECODE_DEFAULT = {"sm_89": "fused", "sm_90": "fused"}
+# the interpreter runs programs one by one in Python: one m tile, wide n tiles, split 2 (so the
+# in-launch split-K reduction is exercised by every CPU test)
+_INTERP_FUSED = {"path": "fused", "quant_z": "wo_a",
+                 "wo_a": {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1},
+                 "wo_b": {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}}
 _INTERP_ROPE = {"BLOCK_R": 128, "num_warps": 4}
 _INTERP_EINSUM = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K_BF16": 128, "SPLIT_K": None, "num_warps": 4, "num_stages": 1}
 ROPE_LABELS = ("rope_small", "rope_large")
@@ -561,3 +873,22 @@ def pick_einsum_config(T: int, device) -> dict:
     if device.type != "cuda":  # interpreter: fewest k-iterations in total
         return _INTERP_EINSUM
     return CONFIGS[arch_of(device)]["decode" if T <= DECODE_MAX_T else "prefill"]
+
+
+def fused_config(device) -> dict:
+    """The fused-path row filled in when a config names ``path="fused"`` without its launch rows."""
+    if device.type != "cuda":
+        return _INTERP_FUSED
+    table = CONFIGS[arch_of(device)]
+    row = table[DECODE_DEFAULT[arch_of(device)]]
+    return row if row["path"] == "fused" else table["fused"]
+
+
+def pick_o_proj_config(T: int, device) -> dict:
+    """Default o_proj row: the fused path for decode (T <= FUSED_MAX_T; ``DECODE_DEFAULT`` on a GPU,
+    ``_INTERP_FUSED`` on the interpreter), the parts above."""
+    if T > FUSED_MAX_T:
+        return {"path": "unfused"}
+    if device.type != "cuda":
+        return _INTERP_FUSED
+    return CONFIGS[arch_of(device)][DECODE_DEFAULT[arch_of(device)]]

@@ -65,3 +65,17 @@ def test_bad_input_names_the_argument(field, value, err, msg):
                   "long": lambda: torch.cat([v, v])}.get(value, lambda: value)()
     with pytest.raises(err, match=msg):
         compress_decode(**inp)
+
+
+def test_bf16_gemm_output_slice_equals_its_fp32_copy():
+    """The model hands the bf16 ``wkv_gate`` GEMM output (a column slice of the fused C4A GEMM) to
+    the kernel as is: same state rows and entries as the fp32 contiguous copy it used to convert."""
+    inp = make_inputs({"T": 3, "ratio": 4, "hd": 128}, "random", seed=7, device=DEVICE)
+    ks = inp["kv_score"].to(torch.bfloat16)
+    wide = torch.cat([torch.randn(3, 64, device=DEVICE).to(torch.bfloat16), ks,
+                      torch.randn(3, 32, device=DEVICE).to(torch.bfloat16)], 1)
+    a, b = _clone(inp), _clone(inp)
+    a["kv_score"], b["kv_score"] = wide[:, 64:64 + ks.shape[1]], ks.float()
+    assert a["kv_score"].stride(0) != a["kv_score"].shape[1]
+    assert torch.equal(compress_decode(**a), compress_decode(**b))
+    assert torch.equal(a["state"], b["state"])

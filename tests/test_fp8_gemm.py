@@ -189,3 +189,152 @@ def test_bad_inputs_raise_naming_the_argument(name, mut, exc, match):
     kw = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     with pytest.raises(exc, match=match):
         fp8_gemm_nt(**kw)
+
+
+# ---- w8a8_block_fp8_linear: the activation quant fused into the GEMM (issue 20) -------------------
+from ds4lab_kernels import fp8_gemm as G  # noqa: E402
+
+
+class _Count:
+    """Wraps a Triton kernel object and counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, k):
+        self.k, self.n = k, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.k[grid]
+
+    def __getattr__(self, name):
+        return getattr(self.k, name)
+
+
+def _adversarial_x(M, K, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(_seed())
+    x = torch.randn(M, K, generator=g) * torch.exp(torch.empty(M, 1).uniform_(-3, 3, generator=g))
+    x.view(M, -1, 128)[0, 0] = 0.0                       # all-zero group -> eps-floored scale, zeros
+    if M > 1:
+        x.view(M, -1, 128)[1, 1] = 1e-30 * torch.randn(128, generator=g)  # tiny: below the eps floor
+        x.view(M, -1, 128)[1, 2] = 2.0 ** -133          # bf16 subnormals
+    if M > 2:
+        x[2, 5] = float("nan")
+    if M > 3:
+        x[3, 130] = float("inf")
+    if M > 4:
+        x[4, K - 1] = float("-inf")
+        x[4, 0] = 448.0 * 2.0 ** 100                   # huge but finite
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("M", [1, 6])
+def test_fused_quant_is_bit_identical_to_quant_then_gemm(M, split):
+    """fp8_quant.per_token_group_quant_fp8(x, 128, "ue8m0") + fp8_gemm_nt == the fused launch, bit for
+    bit (same config), on adversarial groups: zeros, 1e-30, bf16 subnormals, NaN, ±inf, 2^108."""
+    N, K = 77, 512
+    x = _adversarial_x(M, K)
+    _, _, b, sb = _operands(M, N, K, b_fmt="ue8m0")
+    cfg = {**CONFIGS["sm_89"]["decode"], "SPLIT_K": split}
+    q, s = fp8_quant.per_token_group_quant_fp8(x, 128, scale_fmt="ue8m0")
+    two = fp8_gemm_nt(q, s, b, sb, config=cfg)
+    fused = G.w8a8_block_fp8_linear(x, b, sb, config=cfg)
+    assert compare_exact(fused, two, "fused vs quant+gemm")
+    assert compare_exact(G.w8a8_block_fp8_linear(x, b, sb, config=cfg, fused=False), two, "two-launch path")
+    if M > 4:
+        assert fused[2:5].isnan().all() and not fused[[0, 1, 5]].isnan().any()
+    _check(two, q, s, b, sb)
+
+
+def test_fused_quant_fp32_input_and_eps_match_the_quant_kernel():
+    M, N, K = 3, 64, 384
+    x = _adversarial_x(M, K, torch.float32)
+    _, _, b, sb = _operands(M, N, K, b_fmt="ue8m0_packed")
+    cfg = CONFIGS["sm_89"]["decode_16x64"]
+    q, s = fp8_quant.per_token_group_quant_fp8(x, 128, scale_fmt="ue8m0", eps=1e-4)
+    assert compare_exact(G.w8a8_block_fp8_linear(x, b, sb, config=cfg, eps=1e-4),
+                         fp8_gemm_nt(q, s, b, sb, config=cfg), "fp32 x, eps=1e-4")
+
+
+def test_fused_is_one_launch_and_large_m_falls_back_to_two(monkeypatch):
+    gemm = _Count(G._fp8_gemm_nt_kernel)
+    quant = _Count(fp8_quant._per_token_group_quant_fp8_kernel)
+    monkeypatch.setattr(G, "_fp8_gemm_nt_kernel", gemm)
+    monkeypatch.setattr(fp8_quant, "_per_token_group_quant_fp8_kernel", quant)
+    _, _, b, sb = _operands(1, 32, 512, b_fmt="ue8m0")
+    x = (torch.randn(G.FUSED_MAX_M, 512)).bfloat16().to(DEVICE)
+    cfg = {**CONFIGS["sm_89"]["decode_32x32"], "SPLIT_K": 2}   # split-K too: still one launch
+    G.w8a8_block_fp8_linear(x, b, sb, config=cfg)
+    assert (gemm.n, quant.n) == (1, 0)
+    G.w8a8_block_fp8_linear(torch.cat([x, x[:1]]), b, sb, config=cfg)  # M = FUSED_MAX_M + 1
+    assert (gemm.n, quant.n) == (2, 1)
+
+
+def test_split_k_single_launch_resets_counters_and_is_deterministic():
+    """Split-K in one launch: the last program of each tile reduces the slots in split order, so
+    repeated calls are bitwise equal and every tile counter is back to 0 afterwards."""
+    M, N, K = 5, 64, 1024
+    a, sa, b, sb = _operands(M, N, K, "ue8m0_packed", "ue8m0")
+    cfg = {**CONFIGS["sm_89"]["decode_16x64"], "SPLIT_K": 8}
+    outs = [fp8_gemm_nt(a, sa, b, sb, config=cfg) for _ in range(2)]
+    for o in outs[1:]:
+        assert compare_exact(o, outs[0], "split-K repeat")
+    cnt = G.splitk_counters(torch.device(DEVICE), 1)
+    assert cnt.numel() >= G._MIN_COUNTERS and int(cnt.abs().sum()) == 0
+    _check(outs[0], a, sa, b, sb)
+    assert not hasattr(G, "_splitk_reduce_kernel")
+
+
+@pytest.mark.parametrize("name,kw,exc,match", [
+    ("x int", {"x": torch.zeros(2, 256, dtype=torch.int32)}, TypeError, "x: dtype"),
+    ("x K", {"x": torch.zeros(2, 128, dtype=torch.bfloat16)}, ValueError, "weight: shape"),
+    ("x 1d", {"x": torch.zeros(256, dtype=torch.bfloat16)}, ValueError, "x: expected 2 dims"),
+    ("weight bf16", {"weight": torch.zeros(64, 256, dtype=torch.bfloat16)}, TypeError, "weight: dtype"),
+    ("scale shape", {"weight_scale": torch.zeros(1, 3, dtype=torch.uint8)}, ValueError, "weight_scale: uint8"),
+    ("eps", {"eps": 0.0}, ValueError, "eps"),
+    ("out", {"out": torch.empty(2, 63, dtype=torch.bfloat16)}, ValueError, "out: expected shape"),
+])
+def test_linear_bad_inputs_name_the_argument(name, kw, exc, match):
+    _, _, b, sb = _operands(2, 64, 256, b_fmt="ue8m0", seed=0)
+    args = {"x": torch.zeros(2, 256, dtype=torch.bfloat16), "weight": b.cpu(), "weight_scale": sb.cpu(), **kw}
+    args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    with pytest.raises(exc, match=match):
+        G.w8a8_block_fp8_linear(**args)
+
+
+# ---- the peer in the benchmark: vLLM's Triton block-FP8 GEMM, launched as vLLM launches it --------
+@pytest.mark.parametrize("label", ["default", "16x64_w2_s3"])
+def test_vllm_peer_launch_matches_reference(label):
+    """The installed vLLM's ``_w8a8_triton_block_scaled_mm``, fed our UE8M0 operands decoded to fp32
+    (specs.fp8_gemm.peer_operands) with vLLM 0.32's grid/strides, passes the same numerics check."""
+    from ds4lab.harness.specs import fp8_gemm as S
+    inp = S.make_inputs({"M": 3, "N": 200, "K": 384, "a_fmt": "ue8m0_packed", "b_fmt": "ue8m0"},
+                        "zero_groups", _seed(), DEVICE)
+    out = S.peer_call(S.peer_kernel().fn, S.peer_operands(inp), S.PEER_CONFIGS[label])()
+    reps = S.check(out, R.fp8_gemm_nt(**inp), inp)
+    assert all(reps), [r.summary() for r in reps]
+
+
+def test_fused_refuses_wide_row_tiles_and_auto_falls_back(monkeypatch):
+    """BLOCK_M > 32 with a bf16 A tile does not fit sm_89 (mid: 106,496 B, prefill: 163,840 B in
+    the compile report): fused=None runs the two launches, fused=True names the config."""
+    quant = _Count(fp8_quant._per_token_group_quant_fp8_kernel)
+    monkeypatch.setattr(fp8_quant, "_per_token_group_quant_fp8_kernel", quant)
+    _, _, b, sb = _operands(2, 64, 256, b_fmt="ue8m0", seed=0)
+    x = torch.randn(2, 256).bfloat16().to(DEVICE)
+    G.w8a8_block_fp8_linear(x, b, sb, config=CONFIGS["sm_89"]["prefill"])
+    assert quant.n == 1
+    with pytest.raises(ValueError, match="config=.*BLOCK_M <= 32"):
+        G.w8a8_block_fp8_linear(x, b, sb, config=CONFIGS["sm_89"]["mid"], fused=True)
+
+
+def test_default_config_is_fused_up_to_32_tokens(monkeypatch):
+    """17..32 tokens: the default is the decode row, fused (pick_config's 64-row "small" row would
+    need the two launches)."""
+    quant = _Count(fp8_quant._per_token_group_quant_fp8_kernel)
+    monkeypatch.setattr(fp8_quant, "_per_token_group_quant_fp8_kernel", quant)
+    _, _, b, sb = _operands(1, 32, 256, b_fmt="ue8m0", seed=0)
+    x = torch.randn(20, 256).bfloat16().to(DEVICE)
+    got = G.w8a8_block_fp8_linear(x, b, sb)
+    assert quant.n == 0
+    q, s = fp8_quant.per_token_group_quant_fp8(x, 128, scale_fmt="ue8m0")
+    _check(got, q, s, b, sb)

@@ -16,7 +16,10 @@ DEC = {"path": "decode", "BLOCK_N": 256, "BLOCK_K": 256, "SPLIT_K": 1, "num_warp
 DEC_SPLIT = dict(DEC, BLOCK_K=128, SPLIT_K=2)
 PRE = {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 128,
        "num_warps": 4, "SUM_T": 16, "SUM_N": 256}
-PATHS = {"decode": DEC, "decode_split": DEC_SPLIT, "prefill": PRE}
+# decode variant "mma" (issue 20): expert-grouped tensor-core tiles, split-K tickets, fused top-k sum
+MMA = {"path": "decode", "variant": "mma", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 128,
+       "num_warps2": 4}
+PATHS = {"decode": DEC, "decode_split": DEC_SPLIT, "prefill": PRE, "mma": MMA}
 
 
 def _weights(E=4, D=256, I=128, seed=0):
@@ -85,7 +88,7 @@ def test_tile_schedule():
     assert len(tn) == -(-76 // 16) + 4  # fixed grid: no host sync
 
 
-@pytest.mark.parametrize("path", ["decode_split", "prefill"])
+@pytest.mark.parametrize("path", ["decode_split", "prefill", "mma"])
 def test_nan_workspace_and_padding_rows_stay_out(path):
     w = _weights()
     x, tw, ids = _ragged()
@@ -96,6 +99,11 @@ def test_nan_workspace_and_padding_rows_stay_out(path):
     if path == "prefill":
         ws = {"h": torch.full((P + 64, I), float("nan"), dtype=torch.float16, device=DEVICE),
               "y": torch.full((P, D), float("nan"), device=DEVICE)}
+    elif path == "mma":
+        ws = {"h": torch.full((P, I), float("nan"), dtype=torch.float16, device=DEVICE),
+              "y": torch.full((P, D), float("nan"), device=DEVICE),
+              "part": torch.full((2, P, 2 * I), float("nan"), device=DEVICE),
+              "counters": torch.zeros(P * 2 + 2, dtype=torch.int32, device=DEVICE)}
     else:
         ws = {"part": torch.full((2, P, 2 * I), float("nan"), device=DEVICE)}
     out = K.fused_moe_w4a16(**inp, config=PATHS[path], workspace=ws)
@@ -105,9 +113,11 @@ def test_nan_workspace_and_padding_rows_stay_out(path):
     assert compare(out.cpu(), ref, "bfloat16")
     if path == "prefill":  # rows past the used pairs were never written
         assert ws["h"][P:].isnan().all()
+    if path == "mma":  # every ticket counter was reset by the program that took the last ticket
+        assert int(ws["counters"].abs().sum()) == 0
 
 
-@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("path", ["decode", "prefill", "mma"])
 def test_tiny_scales_no_nan(path):
     w = _weights()
     w["w2_scale"] = (w["w2_scale"].float() * 1e-21).bfloat16()  # ~1e-23 scales
@@ -121,7 +131,7 @@ def test_tiny_scales_no_nan(path):
     assert rep, rep.summary()
 
 
-@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("path", ["decode", "prefill", "mma"])
 def test_token_permutation_is_bitwise(path):
     """Bound guaranteed: bit-for-bit. Every (token, expert) pair's row is computed from its own
     x row with a fixed K order (GEMV per pair on decode; MMA rows are independent on prefill), and
@@ -142,6 +152,54 @@ def test_decode_and_prefill_agree():
     a = K.fused_moe_w4a16(**inp, config=DEC)
     b = K.fused_moe_w4a16(**inp, config=PRE)
     assert compare(a.cpu(), b.cpu(), "bfloat16")
+
+
+def _mma_inputs(T=5, E=8, K_TOP=3, seed=3):
+    w = _weights(E=E, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 256, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K_TOP] for _ in range(T)]).to(torch.int32)
+    tw = (torch.rand(T, K_TOP, generator=g) + 0.1).float()
+    return x, w, tw, ids
+
+
+def test_mma_repeated_experts_invalid_ids_and_nan_token():
+    """Decode variant "mma": a token naming one expert twice gets both terms; ids -1 and ids >= E
+    are skipped (as -1 in the reference); a NaN/inf x row on a valid token stays in that token's
+    output row (other rows bit-equal to a clean run); two calls are bit-equal (tickets reset)."""
+    x, w, tw, ids = _mma_inputs()
+    ids[0, 1] = ids[0, 0]           # repeated expert in one token
+    ids[1, 2] = 8                   # id == E: skipped
+    ids[2, 0] = -1                  # padding slot
+    inp = _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids})
+    out = K.fused_moe_w4a16(**inp, config=MMA)
+    again = K.fused_moe_w4a16(**inp, config=MMA)
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+    ids_ref = torch.where(ids >= 8, torch.full_like(ids, -1), ids)
+    ref = R.fused_moe_w4a16(**{**{k: v.cpu() for k, v in inp.items()}, "topk_ids": ids_ref})
+    rep = compare(out.cpu(), ref, "bfloat16")
+    assert rep, rep.summary()
+    xn = x.clone()
+    xn[3, 5] = float("nan")
+    xn[4, 7] = float("inf")
+    bad = K.fused_moe_w4a16(**_dev({"x": xn, **w, "topk_weights": tw, "topk_ids": ids}), config=MMA)
+    assert bad[3].isnan().all() and not bad[4].isfinite().all()
+    assert torch.equal(bad[:3].view(torch.int16), out[:3].view(torch.int16))
+
+
+def test_mma_extreme_scales_and_config_errors():
+    """Scales near bf16's largest finite (products stay finite in fp32) and a bad tile config."""
+    x, w, tw, ids = _mma_inputs(seed=4)
+    w["w13_scale"] = (w["w13_scale"].float() * 1e30).bfloat16()
+    w["w2_scale"] = (w["w2_scale"].float() * 1e-30).bfloat16()
+    inp = _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids})
+    out = K.fused_moe_w4a16(**inp, config=MMA)
+    ref = R.fused_moe_w4a16(**{k: v.cpu() for k, v in inp.items()})
+    assert out.isfinite().all() and out.abs().max() > 0
+    rep = compare(out.cpu().double() * 1e30, ref.double() * 1e30, "bfloat16")
+    assert rep, rep.summary()
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        K.fused_moe_w4a16(**inp, config=dict(MMA, BLOCK_N=8))
 
 
 def test_moe_bad_inputs():

@@ -229,3 +229,105 @@ def test_einsum_bad_inputs(mut, exc, match):
 def test_o_proj_bad_inputs(mut, exc, match):
     with pytest.raises(exc, match=match):
         K.o_proj(**mut(_oproj(2, 16)))
+
+
+# ---- fused 2-launch path (issue 20) -----------------------------------------------------------------
+def _wo_a_small(G, R=128, seed=0, fmt="fp32"):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return spec.block_quant_weight(torch.randn(G, R, 4096, generator=g, device=DEVICE) / 64.0, fmt)
+
+
+_A1 = {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.mark.parametrize("case,fmt,H", [("nan_rows", "fp32", 8), ("outliers", "pow2", 8), ("cache_end", "ue8m0", 16)])
+def test_fused_prologue_feeds_the_bytes_of_inv_rope_fp8_quant(case, fmt, H):
+    """Launch 1's prologue (inverse RoPE + 1x128 quant per k step) gives the MMA exactly the bytes and
+    scales of ``inv_rope_fp8_quant``: with the same split the wo_a product is bit-identical to the
+    same kernel fed the quantized tensors, and its z quant epilogue is bit-identical to
+    ``per_token_group_quant_fp8`` of its own bf16 z (today's quant step)."""
+    from ds4lab_kernels.fp8_quant import per_token_group_quant_fp8
+    inp = _rope(5, H, case, scale_fmt=fmt)
+    T, G = 5, H // 8
+    w, ws = _wo_a_small(G, fmt="ue8m0" if fmt == "ue8m0" else "fp32")
+    x, xs = K.inv_rope_fp8_quant(**inp)
+    sdt = torch.uint8 if fmt == "ue8m0" else torch.float32
+    pow2 = fmt != "fp32"
+    z_ref = torch.empty(T, G, 128, dtype=torch.bfloat16, device=DEVICE)
+    K._fused_gemm(0, x, xs, w, ws, T, G, 128, 4096, _A1, out=z_ref, pow2=pow2)
+    o = inp["o"]
+    o_g = o.as_strided((T, G, 4096), (o.stride(0), 8 * o.stride(1), 1))
+    z = torch.empty_like(z_ref)
+    zq = torch.empty(T, G, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
+    zs = torch.empty(T, G, 1, dtype=sdt, device=DEVICE)
+    K._fused_gemm(2, o_g, None, w, ws, T, G, 128, 4096, _A1, out=z, q=zq, qs=zs, positions=inp["positions"],
+                  cos_sin=inp["cos_sin_cache"], head_stride=o.stride(1), head_dim=512, rope=64, pow2=pow2)
+    assert compare_exact(z, z_ref, "z (rope prologue vs quantized input)")
+    rq, rs = per_token_group_quant_fp8(z.view(T, G * 128), 128, scale_fmt=fmt)
+    assert compare_exact(zq.view(T, -1), rq, "z fp8 bytes") and compare_exact(zs.view(T, -1), rs, "z scales")
+    if case != "nan_rows":
+        assert compare(z_ref, ref.fp8_einsum_bhr_hdr_bhd(x, xs, w, ws), "bfloat16")
+    assert int(K._counters(torch.device(DEVICE), 1).abs().sum()) == 0  # every tile reset its counter
+
+
+def test_fused_wo_b_prologue_quant_is_per_token_group_quant():
+    """Launch 2 with a bf16 A (quant_z="wo_b") quantizes in its prologue exactly as
+    ``per_token_group_quant_fp8`` does: same output as the fp8 A path bit for bit, any split."""
+    from ds4lab_kernels.fp8_quant import per_token_group_quant_fp8
+    T, Kb, N = 3, 512, 256
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    z = (torch.randn(T, Kb, generator=g, device=DEVICE) * 3).to(torch.bfloat16)
+    z[1, 128:256] = 0.0
+    w, ws = spec.block_quant_weight(torch.randn(1, N, Kb, generator=g, device=DEVICE) / 16, "ue8m0")
+    zq, zs = per_token_group_quant_fp8(z, 128, scale_fmt="ue8m0")
+    outs = []
+    for mode, a, a_s in ((0, zq.view(T, 1, Kb), zs.view(T, 1, -1)), (1, z.view(T, 1, Kb), None)):
+        for split in (1, 4):
+            out = torch.empty(T, 1, N, dtype=torch.bfloat16, device=DEVICE)
+            K._fused_gemm(mode, a, a_s, w, ws, T, 1, N, Kb, {**_A1, "SPLIT_K": split}, out=out, pow2=True)
+            outs.append((split, out))
+    assert compare_exact(outs[2][1], outs[0][1]) and compare_exact(outs[3][1], outs[1][1])
+    want = ref.fp8_einsum_bhr_hdr_bhd(zq.view(T, 1, Kb), zs.view(T, 1, -1), w, ws)
+    assert all(compare(o, want, "bfloat16") for _, o in outs)
+
+
+@pytest.mark.parametrize("label", ["fused_zbf16", "unfused"])
+def test_o_proj_candidates_agree(label):
+    """The candidates of the o_proj bench (interpreter-sized tiles, their own quant_z / path) against
+    the reference; the default (fused, quant_z="wo_a") is covered by the registry sweep."""
+    inp = _oproj(3, 16, "fp8", "outlier_head", scale_fmt="ue8m0")
+    cfg = {**K.CONFIGS["sm_89"][label]}
+    if cfg["path"] == "fused":
+        cfg = {**cfg, "wo_a": {**_A1, "BLOCK_N": 64}, "wo_b": {**_A1, "SPLIT_K": 1}}
+    assert compare(K.o_proj(**inp, config=cfg), ref.o_proj(**inp), "bfloat16")
+
+
+def test_fused_unchecked_bad_position_is_nan_strided_o_and_defaults():
+    """An unchecked out-of-range position makes its token NaN and changes no bit of the others (rows
+    are independent through both launches); a strided ``o`` view gives the same bits."""
+    inp = _oproj(3, 8)
+    pos = inp["positions"].clone()
+    pos[1] = inp["cos_sin_cache"].shape[0] + 7
+    out = K.o_proj(**{**inp, "positions": pos}, check_positions=False)
+    big = torch.zeros(3, 12, 512, dtype=torch.bfloat16, device=DEVICE)
+    big[:, 2:10] = inp["o"]  # token stride 12 heads, storage offset 2 heads: the prologue's strides
+    good = K.o_proj(**{**inp, "o": big[:, 2:10]})
+    assert compare(good, ref.o_proj(**inp), "bfloat16")
+    assert torch.isnan(out[1]).all() and not torch.isnan(good).any()
+    assert torch.equal(out[0], good[0]) and torch.equal(out[2], good[2])
+    assert K.o_proj(**{**inp, "o": inp["o"][:0], "positions": pos[:0]}).shape == (0, 128)
+    dev = torch.device(DEVICE)
+    assert K.pick_o_proj_config(K.FUSED_MAX_T, dev)["path"] == "fused"
+    assert K.pick_o_proj_config(K.FUSED_MAX_T + 1, dev)["path"] == "unfused"
+    assert set(K.DECODE_DEFAULT.values()) <= set(K.OPROJ_LABELS)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"path": "bogus"}, "path='bogus'"),
+    ({"path": "fused", "quant_z": "z"}, "quant_z='z'"),
+    ({"path": "fused", "wo_a": {**_A1, "BLOCK_N": 64}}, "BLOCK_N=128"),
+    ({"path": "fused", "wo_a": {**_A1, "SPLIT_K": 0}}, "SPLIT_K=0"),
+])
+def test_fused_bad_configs(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        K.o_proj(**_oproj(2, 8), config=cfg)

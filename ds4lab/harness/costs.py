@@ -64,6 +64,14 @@ def gemm_min_bytes(s: dict) -> float:
     return M * K + N * K + a_s + b_s + 2 * M * N
 
 
+def linear_min_bytes(s: dict) -> float:
+    """``w8a8_block_fp8_linear``: bf16 A in (quantized on chip, no fp8 A or A scales in memory), B fp8
+    and its 128x128 scales once, D bf16 once."""
+    M, N, K = s["M"], s["N"], s["K"]
+    b_s = _cdiv(N, G) * (K // G) * (1 if s.get("b_fmt", "ue8m0") == "ue8m0" else 4)
+    return 2 * M * K + N * K + b_s + 2 * M * N
+
+
 def quant_min_bytes(s: dict) -> float:
     """bf16 in, e4m3 out, one scale per 1x128 group (4 B fp32/pow2, 1 B ue8m0 / packed ue8m0)."""
     M, K = s["M"], s["K"]
@@ -272,6 +280,13 @@ def rmsnorm_rope_min_bytes(s: dict) -> float:
     return 4 * n + w + (s["T"] * (4 + s.get("R", ROPE_DIM) * 4) if rope else 0)
 
 
+def q_kv_rmsnorm_rope_min_bytes(s: dict) -> float:
+    """The bf16 ``(T, Dq + Dkv)`` row in, both bf16 segments out, both gains once, per token a
+    position and one cos/sin row."""
+    d = s["Dq"] + s["Dkv"]
+    return s["T"] * (4 * d + 4 + s.get("R", ROPE_DIM) * 4) + 2 * d
+
+
 def swiglu_min_bytes(s: dict) -> float:
     return s["T"] * s["I"] * (4 + 2)
 
@@ -300,6 +315,7 @@ def compress_decode_flops(s: dict) -> float:
 
 FLOPS: dict[str, Callable[[dict], float]] = {
     "fp8_gemm_nt": gemm_flops,
+    "w8a8_block_fp8_linear": gemm_flops,
     "per_token_group_quant_fp8": _zero,
     "indexer_k_cache_insert": _zero,
     "fp8_mqa_logits": mqa_flops,
@@ -323,12 +339,14 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "sparse_mla_prefill": sparse_prefill_flops,
     "topk_indices": _zero,
     "rmsnorm_rope": _zero,
+    "q_kv_rmsnorm_rope": _zero,
     "swiglu_clamp": _zero,
     "compress_decode": compress_decode_flops,
 }
 
 MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "fp8_gemm_nt": gemm_min_bytes,
+    "w8a8_block_fp8_linear": linear_min_bytes,
     "per_token_group_quant_fp8": quant_min_bytes,
     "indexer_k_cache_insert": k_insert_min_bytes,
     "fp8_mqa_logits": mqa_min_bytes,
@@ -352,6 +370,7 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "sparse_mla_prefill": sparse_prefill_min_bytes,
     "topk_indices": topk_min_bytes,
     "rmsnorm_rope": rmsnorm_rope_min_bytes,
+    "q_kv_rmsnorm_rope": q_kv_rmsnorm_rope_min_bytes,
     "swiglu_clamp": swiglu_min_bytes,
     "compress_decode": compress_decode_min_bytes,
 }

@@ -77,9 +77,10 @@ ALLREDUCE_AFTER = ("attn.o_proj", "moe.add")
 # ds4lab.model op group -> the decode model's ops (planner.speed.step_bytes) whose bytes it moves;
 # groups not listed have no byte formula yet and get no floor
 GROUP_OPS = {
-    "attn.wqkv_a": ("wq_a_wkv",), "attn.wq_b": ("wq_b",), "attn.o_proj": ("o_proj", "wo_b"),
+    # attn.wq_b: in C4A layers the indexer's wq_b runs in the same GEMM (ds4lab.model.weights.fuse_layer)
+    "attn.wqkv_a": ("wq_a_wkv",), "attn.wq_b": ("wq_b", "indexer_wq_b"), "attn.o_proj": ("o_proj", "wo_b"),
     "attn.sparse_mla": ("sparse_mla",), "attn.swa_insert": ("kv_cache_insert",),
-    "indexer.wq_b": ("indexer_wq_b",), "indexer.logits_topk": ("mqa_logits", "topk_indices"),
+    "indexer.logits_topk": ("mqa_logits", "topk_indices"),
     "indexer.k_insert": ("indexer_k_insert",), "moe.gate": ("router_gate",), "moe.route": ("moe_router",),
     "moe.gate_route": ("router_gate", "moe_router"),
     "moe.experts": ("moe_w13+moe_w2",), "moe.shared_w13": ("shared_gate_up",), "moe.shared_w2": ("shared_down",),

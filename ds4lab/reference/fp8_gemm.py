@@ -87,3 +87,13 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
         ks = slice(kb * BLOCK, (kb + 1) * BLOCK)
         d += (af[:, ks] @ bf[:, ks].T) * sa[:, kb, None] * sb[None, :, kb]
     return d.float()
+
+
+def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out=None,
+                          config=None, eps: float = 1e-10, fused=None) -> torch.Tensor:
+    """Reference of ``ds4lab_kernels.fp8_gemm.w8a8_block_fp8_linear``: the 1x128 UE8M0 activation
+    quant (``ds4lab.reference.quant.per_token_group_quant_fp8``, ``scale_fmt="ue8m0"``) followed by
+    :func:`fp8_gemm_nt`; float32 ``(M, N)``."""
+    from ds4lab.reference.quant import per_token_group_quant_fp8
+    q, s = per_token_group_quant_fp8(x, BLOCK, "ue8m0", eps=eps)
+    return fp8_gemm_nt(q, s, weight, weight_scale)

@@ -1,4 +1,5 @@
-"""Torch (float64) references for :mod:`ds4lab_kernels.norm_rope`: per-row RMSNorm + GPT-J RoPE and
+"""Torch (float64) references for :mod:`ds4lab_kernels.norm_rope`: per-row RMSNorm + GPT-J RoPE, the
+q_norm + kv_norm + kv RoPE of the fused ``wq_a | wkv`` output and
 the clamped SwiGLU.
 
 Semantics: DeepSeek-V4 (vLLM 0.32 ``models/deepseek_v4``): RMSNorm ``x * rsqrt(mean(x^2) + eps)``
@@ -12,7 +13,7 @@ import torch
 from ds4lab.reference.moe import swiglu_clamp as _swiglu
 from ds4lab.reference.rope import apply_rope
 
-__all__ = ["rmsnorm_rope", "swiglu_clamp"]
+__all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "swiglu_clamp"]
 
 
 def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -35,3 +36,13 @@ def swiglu_clamp(gu: torch.Tensor, limit: float) -> torch.Tensor:
     g = gu.to(torch.float64)
     I = g.shape[1] // 2
     return _swiglu(g[:, :I], g[:, I:], limit)
+
+
+def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, q_dim: int, eps: float,
+                      positions: torch.Tensor, cos_sin: torch.Tensor):
+    """``x (T, q_dim + Dkv)`` -> ``(q (T, q_dim) float64, kv (T, Dkv) float64)``: ``q_norm`` of the
+    first ``q_dim`` columns; ``kv_norm`` of the rest rounded to bf16 (vLLM's ``kv_norm`` module
+    output), then RoPE at ``positions``."""
+    q = rmsnorm_rope(x[:, :q_dim], q_weight, eps)
+    kv = rmsnorm_rope(x[:, q_dim:], kv_weight, eps).to(torch.bfloat16)
+    return q, rmsnorm_rope(kv, None, 0.0, positions, cos_sin, norm=False)

@@ -138,10 +138,10 @@ def bench_shapes(cfg, tp: int) -> list[dict]:
 
 
 def _config_for(arch: str, shape: dict) -> list[str]:
-    from ds4lab_kernels.fp8_gemm import CONFIGS, config_label
+    from ds4lab_kernels.fp8_gemm import CONFIGS, config_label, decode_candidates
     if shape.get("all_configs"):
         return list(CONFIGS[arch])
-    return [config_label(shape["M"])]
+    return list(dict.fromkeys([config_label(shape["M"]), *decode_candidates(shape["M"])]))
 
 
 def _dequant(inputs):
@@ -169,6 +169,84 @@ def _bf16_dequant_mm(inputs):
     return lambda: torch.mm(A, B.t())
 
 
+# ---- the real peer: vLLM's Triton block-FP8 GEMM, loaded at run time (ds4lab.harness.peers) -------
+# vLLM 0.32's default (w8a8_triton_block_scaled_mm without a tuned JSON for the shape) and a decode
+# sweep: 16-row tiles x BN 32/64/128, 2/4 warps, 3-5 stages (issue 20: the peer at its best config)
+PEER_CONFIGS = {
+    "default": {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 32,
+                "num_warps": 4, "num_stages": 2},
+    "16x32_w4_s4": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                    "num_warps": 4, "num_stages": 4},
+    "16x32_w2_s5": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                    "num_warps": 2, "num_stages": 5},
+    "16x64_w4_s4": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                    "num_warps": 4, "num_stages": 4},
+    "16x64_w2_s3": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                    "num_warps": 2, "num_stages": 3},
+    "16x128_w4_s3": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                     "num_warps": 4, "num_stages": 3},
+    "16x128_w4_s5": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                     "num_warps": 4, "num_stages": 5},
+}
+PEER = "vllm_triton_block_fp8"
+
+
+_PEER_CACHE: dict = {}
+
+
+def peer_kernel(peer_src=None):
+    """vLLM's ``_w8a8_triton_block_scaled_mm`` (:class:`ds4lab.harness.peers.PeerKernel`), loaded
+    once per source (``peer_src``, else ``$DS4LAB_PEER_SRC``, else the installed vllm); raises
+    ``PeerUnavailable`` saying what was tried."""
+    import os
+
+    from ds4lab.harness import peers
+    key = (str(peer_src) if peer_src is not None else None, os.environ.get(peers.ENV))
+    if key not in _PEER_CACHE:
+        _PEER_CACHE[key] = peers.load_peer_jit(*peers.VLLM_BLOCK_FP8, peer_src=peer_src)
+    return _PEER_CACHE[key]
+
+
+def peer_operands(inputs) -> dict:
+    """The peer's operands from ours, made outside any timed region: fp32 per-group A scales
+    ``(M, K/128)`` and fp32 block B scales ``(ceil(N/128), K/128)``, row-major, decoded from our
+    UE8M0 / packed encodings (what vLLM's launcher does for float8_e8m0fnu scales)."""
+    a, b = inputs["a"], inputs["b"]
+    G = a.shape[1] // BLOCK
+    return {"A": a.contiguous(), "B": b, "As": R.decode_scales(inputs["a_scale"], G).float().contiguous(),
+            "Bs": R.decode_scales(inputs["b_scale"], G).float().contiguous()}
+
+
+def peer_call(fn, ops: dict, cfg: dict):
+    """A zero-arg callable that launches ``fn`` as vLLM 0.32's ``w8a8_triton_block_scaled_mm`` does
+    (``block_size=[128, 128]``, bf16 C allocated per call, grid ``cdiv(M, BM) * cdiv(N, BN)``,
+    B strides swapped to read ``(N, K)`` as ``(K, N)``)."""
+    import triton
+    A, B, As, Bs = ops["A"], ops["B"], ops["As"], ops["Bs"]
+    M, K = A.shape
+    N = B.shape[0]
+    grid = (triton.cdiv(M, cfg["BLOCK_SIZE_M"]) * triton.cdiv(N, cfg["BLOCK_SIZE_N"]),)
+
+    def call():
+        C = A.new_empty((M, N), dtype=torch.bfloat16)
+        fn[grid](A, B, C, As, Bs, M, N, K, BLOCK, BLOCK, A.stride(-2), A.stride(-1), B.stride(1), B.stride(0),
+                 C.stride(-2), C.stride(-1), As.stride(-2), As.stride(-1), Bs.stride(1), Bs.stride(0), **cfg)
+        return C
+    return call
+
+
+def _peer_baseline(label: str):
+    cfg = PEER_CONFIGS[label]
+
+    def make(inputs):
+        return peer_call(peer_kernel().fn, peer_operands(inputs), cfg)
+    return make
+
+
+def peer_label(label: str) -> str:
+    return f"{PEER}[{label}]"
+
+
 register(KernelSpec(
     name="fp8_gemm_nt",
     family="fp8_gemm",
@@ -188,8 +266,103 @@ register(KernelSpec(
     check=check,
     configs=kernel_configs("fp8_gemm"),
     config_for=_config_for,
-    baselines={"cublas_fp8_tensorwise": _cublas_fp8_tensorwise, "torch_bf16_dequant": _bf16_dequant_mm},
+    # cuBLAS tensorwise (not the block-scaled math) and bf16 dequant (a straw man) stay as labelled
+    # reference points; the peer rows raise PeerUnavailable (an ERROR row saying why) without vLLM
+    baselines={"cublas_fp8_tensorwise": _cublas_fp8_tensorwise, "torch_bf16_dequant": _bf16_dequant_mm,
+               **{peer_label(lb): _peer_baseline(lb) for lb in PEER_CONFIGS}},
     bound="memory",  # the decode goal is a fraction of copy bandwidth; prefill is judged vs the cuBLAS row
     aot_shape={"M": 16, "N": 1536, "K": 4096, "a_fmt": "ue8m0_packed", "b_fmt": "ue8m0", "all_configs": 1},
+    sm89_mma={"_fp8_gemm_nt_kernel": "QMMA"},
+))
+
+
+# ---- w8a8_block_fp8_linear: bf16 activations, the 1x128 quant fused into the GEMM (issue 20) -------
+LINEAR_CASES = ("random", "constant", "zero_groups", "tiny_groups", "nan_inf_rows")
+DECODE_M = (1, 4, 8, 16, 32)
+
+
+def make_linear_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
+    """``x`` ``(M, K)`` bf16 (the activations before their quant), ``weight`` ``(N, K)`` e4m3 +
+    ``weight_scale`` (128x128, ``b_fmt``, default UE8M0 bytes). Cases as :func:`make_inputs`
+    (``zero_groups``: all-zero 1x128 groups, ``tiny_groups``: 1e-30 groups that reach the eps floor,
+    ``nan_inf_rows``: a NaN and ±inf in three rows)."""
+    if case not in LINEAR_CASES:
+        raise ValueError(f"case={case!r}: known cases {LINEAR_CASES}")
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    mag = torch.exp(torch.empty(M, 1, device=dev).uniform_(-2.3, 2.3, generator=g))
+    x = torch.randn(M, K, generator=g, device=dev) * mag
+    if case == "constant":
+        x = torch.full((M, K), 1.5, device=dev)
+    elif case == "zero_groups":
+        x.view(M, K // BLOCK, BLOCK)[::2, ::2] = 0.0
+    elif case == "tiny_groups":
+        x.view(M, K // BLOCK, BLOCK)[:, 0] = 1e-30 * torch.randn(M, BLOCK, generator=g, device=dev)
+    elif case == "nan_inf_rows":
+        x[0, 3] = float("nan")
+        if M > 1:
+            x[M // 2, K - 1] = float("inf")
+            x[M - 1, 0] = float("-inf")
+    w = make_inputs({**shape, "M": 1}, "constant" if case == "constant" else "random", seed + 1, device)
+    return {"x": x.to(torch.bfloat16), "weight": w["b"], "weight_scale": w["b_scale"]}
+
+
+def gemm_inputs(inputs: dict) -> dict:
+    """The fp8_gemm_nt operands of a linear's inputs: ``x`` quantized by the reference quant
+    (bit-identical to the kernel: tests/test_fp8_quant.py), packed UE8M0 activation scales."""
+    a, sa = _act_quant(inputs["x"], BLOCK, "ue8m0")
+    return {"a": a, "a_scale": sa, "b": inputs["weight"], "b_scale": inputs["weight_scale"]}
+
+
+def check_linear(out, ref, inputs) -> list:
+    return check(out, ref, gemm_inputs(inputs))
+
+
+def decode_shapes(cfg, tp: int) -> list[dict]:
+    """The dense linears' per-rank ``(N, K)`` x ``DECODE_M``; ops whose ``(N, K)`` repeats an earlier
+    one (``indexer_wq_b`` = ``wq_b`` at TP=4) are listed once, under the first op's name."""
+    ops = op_shapes(cfg, tp)
+    out, seen = [], {}
+    for name in GEMM_OPS:
+        nk = (ops[name].dims["N"], ops[name].dims["K"])
+        if nk in seen:
+            continue
+        seen[nk] = name
+        for m in DECODE_M:
+            out.append({"op": name, "M": m, "N": nk[0], "K": nk[1], "b_fmt": "ue8m0"})
+    return out
+
+
+def _linear_config_for(arch: str, shape: dict) -> list[str]:
+    """The decode rows (BLOCK_M <= 32: the fused path); ``all_configs``: every such row of the table
+    (the wider rows run quant + fp8_gemm_nt, which fp8_gemm_nt's own entry compiles and checks)."""
+    from ds4lab_kernels.fp8_gemm import CONFIGS, FUSED_MAX_M, decode_candidates
+    if shape.get("all_configs"):
+        return [lb for lb, c in CONFIGS[arch].items() if c["BLOCK_M"] <= FUSED_MAX_M]
+    return list(decode_candidates(shape["M"])) or _config_for(arch, shape)
+
+
+register(KernelSpec(
+    name="w8a8_block_fp8_linear",
+    family="fp8_gemm",
+    launcher="ds4lab_kernels.fp8_gemm:w8a8_block_fp8_linear",
+    reference="ds4lab.reference.fp8_gemm:w8a8_block_fp8_linear",
+    make_inputs=make_linear_inputs,
+    cases=LINEAR_CASES,
+    test_shapes=[
+        {"M": 1, "N": 64, "K": 512, "all_configs": 1},          # fused, every config (split-K ones too)
+        {"M": 5, "N": 199, "K": 384, "b_fmt": "ue8m0_packed"},  # fused, odd N
+        {"M": 40, "N": 70, "K": 256, "b_fmt": "pow2"},          # M > FUSED_MAX_M: quant kernel + GEMM
+    ],
+    bench_shapes=decode_shapes,
+    flops=costs.FLOPS["w8a8_block_fp8_linear"],
+    min_bytes=costs.MIN_BYTES["w8a8_block_fp8_linear"],
+    check=check_linear,
+    configs=kernel_configs("fp8_gemm"),
+    config_for=_linear_config_for,
+    baselines={},
+    bound="memory",
+    aot_shape={"M": 16, "N": 1536, "K": 4096, "b_fmt": "ue8m0", "all_configs": 1},
     sm89_mma={"_fp8_gemm_nt_kernel": "QMMA"},
 ))

@@ -257,6 +257,14 @@ def _moe_config_for(arch, shape):
     return [k for k, v in CONFIGS[arch].items() if v["path"] == path]
 
 
+def _vllm_peer(inputs):
+    """vLLM 0.32's Triton ``fused_moe_kernel_gptq_awq`` at vLLM's own config for the shape, as a
+    vLLM step runs it (2 peer GEMMs + activation + top-k sum; metadata made here, outside the timed
+    region): :mod:`ds4lab.harness.peer_moe`. The config sweep is ``python -m ds4lab.harness.moe_bench``."""
+    from ds4lab.harness import peer_moe
+    return peer_moe.PeerMoE(peer_moe.load_peer(), **inputs)
+
+
 register(KernelSpec(
     name="fused_moe_w4a16",
     family="moe_w4a16",
@@ -276,8 +284,12 @@ register(KernelSpec(
     check=check_moe,
     configs=kernel_configs("moe_w4a16"),
     config_for=_moe_config_for,
-    baselines={"torch_dequant_bf16": reference_baseline("ds4lab.reference.moe:dequant_bf16_moe")},
+    # torch_dequant_bf16 is a straw man (python loop over experts, eager); the real peer is vLLM's
+    # Triton W4A16 MoE (issue 20)
+    baselines={"torch_dequant_bf16": reference_baseline("ds4lab.reference.moe:dequant_bf16_moe"),
+               "vllm_triton_w4a16": _vllm_peer},
     bound="memory",
     aot_shape={"T": 16, "E": 8, "D": 4096, "I": 512, "topk": 6},
-    sm89_mma={"_prefill_w13_kernel": "HMMA", "_prefill_w2_kernel": "HMMA"},
+    sm89_mma={"_prefill_w13_kernel": "HMMA", "_prefill_w2_kernel": "HMMA",
+              "_dec_mma_w13_kernel": "HMMA", "_dec_mma_w2_kernel": "HMMA"},
 ))

@@ -1,4 +1,5 @@
-"""Registry entries: fused RMSNorm + RoPE and the clamped SwiGLU (``ds4lab_kernels.norm_rope``)."""
+"""Registry entries: fused RMSNorm + RoPE, the q_norm + kv_norm + kv RoPE of the fused ``wq_a | wkv``
+output, and the clamped SwiGLU (``ds4lab_kernels.norm_rope``)."""
 from __future__ import annotations
 
 import torch
@@ -60,6 +61,61 @@ def nr_bench_shapes(cfg, tp: int) -> list[dict]:
                 {"T": T, "D": cfg.q_lora_rank, "mode": "rmsnorm"},
                 {"T": T, "D": cfg.head_dim, "mode": "rope", "max_pos": 65536}]
     return out
+
+
+QKV_CASES = ("random", "zero_rows", "huge_rows", "pos_edges")
+
+
+def make_qkv_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
+    """bf16 ``x (T, Dq + Dkv)`` whose q and kv segments have independent gains 1e-2..1e2 (one norm
+    must not leak into the other), bf16 gains ``1 + 0.5 N(0,1)``, a float32 table of ``max_pos`` rows.
+    Adversarial: a zero q segment on even rows and a zero kv segment on odd rows, 1e15-scaled
+    segments (fp32 sum of squares near the top), positions 0, 1 and ``max_pos - 1``."""
+    T, Dq, Dkv = shape["T"], shape["Dq"], shape["Dkv"]
+    max_pos = shape.get("max_pos", 64)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, Dq + Dkv, generator=g)
+    x[:, :Dq] *= torch.exp(torch.empty(T, 1).uniform_(-4.6, 4.6, generator=g))
+    x[:, Dq:] *= torch.exp(torch.empty(T, 1).uniform_(-4.6, 4.6, generator=g))
+    pos = torch.randint(0, max_pos, (T,), generator=g)
+    if case == "zero_rows":
+        x[0::2, :Dq] = 0.0
+        x[1::2, Dq:] = 0.0
+    elif case == "huge_rows":
+        x[0::2, Dq:] *= 1e15 / x[0::2, Dq:].abs().amax(1, keepdim=True)
+        x[1::2, :Dq] *= 1e15 / x[1::2, :Dq].abs().amax(1, keepdim=True)
+    elif case == "pos_edges":
+        pos[0::3], pos[1::3], pos[2::3] = 0, max_pos - 1, min(1, max_pos - 1)
+    elif case not in QKV_CASES:
+        raise ValueError(f"case={case!r}: known cases {QKV_CASES}")
+    yarn = seed % 2 == 0
+    cs = cos_sin_cache(max_pos, shape.get("R", 64), 160000.0 if yarn else 10000.0, factor=16.0 if yarn else 1.0,
+                       original_max=65536 if yarn else 2048)
+    wq = (1 + 0.5 * torch.randn(Dq, generator=g)).to(torch.bfloat16)
+    wkv = (1 + 0.5 * torch.randn(Dkv, generator=g)).to(torch.bfloat16)
+    return {"x": x.to(torch.bfloat16).to(device), "q_weight": wq.to(device), "kv_weight": wkv.to(device),
+            "q_dim": Dq, "eps": 1e-6, "positions": pos.to(torch.int32).to(device), "cos_sin": cs.to(device)}
+
+
+def check_qkv(out, ref, inputs) -> list:
+    return [compare(out[0], ref[0], name="q"), compare(out[1], ref[1], name="kv")]
+
+
+def qkv_bench_shapes(cfg, tp: int) -> list[dict]:
+    """Per decode step at batch 1 / 16 / 64: the ``wqkv_a`` output (replicated across TP)."""
+    return [{"T": T, "Dq": cfg.q_lora_rank, "Dkv": cfg.head_dim, "max_pos": 65536} for T in (1, 16, 64)]
+
+
+def _torch_qkv(inputs):
+    """the glue this kernel replaces: q_norm, kv_norm, kv rope as three launches of ``rmsnorm_rope``."""
+    from ds4lab_kernels.norm_rope import rmsnorm_rope
+
+    def run():
+        x, d = inputs["x"], inputs["q_dim"]
+        q = rmsnorm_rope(x[:, :d].contiguous(), inputs["q_weight"], inputs["eps"])
+        kv = rmsnorm_rope(x[:, d:].contiguous(), inputs["kv_weight"], inputs["eps"])
+        return q, rmsnorm_rope(kv, None, 0.0, inputs["positions"], inputs["cos_sin"], norm=False)
+    return run
 
 
 def make_sw_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
@@ -124,6 +180,24 @@ register(KernelSpec(
     bound="memory",
     aot_shape=[{"T": 4, "H": 16, "D": 512, "mode": "q_norm_rope"}, {"T": 4, "D": 1024, "mode": "rmsnorm"},
                {"T": 4, "D": 512, "mode": "rope"}],
+))
+
+register(KernelSpec(
+    name="q_kv_rmsnorm_rope",
+    family="norm_rope",
+    launcher="ds4lab_kernels.norm_rope:q_kv_rmsnorm_rope",
+    reference="ds4lab.reference.norm_rope:q_kv_rmsnorm_rope",
+    make_inputs=make_qkv_inputs,
+    cases=QKV_CASES,
+    test_shapes=[{"T": 3, "Dq": 128, "Dkv": 512}, {"T": 4, "Dq": 96, "Dkv": 160, "R": 32}],
+    bench_shapes=qkv_bench_shapes,
+    flops=costs.FLOPS["q_kv_rmsnorm_rope"],
+    min_bytes=costs.MIN_BYTES["q_kv_rmsnorm_rope"],
+    check=check_qkv,
+    configs=kernel_configs("norm_rope", "q_kv_rmsnorm_rope"),
+    baselines={"three_launches": _torch_qkv},
+    bound="memory",
+    aot_shape={"T": 4, "Dq": 1536, "Dkv": 512},
 ))
 
 register(KernelSpec(

@@ -7,6 +7,7 @@ whole ``o_proj``. Shapes come from ``geometry.op_shapes(cfg, tp)["o_proj"]``.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -330,17 +331,35 @@ def o_proj_check(out, ref, inputs) -> list:
 
 
 def o_proj_bench_shapes(cfg, tp: int) -> list[dict]:
+    """TP=4: T 1-16 (decode, every candidate), 64, 4096; other TP 1/8/512. ``DS4LAB_OPROJ_BENCH_T``
+    (comma-separated token counts; scripts/gpu/oproj.sh sets ``1,2,4,8,16``) replaces the list."""
     d = op_shapes(cfg, tp)["o_proj"].dims
-    ts = (1, 2, 4, 8, 64, 4096) if tp == 4 else (1, 8, 512)
+    ts = (1, 2, 4, 8, 16, 64, 4096) if tp == 4 else (1, 8, 512)
+    env = os.environ.get("DS4LAB_OPROJ_BENCH_T", "").strip()
+    if env:
+        try:
+            ts = tuple(int(v) for v in env.split(","))
+        except ValueError:
+            raise ValueError(f"DS4LAB_OPROJ_BENCH_T={env!r}: expected comma-separated token counts") from None
     return [{"T": t, "H": d["H"], "R": d["R"], "N": d["N"], "P": BENCH_POS, "path": "fp8",
              "scale_fmt": "ue8m0", "w_fmt": "fp32"} for t in ts]
 
 
 def _o_proj_configs():
-    from ds4lab_kernels.o_proj import CONFIGS
-    return {a: {"decode": {"rope": t["rope_small"], "einsum": t["decode"], "wo_b": t["decode"]},
-                "prefill": {"rope": t["rope_large"], "einsum": t["prefill"], "wo_b": t["prefill"]}}
+    """Per arch: the fused 2-launch candidates (``fused*``), today's parts at decode (``unfused``,
+    the named baseline of the fused path) and the parts at prefill (``prefill``)."""
+    from ds4lab_kernels.o_proj import CONFIGS, OPROJ_LABELS
+    return {a: {**{lab: t[lab] for lab in OPROJ_LABELS},
+                "prefill": {"path": "unfused", "rope": t["rope_large"], "einsum": t["prefill"], "wo_b": t["prefill"]}}
             for a, t in CONFIGS.items()}
+
+
+def _o_proj_config_for(arch, shape):
+    """Decode shapes (T <= FUSED_MAX_T) time every candidate; larger T only the parts (prefill)."""
+    from ds4lab_kernels.o_proj import FUSED_MAX_T, OPROJ_LABELS
+    if shape.get("path", "fp8") != "fp8":
+        return ["unfused", "prefill"] if shape["T"] <= FUSED_MAX_T else ["prefill"]
+    return list(OPROJ_LABELS) if shape["T"] <= FUSED_MAX_T else ["prefill"]
 
 
 def _o_proj_torch_bf16(inputs):
@@ -375,6 +394,7 @@ register(KernelSpec(
     min_bytes=costs.MIN_BYTES["o_proj"],
     check=o_proj_check,
     configs=_o_proj_configs(),
+    config_for=_o_proj_config_for,
     baselines={"torch_bf16_upcast": _o_proj_torch_bf16},
     bound="memory",
     aot_shape={"T": 8, "H": 16, "R": 1024, "N": 4096, "P": 8192, "path": "fp8", "scale_fmt": "ue8m0"},

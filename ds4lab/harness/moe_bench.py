@@ -1,0 +1,245 @@
+"""W4A16 MoE decode side by side (issue 20): every ds4lab candidate config and vLLM's Triton peer
+sweep, checked then timed with the bench's timer, one build per process.
+
+Usage (the H200 image, a plain copy of the tree; ``scripts/gpu/moe.sh`` runs both builds)::
+
+    python3 -m ds4lab.harness.moe_bench --arch sm89 --tp 4 --T 1 16 4 32 --out DIR [--peer-src DIR]
+
+Method: the shapes are the geometry's per-rank MoE shapes (TP=4: E=256, D=4096, I=512, top-6) at
+``T`` tokens; inputs from the registry's ``make_moe_inputs`` (realistic case: distinct experts per
+pair, the worst case for bytes); cold L2 by rotating ``bench.n_sets`` independent input sets (their
+touched experts exceed 2x the L2); one CUDA graph per row over the sets (``bench.time_calls``).
+Numerics first: every ds4lab candidate runs every adversarial case of ``MOE_CASES`` at the real
+shape (T=16) before any timing; each timed row is checked on its set 0 against the float64
+reference. The peer (:mod:`ds4lab.harness.peer_moe`) is timed as a vLLM step runs it: 2 peer GEMM
+launches + the activation + the top-k sum (``impl=vllm_triton_w4a16``; its metadata and weight views
+made outside the timed region), and its two GEMM launches alone (``impl=vllm_triton_w4a16_gemms``).
+``torch_dequant_bf16`` is the straw-man baseline (a python loop over experts, eager).
+
+Rows: ``OUT/moe_bench.csv`` (the bench's columns, appended as measured). The table printed last
+gives per T: us, TB/s (``costs.moe_min_bytes`` over p50), % of the same-run copy roof, and the
+ratio ``peer best / this row`` (> 1: faster than the peer's best full-step config).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from ds4lab.harness import bench
+
+PEER = "vllm_triton_w4a16"
+PEER_GEMMS = "vllm_triton_w4a16_gemms"
+STRAW = "torch_dequant_bf16"
+PEER_RMS_BUDGET = 2e-2  # the peer rounds the scaled weights and both intermediates to bf16
+
+
+def _shape(tp: int, T: int) -> dict:
+    from ds4lab.geometry import DEFAULT_CONFIG
+    from ds4lab.harness.registry import get
+    s = dict(get("fused_moe_w4a16").bench_shapes(DEFAULT_CONFIG, tp)[0])
+    s["T"] = T
+    return s
+
+
+def candidate_labels(arch: str) -> list[str]:
+    """The ds4lab rows timed: every ``variant: mma`` decode candidate, the two current decode
+    defaults (``decode`` on sm_89, ``decode_2d_n8`` on sm_90) and ``prefill_m16``."""
+    from ds4lab_kernels.moe_w4a16 import CONFIGS
+    t = CONFIGS[arch]
+    mma = [k for k, v in t.items() if v.get("variant") == "mma"]
+    return mma + [k for k in ("decode", "decode_2d_n8", "prefill_m16") if k in t]
+
+
+def _sync():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _rms_rel(out, ref) -> float:
+    o, r = out.double(), ref.double()
+    fin = r.isfinite() & o.isfinite()
+    den = float(r[fin].square().mean().sqrt()) or 1.0
+    return float((o[fin] - r[fin]).square().mean().sqrt()) / den
+
+
+def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_max_t: int = 16,
+        shape_of=None, numerics_t: int = 16) -> list[dict]:
+    """Numerics, then time (see the module doc); ``shape_of(tp, T)`` overrides the geometry's
+    shapes (tests). Returns the rows (also appended to ``out_dir/moe_bench.csv``)."""
+    import torch
+
+    from ds4lab.harness import peer_moe
+    from ds4lab.harness.registry import get
+    from ds4lab.harness.specs.moe import MOE_CASES, check_moe
+    from ds4lab_kernels.moe_w4a16 import CONFIGS, fused_moe_w4a16
+    from ds4lab.reference.moe import dequant_bf16_moe, fused_moe_w4a16 as ref_fn
+
+    spec = get("fused_moe_w4a16")
+    base, runinfo = bench._provenance(arch_build)
+    arch = runinfo["arch"]
+    log(f"build={arch_build} table={arch} roofs={runinfo['roofs']}")
+    rows = bench._Rows(os.path.join(out_dir, "moe_bench.csv"))
+    labels = candidate_labels(arch)
+    dev = runinfo["device"]
+
+    # ---- numerics first: every candidate, every case, at the real shape ----------------------------
+    bad_labels = set()
+    shape_of = shape_of or _shape
+    nshape = shape_of(tp, numerics_t)
+    for case in MOE_CASES:
+        inp = spec.make_inputs(nshape, case, 7, dev)
+        want = ref_fn(**inp)
+        for label in labels:
+            try:
+                got = fused_moe_w4a16(**inp, config=CONFIGS[arch][label])
+                _sync()
+                reps = check_moe(got, want, inp)
+                ok = all(reps)
+                msg = "; ".join(r.summary() for r in reps)
+            except Exception as e:  # fail-soft: one candidate must not stop the rest
+                ok, msg = False, f"{type(e).__name__}: {e}"[:300]
+            log(f"numerics {arch_build} T={numerics_t} {case:<18} {label:<14} {'PASS' if ok else 'FAIL'} {msg[:150]}")
+            if not ok:
+                bad_labels.add(label)
+        del inp, want
+    torch.cuda.empty_cache()
+
+    try:
+        peer = peer_moe.load_peer()
+        log(f"peer: {peer.label} ({peer.source})")
+    except Exception as e:
+        peer = None
+        log(f"peer unavailable: {e}")
+
+    for T in Ts:
+        shape = shape_of(tp, T)
+        sets = bench._input_sets(spec, shape, dev, runinfo["l2"])
+        want = ref_fn(**sets[0])
+        common = {**base, "kernel": spec.name, "tp": tp, "shape": json.dumps(shape), "flops": spec.flops(shape),
+                  "min_bytes": spec.min_bytes(shape), "n_sets": len(sets)}
+        repro = f"python3 -m ds4lab.harness.moe_bench --arch {arch_build} --tp {tp} --T {T}"
+
+        def emit(row, fns, replays=30):
+            try:
+                (p20, p50, p80), mode = bench.time_calls(fns, replays=replays)
+            except Exception as e:
+                row.update(status="ERROR", numerics=(row.get("numerics", "") + f" | {type(e).__name__}: {e}")[:300])
+                rows.append(row)
+                log(f"ERROR T={T} {row['impl']} {row['config_label']}: {row['numerics'][:200]}")
+                return
+            rows.append(bench._finish(row, spec, p20, p50, p80, mode, runinfo["roofs"]))
+            log(bench._fmt(rows[-1]))
+
+        for label in labels:
+            cfg = CONFIGS[arch][label]
+            row = {**common, "impl": "ds4lab", "config_label": label, "config": json.dumps(cfg), "repro": repro}
+            try:
+                got = fused_moe_w4a16(**sets[0], config=cfg)
+                _sync()
+                reps = check_moe(got, want, sets[0])
+                ok, row["numerics"] = all(reps), "; ".join(r.summary() for r in reps)
+            except Exception as e:
+                ok, row["numerics"] = False, f"{type(e).__name__}: {e}"[:300]
+            if label in bad_labels:
+                ok, row["numerics"] = False, "adversarial numerics FAIL (see log); " + row["numerics"]
+            if not ok:
+                row["status"] = "FAIL"
+                rows.append(row)
+                log(f"FAIL T={T} {label}: {row['numerics'][:200]}")
+                continue
+            emit(row, [lambda s=s, c=cfg: fused_moe_w4a16(**s, config=c) for s in sets])
+
+        if peer is not None:
+            for plabel, pcfg in peer_moe.sweep_for(T, shape["topk"]).items():
+                row = {**common, "impl": PEER, "config_label": plabel, "config": json.dumps(pcfg), "repro": repro}
+                try:
+                    pms = [peer_moe.PeerMoE(peer, **s, config=pcfg) for s in sets]
+                    got = pms[0]()
+                    _sync()
+                    rr = _rms_rel(got, want)
+                    strict = "; ".join(r.summary() for r in check_moe(got, want, sets[0]))
+                    row["numerics"] = f"peer rms_rel={rr:.3g} (budget {PEER_RMS_BUDGET}); strict bf16: {strict}"
+                    ok = rr <= PEER_RMS_BUDGET
+                except Exception as e:
+                    ok, row["numerics"], pms = False, f"{type(e).__name__}: {e}"[:300], []
+                if not ok:
+                    row["status"] = "FAIL"
+                    rows.append(row)
+                    log(f"FAIL T={T} peer {plabel}: {row['numerics'][:200]}")
+                    continue
+                emit(row, pms)
+                emit({**row, "impl": PEER_GEMMS}, [pm.gemms for pm in pms])
+                del pms
+
+        if T <= straw_max_t:
+            row = {**common, "impl": STRAW, "config_label": "straw man", "config": "", "numerics": "",
+                   "repro": repro}
+            emit(row, [lambda s=s: dequant_bf16_moe(**s) for s in sets[:2]], replays=5)
+        del sets, want
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Per T: every row's us, TB/s, % of copy roof, and peer-best(full step) / row."""
+    lines = []
+    by_t: dict = {}
+    for r in rows:
+        by_t.setdefault((r.get("build", ""), json.loads(r["shape"])["T"]), []).append(r)
+    for (build, T), rs in by_t.items():
+        for r in rs:
+            for k in ("p50_us", "tbps", "frac_roof"):
+                if isinstance(r.get(k), str) and r[k] != "":
+                    r[k] = float(r[k])
+        ok = [r for r in rs if r.get("status") == "OK"]
+        peers_ok = [r for r in ok if r["impl"] == PEER]
+        best_peer = min((r["p50_us"] for r in peers_ok), default=None)
+        best_gemms = min((r["p50_us"] for r in ok if r["impl"] == PEER_GEMMS), default=None)
+        lines.append(f"build={build} T={T}  peer best (full step) = {best_peer} us, peer best (2 GEMMs only) = {best_gemms} us")
+        lines.append(f"  {'impl':<26} {'config':<16} {'p50 us':>9} {'TB/s':>7} {'% copy':>7} {'x peer':>7} {'x gemms':>7}")
+        for r in sorted(rs, key=lambda r: (r.get("status") != "OK", r.get("p50_us") or 1e18)):
+            if r.get("status") != "OK":
+                lines.append(f"  {r['impl']:<26} {r['config_label']:<16} {r.get('status')}: {str(r.get('numerics'))[:70]}")
+                continue
+            xp = f"{best_peer / r['p50_us']:.2f}" if best_peer else "-"
+            xg = f"{best_gemms / r['p50_us']:.2f}" if best_gemms else "-"
+            lines.append(f"  {r['impl']:<26} {r['config_label']:<16} {r['p50_us']:>9.2f} {r['tbps']:>7.3f} "
+                         f"{100 * r['frac_roof']:>6.1f}% {xp:>7} {xg:>7}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds4lab.harness.moe_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="native", choices=["native", "sm89"])
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--T", type=int, nargs="+", default=[1, 16, 4, 32])
+    p.add_argument("--out", default="results/local")
+    p.add_argument("--peer-src", metavar="DIR")
+    p.add_argument("--table", metavar="CSV", help="only print the table of an existing moe_bench.csv")
+    a = p.parse_args(argv)
+    if a.table:
+        import csv
+        with open(a.table) as f:
+            print(table(list(csv.DictReader(f))))
+        return 0
+    bench._setup_build(a.arch)
+    if a.peer_src:
+        os.environ["DS4LAB_PEER_SRC"] = a.peer_src
+    import torch
+    if not torch.cuda.is_available():
+        print("moe_bench: no CUDA device here; run it on the H200 (scripts/gpu/moe.sh).", file=sys.stderr)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.time()
+    rows = run(a.arch, a.tp, a.T, a.out)
+    print(f"\n== W4A16 MoE decode, build {a.arch}, TP={a.tp} ({time.time() - t0:.0f} s) ==")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

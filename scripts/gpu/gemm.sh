@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Decode FP8 GEMM on the H200 (issue 20, "FP8 GEMM, decode"), from a plain copy of the tree with the
+# image's own python3 (torch 2.11, triton 3.6.0; no vLLM, nothing to install):
+#   1. numerics: fp8_gemm_nt and w8a8_block_fp8_linear (fused 1x128 quant) at every registry test
+#      shape x adversarial case, against the torch reference (native build);
+#   2. for each build (native, then sm_89 assembled for the H200), each in its own process:
+#      `python3 -m ds4lab.harness.gemm_sweep` at the TP=4 shapes, M in {1,4,8,16,32}: ours (every
+#      decode candidate config, fused-quant and plain, plus the old quant+gemm pair), vLLM's Triton
+#      block-FP8 GEMM at its default and a decode sweep, cuBLAS tensorwise / bf16 dequant as
+#      labelled reference points; every candidate is checked before it is timed (CUDA graph, cold L2);
+#   3. the table last: ours best vs peer best, ratio, per build / shape / M.
+# Usage: OUT=DIR bash scripts/gpu/gemm.sh [--peer-src DIR]     (or PEER_SRC=DIR; default: ./.peer if
+#   present, made by `make peer-src` and carried as an ignored folder). Without the peer source the
+#   sweep says so in its log and CSV (SKIP rows) and times the rest.
+#   BUILDS="native sm89" (default), MS=1,4,8,16,32, BUILD_TIMEOUT (s, default 45), CHECK_TIMEOUT (s, 25)
+# Rows -> $OUT/gemm_decode.csv (appended as measured), logs -> $OUT/gemm_*.log, table -> $OUT/gemm_table.txt.
+# Fail-soft: a failing candidate, check or build is reported and the rest still runs; exit 1 if any failed.
+set -uo pipefail
+OUT=${OUT:-results}
+PEER_SRC=${PEER_SRC:-}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --peer-src) PEER_SRC=$2; shift 2;;
+    --peer-src=*) PEER_SRC=${1#*=}; shift;;
+    *) echo "gemm.sh: unknown argument $1" >&2; exit 2;;
+  esac
+done
+cd "$(dirname "$0")/../.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+if [ -z "$PEER_SRC" ] && [ -d .peer/vllm ]; then PEER_SRC=.peer; fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+BUILDS=${BUILDS:-native sm89}
+MS=${MS:-1,4,8,16,32}
+peer_args=""; [ -n "$PEER_SRC" ] && peer_args="--peer-src $PEER_SRC"
+echo "peer source: ${PEER_SRC:-<installed vllm, if any>}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
+rc=0
+t0=$SECONDS
+# 1. numerics first
+timeout ${CHECK_TIMEOUT:-25} python3 -m ds4lab.harness.gemm_sweep --check > "$OUT/gemm_check.log" 2>&1 \
+  || { echo "NUMERICS CHECK FAILED or timed out (see gemm_check.log)"; rc=1; }
+grep -E "FAIL|numerics:|Error" "$OUT/gemm_check.log" | tail -12
+echo "check: $((SECONDS - t0)) s"
+# 2. the sweep, one process per build
+for build in $BUILDS; do
+  tb=$SECONDS
+  timeout ${BUILD_TIMEOUT:-45} python3 -m ds4lab.harness.gemm_sweep --arch $build --ms "$MS" --out "$OUT" $peer_args \
+    > "$OUT/gemm_$build.log" 2>&1 || { echo "SWEEP $build: exit $? (see gemm_$build.log; rows so far are in the CSV)"; rc=1; }
+  grep -E "peer:|precompile|FAIL|Traceback|Error|rows ->" "$OUT/gemm_$build.log" | tail -15
+  echo "sweep $build: $((SECONDS - tb)) s"
+done
+# 3. the table
+python3 -m ds4lab.harness.gemm_sweep --table "$OUT/gemm_decode.csv" | tee "$OUT/gemm_table.txt" || rc=1
+echo "total: $((SECONDS - t0)) s"
+exit $rc

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Several scripts/gpu/<topic>.sh in one H200 call (the device budget favours few, full calls).
+# Usage: OUT=DIR TOPICS="gemm moe mhc route" bash scripts/gpu/topics.sh
+#   each topic runs as `OUT=$OUT/<topic> bash scripts/gpu/<topic>.sh` under its own time limit
+#   (TOPIC_TIMEOUT s, default 170), fail-soft: a failing or slow topic is reported, the rest still run.
+#   PEER_SRC (default .peer when that folder exists): vLLM's peer source for the benches (`make peer-src`).
+set -uo pipefail
+OUT=${OUT:-results/gpu}
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1
+if [ -z "${PEER_SRC:-}" ] && [ -d .peer/vllm ]; then export PEER_SRC=$PWD/.peer; fi
+[ -n "${PEER_SRC:-}" ] && export DS4LAB_PEER_SRC=$PEER_SRC
+export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+mkdir -p "$OUT"
+rc=0
+for t in ${TOPICS:?set TOPICS, e.g. TOPICS="gemm moe"}; do
+  s=scripts/gpu/$t.sh
+  if [ ! -f "$s" ]; then echo "== $t: no $s"; rc=1; continue; fi
+  t0=$SECONDS
+  echo "== $t"
+  OUT="$OUT/$t" timeout "${TOPIC_TIMEOUT:-170}" bash "$s" > "$OUT/$t.log" 2>&1 || { echo "$t: exit $?"; rc=1; }
+  tail -n "${TAIL:-40}" "$OUT/$t.log"
+  echo "== $t: $((SECONDS - t0)) s"
+done
+exit $rc

@@ -1,0 +1,45 @@
+"""The MoE decode GPU driver (ds4lab.harness.moe_bench) end to end on the interpreter at a tiny
+shape, the timer stubbed: numerics-first pass, ds4lab and peer rows (full step + GEMMs only), the
+straw man, a failing candidate recorded as FAIL without stopping the rest, and the table."""
+import csv
+
+import pytest
+import torch
+
+from ds4lab.harness import bench, moe_bench, peer_moe
+
+pytestmark = pytest.mark.interp
+
+
+def test_moe_bench_rows_and_table(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")  # the peer's source: the installed vLLM
+    monkeypatch.setattr(bench, "_provenance", lambda build: (
+        {"build": build, "roof_copy_tbps": 4.0}, {"device": torch.device("cpu"), "arch": "sm_89", "l2": 1,
+                                                  "roofs": {"roof_copy_tbps": 4.0, "roof_fp8_tflops": 1.0}}))
+    calls = []
+
+    def fake_time(fns, replays=30):
+        for f in fns[:1]:
+            f()
+        calls.append(len(fns))
+        return (1.0, 2.0, 3.0), "stub"
+    monkeypatch.setattr(bench, "time_calls", fake_time)
+    monkeypatch.setattr(moe_bench, "candidate_labels", lambda arch: ["mma_n32s4", "broken"])
+    from ds4lab_kernels import moe_w4a16
+    monkeypatch.setitem(moe_w4a16.CONFIGS["sm_89"], "broken", {"path": "nope"})
+    monkeypatch.setattr(peer_moe, "SWEEP", {"m16n32k128w4s4": peer_moe.SWEEP["m16n32k128w4s4"]})
+    shape = lambda tp, T: {"T": T, "E": 8, "D": 256, "I": 128, "topk": 2, "tp": tp}
+    monkeypatch.setattr("ds4lab.harness.specs.moe.MOE_CASES", ("random", "padding_nan"))
+    rows = moe_bench.run("sm89", 4, [2], str(tmp_path), log=lambda *_: None, shape_of=shape, numerics_t=2)
+    got = {(r["impl"], r["config_label"]): r["status"] for r in rows}
+    assert got[("ds4lab", "mma_n32s4")] == "OK"
+    assert got[("ds4lab", "broken")] == "FAIL"
+    assert got[(moe_bench.PEER, "vllm")] == "OK" and got[(moe_bench.PEER_GEMMS, "vllm")] == "OK"
+    assert got[(moe_bench.PEER, "m16n32k128w4s4")] == "OK"
+    assert got[(moe_bench.STRAW, "straw man")] == "OK"
+    peer_row = next(r for r in rows if r["impl"] == moe_bench.PEER)
+    assert "peer rms_rel=" in peer_row["numerics"]
+    with open(tmp_path / "moe_bench.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    t = moe_bench.table(rows)
+    assert "peer best (full step) = 2.0 us" in t and "mma_n32s4" in t and "broken" in t
