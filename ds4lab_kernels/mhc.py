@@ -256,15 +256,18 @@ def _seam_stream(x, r0, r1, r2, r3, post_ptr, comb_ptr, rm, stride_pt, stride_ct
 
 
 @triton.jit
-def _seam_partials(f, w_col, D, dd, dmask, nmask, acc, PRECISION: tl.constexpr, j: tl.constexpr,
+def _seam_partials(f, w_row, D, dd, dmask, nmask, acc, PRECISION: tl.constexpr, j: tl.constexpr,
                    USE_DOT: tl.constexpr):
-    """Stream j's share of the mixes: ``acc[t, n] += sum_d f[t, d] fn[n, j*D + d]``. USE_DOT: TF32/ieee
-    ``tl.dot`` (16+ token rows); else fp32 FMA on a ``[BLOCK_M, BLOCK_D, BLOCK_N]`` product, summed once
-    by the caller (a 1-4 token block)."""
-    w = tl.load(w_col + (j * D + dd)[:, None], mask=nmask[None, :] & dmask[:, None], other=0.0)
+    """Stream j's share of the mixes: ``acc[t, n] += sum_d f[t, d] fn[n, j*D + d]``; the fn tile is loaded
+    ``[BLOCK_N, BLOCK_D]`` (rows contiguous in d: vector loads, few address registers). USE_DOT: TF32/ieee
+    ``tl.dot`` (16-token blocks); else fp32 FMA on a ``[BLOCK_M, BLOCK_N, BLOCK_D]`` product (1-4 tokens),
+    summed over d at once."""
+    w = tl.load(w_row + j * D + dd[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
     if USE_DOT:
-        return tl.dot(f, w, acc, input_precision=PRECISION)
-    return acc + f[:, :, None] * w[None, :, :]
+        acc = tl.dot(f, tl.trans(w), acc, input_precision=PRECISION)
+    else:
+        acc = acc + tl.sum(f[:, None, :] * w[None, :, :], axis=2)
+    return acc
 
 
 @triton.jit
@@ -300,7 +303,7 @@ def _mhc_seam_kernel(
     stride_yt,
     HC_: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     """Grid ``(cdiv(T, BLOCK_M), S + 1)``; ``S = cdiv(D, BLOCK_D)``. The decode seam (post + next pre) in
     one launch: program (m, s < S) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` x hidden columns
@@ -328,7 +331,6 @@ def _mhc_seam_kernel(
     h = tl.arange(0, HC_)
     hh = tl.arange(0, HC_ * HC_)
     HH: tl.constexpr = HC_ * HC_
-    USE_DOT: tl.constexpr = BLOCK_M >= 16
     if pid_s < S:
         dd = pid_s * BLOCK_D + tl.arange(0, BLOCK_D)
         dmask = dd < D
@@ -354,17 +356,12 @@ def _mhc_seam_kernel(
             f0, f1, f2, f3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
             rn = tl.arange(0, BLOCK_N)
             nmask = rn < 6 * HC_
-            w_col = fn_ptr + rn[None, :] * stride_fn
-            if USE_DOT:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            else:
-                acc = tl.zeros((BLOCK_M, BLOCK_D, BLOCK_N), dtype=tl.float32)
-            acc = _seam_partials(f0, w_col, D, dd, dmask, nmask, acc, PRECISION, 0, USE_DOT)
-            acc = _seam_partials(f1, w_col, D, dd, dmask, nmask, acc, PRECISION, 1, USE_DOT)
-            acc = _seam_partials(f2, w_col, D, dd, dmask, nmask, acc, PRECISION, 2, USE_DOT)
-            acc = _seam_partials(f3, w_col, D, dd, dmask, nmask, acc, PRECISION, 3, USE_DOT)
-            if not USE_DOT:
-                acc = tl.sum(acc, axis=1)
+            w_row = fn_ptr + rn[:, None] * stride_fn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _seam_partials(f0, w_row, D, dd, dmask, nmask, acc, PRECISION, 0, USE_DOT)
+            acc = _seam_partials(f1, w_row, D, dd, dmask, nmask, acc, PRECISION, 1, USE_DOT)
+            acc = _seam_partials(f2, w_row, D, dd, dmask, nmask, acc, PRECISION, 2, USE_DOT)
+            acc = _seam_partials(f3, w_row, D, dd, dmask, nmask, acc, PRECISION, 3, USE_DOT)
             part_row = ((pid_m * S + pid_s) * BLOCK_M + rt).to(tl.int64)
             tl.store(mix_part_ptr + part_row[:, None] * BLOCK_N + rn[None, :], acc, mask=tmask[:, None])
             g_row = gram_part_ptr + part_row * HH
@@ -696,7 +693,9 @@ def seam_plan(T: int, D: int, device, cfg) -> dict:
     2 without: the interpreter, ``SEAM_LAUNCHES = 2`` rows, or a grid larger than the SM count, whose
     programs could not all be resident at once)."""
     BM = 16 if T > 4 else max(1, triton.next_power_of_2(T))
-    BD = cfg["SEAM_BLOCK_D"]
+    # 16-token blocks take the tl.dot path, whose 4 fp32 stream tiles + 4 fn tiles spill above 32 columns
+    # on sm_89 (255 registers at 64, as _mhc_post_kernel's POST_BLOCK_K): SEAM_DOT_BLOCK_D caps them
+    BD = cfg["SEAM_BLOCK_D"] if BM < 16 else min(cfg["SEAM_BLOCK_D"], cfg["SEAM_DOT_BLOCK_D"])
     S = triton.cdiv(D, BD)
     m_tiles = triton.cdiv(T, BM)
     launches = cfg.get("SEAM_LAUNCHES", 1)
@@ -731,7 +730,7 @@ def _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weigh
             post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
             out.stride(0))
     meta = dict(HC_=HC, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"],
-                HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None, PRECISION=precision,
+                HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None, PRECISION=precision, USE_DOT=BM >= 16,
                 num_warps=cfg["SEAM_WARPS"], num_stages=1)
     if plan["launches"] == 1:
         _mhc_seam_kernel[(mt, S + 1)](*args, PHASE=0, **meta)
@@ -1039,12 +1038,11 @@ _DECODE_90 = {**_DECODE_89, "GEMM_STAGES": 3}  # the only decode difference
 #   collapse (SEAM_LAUNCHES 2: the same kernel as two launches, no barrier); SEAM_PART_ELEMS bounds the
 #   partial tile one phase-B load brings in (S x tokens x 16 fp32). Issue 20 candidates: the other
 #   launchers read these rows as the decode row.
-_SEAM = {"SEAM_BLOCK_D": 64, "SEAM_WARPS": 4, "SEAM_LAUNCHES": 1, "SEAM_PART_ELEMS": 4096}
+_SEAM = {"SEAM_BLOCK_D": 64, "SEAM_DOT_BLOCK_D": 32, "SEAM_WARPS": 4, "SEAM_LAUNCHES": 1, "SEAM_PART_ELEMS": 1024}
 SEAM_ROWS = {
     "seam_d64": {},
+    "seam_d64_w8": {"SEAM_WARPS": 8},         # the 1-4 token FMA product [BM, 32, 64] over 256 threads
     "seam_d32": {"SEAM_BLOCK_D": 32},         # 129 programs: one launch on 129+ SMs (H200 132), else two
-    "seam_d128": {"SEAM_BLOCK_D": 128},
-    "seam_d64_w2": {"SEAM_WARPS": 2},
     "seam2_d64": {"SEAM_LAUNCHES": 2},        # barrier-free reference point: the same math in two launches
 }
 CONFIGS = {
