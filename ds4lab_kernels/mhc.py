@@ -13,7 +13,10 @@ kernels in ``tilelang_kernels.py`` used by ``models/deepseek_v4/nvidia/model.py`
   ``comb = softmax_rows(mix[8:24] r scale[2] + base[8:24]) + eps``, then column-normalise, then
   ``sinkhorn_iters - 1`` times (row-normalise, column-normalise), each ``x / (sum + eps)``.
 - collapse ``y = bf16(sum_i pre_i res_i)``; with a norm weight ``layer_input = bf16(y rsqrt(mean(y^2) + norm_eps) w)``.
-- post: ``new[:, j] = sum_i comb[:, i, j] res[:, i] + post[:, j] x`` -> bf16.
+- post: ``new[:, j] = sum_i comb[:, i, j] res[:, i] + post[:, j] x`` -> bf16; with a second addend ``x2``
+  (the MoE's shared expert) ``x`` is first ``bf16(x.float() + x2.float())``, the model's separate add.
+- decode seam (``SEAM_*`` rows, issue 20): post + next pre in one launch, a grid barrier between the
+  column programs' partials and their collapse, Sinkhorn in a program of its own (``_mhc_seam_kernel``).
 - hc_head: 4 mixes, ``pre = sigmoid(mix r scale[0] + base) + hc_eps``, ``out = bf16(sum_i pre_i res_i)``.
 """
 import os
@@ -677,21 +680,23 @@ _SYNC: dict = {}
 
 
 def _sync_buffer(device) -> torch.Tensor:
-    """The seam's grid-barrier words (count, generation; 64 int32 per token block, zeroed once), one
-    buffer per (device, stream): launches on one stream run one after another, so they never share it
-    concurrently. Self-resetting, so a CUDA graph may replay it any number of times."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    """The seam's grid-barrier words (count, generation; 64 int32 per token block), zeroed once per
+    device and self-resetting, so any number of launches and CUDA-graph replays reuse it. Shared by every
+    seam launch on the device: seam launches must not run concurrently on two streams (the model runs
+    them in one stream order); the first call should be eager (a first call inside graph capture makes
+    the zeroing a node of that graph, harmless but an extra memset per replay)."""
+    key = str(device)
     buf = _SYNC.get(key)
     if buf is None:
         buf = _SYNC[key] = torch.zeros(64 * SEAM_MAX_TILES, dtype=torch.int32, device=device)
     return buf
 
 
-def seam_plan(T: int, D: int, device, cfg) -> dict:
+def seam_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dict:
     """The seam kernel's launch plan: token block, column split, grid, launches (1 with the grid barrier,
     2 without: the interpreter, ``SEAM_LAUNCHES = 2`` rows, or a grid larger than the SM count, whose
-    programs could not all be resident at once)."""
+    programs could not all be resident at once). ``compiled``: plan for compiled kernels (True) or the
+    interpreter (False) whatever this process runs (None: this process)."""
     BM = 16 if T > 4 else max(1, triton.next_power_of_2(T))
     # 16-token blocks take the tl.dot path, whose 4 fp32 stream tiles + 4 fn tiles spill above 32 columns
     # on sm_89 (255 registers at 64, as _mhc_post_kernel's POST_BLOCK_K): SEAM_DOT_BLOCK_D caps them
@@ -699,7 +704,8 @@ def seam_plan(T: int, D: int, device, cfg) -> dict:
     S = triton.cdiv(D, BD)
     m_tiles = triton.cdiv(T, BM)
     launches = cfg.get("SEAM_LAUNCHES", 1)
-    if _interpreting() or m_tiles * (S + 1) > num_sms(device) or m_tiles > SEAM_MAX_TILES:
+    interp = _interpreting() if compiled is None else not compiled
+    if interp or m_tiles * (S + 1) > num_sms(device) or m_tiles > SEAM_MAX_TILES:
         launches = 2
     BS = min(triton.next_power_of_2(S), max(1, cfg.get("SEAM_PART_ELEMS", 4096) // (BM * HC * HC)))
     return {"BLOCK_M": BM, "BLOCK_D": BD, "S": S, "m_tiles": m_tiles, "launches": launches, "BLOCK_S": BS}

@@ -100,7 +100,7 @@ def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu", 
     comb = sinkhorn(logits.double(), 20, 1e-6).float()
     io = {"x": x.to(torch.bfloat16).to(dev), "residual": res.to(torch.bfloat16).to(dev),
           "post_mix": post.to(dev), "comb_mix": comb.to(dev)}
-    if case in ("x2", "x2_cancel"):
+    if case in ("x2", "x2_cancel") or shape.get("x2"):  # shape "x2": the compile report's x2 variant
         x2 = torch.randn(T, D, generator=g) * torch.exp(torch.empty(T, 1).uniform_(-4.6, 4.6, generator=g))
         x2 = x2.to(torch.bfloat16)
         if case == "x2_cancel" and T:
@@ -201,7 +201,23 @@ def _config_for_kernel(name):
         seam = {c for c, row in table.items() if "SEAM_BLOCK_D" in row}
         # the seam rows change only mhc_fused_post_pre: every other launcher would run them as `decode`
         labels = [c for c in table if name == "mhc_fused_post_pre" or c not in seam]
-        if shape.get("D") != 4096 or shape.get("aot"):
+        if shape.get("aot"):
+            # compile each distinct seam kernel once: rows whose launch plan and warps coincide at this
+            # shape build the same code (at T = 8 every row's dot blocks are 32 columns, two launches)
+            from ds4lab_kernels.mhc import seam_plan
+            seen, keep = set(), []
+            for c in labels:
+                if c in seam:
+                    p = seam_plan(shape["T"], shape["D"], torch.device("cpu"), table[c], compiled=True)
+                    key = (p["BLOCK_D"], p["launches"], p["BLOCK_S"], table[c]["SEAM_WARPS"])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                elif shape["aot"] == "seam":
+                    continue
+                keep.append(c)
+            return keep
+        if shape.get("D") != 4096:
             return labels  # interpreter test shapes / AOT: every row
         cands = {c for g in CANDIDATES.values() for ls, _ in g for c in (seam if ls == (SEAM,) else ls)}
         mine = {c for ls, ts in (CANDIDATES.get(name, ())) for c in (seam if ls == (SEAM,) else ls)
@@ -214,6 +230,9 @@ def _config_for_kernel(name):
 
 TEST_SHAPES = [{"T": 1, "D": 128}, {"T": 3, "D": 256}, {"T": 33, "D": 128}]
 AOT_SHAPE = {"T": 8, "D": 4096, "hc": 4, "N": 24, "aot": 1}  # "aot": every config row
+# the seam rows again at T = 1: 1-token blocks, 65 programs, so the one-launch (grid barrier) variant is
+# what compiles (at T = 8 the 16-token blocks make 129 programs: two launches on the 128-SM target)
+AOT_SHAPE_SEAM = {"T": 1, "D": 4096, "hc": 4, "N": 24, "aot": "seam", "x2": 1}  # with the x2 addend
 
 _KINDS = [
     # name, kind, check, cases, bench (tp=1, tp=4), bound
@@ -243,7 +262,7 @@ for _name, _kind, _check, _cases, (_b1, _b4), _bound in _KINDS:
         config_for=_config_for_kernel(_name),
         baselines={"torch_eager": reference_baseline(f"ds4lab.reference.mhc:{_name}", compute_dtype=torch.float32)},
         bound=_bound,
-        aot_shape=AOT_SHAPE,
+        aot_shape=[AOT_SHAPE, AOT_SHAPE_SEAM] if _kind == "fused" else AOT_SHAPE,
         sm89_mma={"_hc_prenorm_gemm_kernel": "HMMA"} if _kind in ("gemm", "pre", "broadcast", "head")
         else ({"_mhc_post_kernel": "HMMA"} if _kind == "fused" else {}),
     ))
