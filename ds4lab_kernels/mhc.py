@@ -13,9 +13,14 @@ kernels in ``tilelang_kernels.py`` used by ``models/deepseek_v4/nvidia/model.py`
   ``comb = softmax_rows(mix[8:24] r scale[2] + base[8:24]) + eps``, then column-normalise, then
   ``sinkhorn_iters - 1`` times (row-normalise, column-normalise), each ``x / (sum + eps)``.
 - collapse ``y = bf16(sum_i pre_i res_i)``; with a norm weight ``layer_input = bf16(y rsqrt(mean(y^2) + norm_eps) w)``.
-- post: ``new[:, j] = sum_i comb[:, i, j] res[:, i] + post[:, j] x`` -> bf16.
+- post: ``new[:, j] = sum_i comb[:, i, j] res[:, i] + post[:, j] x`` -> bf16; with a second addend ``x2``
+  (the MoE's shared expert) ``x`` is first ``bf16(x.float() + x2.float())``, the model's separate add.
+- decode seam (``SEAM_*`` rows, issue 20): post + next pre in one launch, a grid barrier between the
+  column programs' partials and their collapse, Sinkhorn in a program of its own (``_mhc_seam_kernel``).
 - hc_head: 4 mixes, ``pre = sigmoid(mix r scale[0] + base) + hc_eps``, ``out = bf16(sum_i pre_i res_i)``.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +29,8 @@ from . import _checks as check
 from ._arch import arch_of, num_sms
 
 HC = 4  # DeepSeek-V4 hc_mult
+SEAM_MAX_TILES = 64  # token blocks the seam's barrier buffer serves (16 tokens each)
+SEAM_MAX_T = 64  # the seam rows serve decode sizes; above, a seam row falls back to the two-pass kernels
 PRECISIONS = ("tf32", "ieee")
 
 
@@ -69,6 +76,12 @@ def _col(ptr, rows, stride, j, mask):
 
 
 @triton.jit
+def _add_bf16(x, x2_ptrs, mask):
+    """``bf16(x + x2)`` back in fp32: torch's ``(a.float() + b.float()).to(bf16)`` (the MoE's final add)."""
+    return (x + tl.load(x2_ptrs, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def _post_stream(x, r0, r1, r2, r3, p, c0, c1, c2, c3):
     """new_j = post_j x + sum_i comb[i, j] r_i for one output stream j (fp32)."""
     return (p[:, None] * x + c0[:, None] * r0 + c1[:, None] * r1 + c2[:, None] * r2 + c3[:, None] * r3)
@@ -76,18 +89,19 @@ def _post_stream(x, r0, r1, r2, r3, p, c0, c1, c2, c3):
 
 @triton.jit
 def _mhc_post_kernel(
-    x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, mix_ptr, sq_ptr,
+    x_ptr, x2_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, mix_ptr, sq_ptr,
     T, D, N, d_per_split,
-    stride_xt, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh,
+    stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh,
     stride_fn, stride_ms, stride_mt, stride_ss,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRENORM: tl.constexpr, PRECISION: tl.constexpr,
+    PRENORM: tl.constexpr, PRECISION: tl.constexpr, HAS_X2: tl.constexpr,
 ):
     """Grid ``(cdiv(T, BLOCK_M), S)``.
     One program: BLOCK_M tokens x hidden columns ``[s*d_per_split, +d_per_split)`` of all 4 streams.
 
     Writes ``out = post(x, res)`` in bf16; with PRENORM also the split-K partials of the next sublayer's
     pre-norm GEMM over the bf16-rounded new residual (fn column ``j*D + d`` meets stream j, column d).
+    HAS_X2: the sublayer output is ``bf16(x + x2)`` (fp32 add; the MoE's routed + shared expert sum).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -96,6 +110,7 @@ def _mhc_post_kernel(
     tmask = rm < T
     rm64 = rm.to(tl.int64)[:, None]
     x_row = x_ptr + rm64 * stride_xt
+    x2_row = x2_ptr + rm64 * stride_x2t
     r_row = res_ptr + rm64 * stride_rt
     o_row = out_ptr + rm64 * stride_ot
     d_lo = pid_s * d_per_split  # contiguous splits; the last one is cut by the `< D` mask
@@ -109,6 +124,8 @@ def _mhc_post_kernel(
         dd = d_lo + it * BLOCK_K + rk
         m2 = tmask[:, None] & (dd < D)[None, :]
         x = tl.load(x_row + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_X2:
+            x = _add_bf16(x, x2_row + dd[None, :], m2)
         r0 = tl.load(r_row + dd[None, :], mask=m2, other=0.0).to(tl.float32)
         r1 = tl.load(r_row + stride_rh + dd[None, :], mask=m2, other=0.0).to(tl.float32)
         r2 = tl.load(r_row + 2 * stride_rh + dd[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -210,6 +227,283 @@ def _mhc_apply_kernel(
         tl.store(o_row, (yf * inv[:, None] * w[None, :]).to(tl.bfloat16), mask=m2d)
     else:
         tl.store(o_row, yb, mask=m2d)
+
+
+@triton.jit
+def _grid_barrier(sync_ptr, n_programs):
+    """Wait until ``n_programs`` programs sharing ``sync_ptr`` (int32: arrival count at [0], generation
+    at [32], a separate 128-byte line) have arrived. Self-resetting: the last arrival zeroes the count,
+    then bumps the generation (release) the others spin on (volatile loads, then one acquire read).
+    Every program of the grid must be resident at once (the launcher keeps the grid <= the SM count)."""
+    tl.debug_barrier()  # the whole CTA's stores precede thread 0's release below
+    gen = tl.atomic_add(sync_ptr + 32, 0, sem="acquire")
+    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+    if arrived == n_programs - 1:
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+        tl.atomic_add(sync_ptr + 32, 1, sem="release")
+    else:
+        cur = tl.load(sync_ptr + 32, volatile=True)
+        while cur == gen:
+            cur = tl.load(sync_ptr + 32, volatile=True)
+        tl.atomic_add(sync_ptr + 32, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _seam_stream(x, r0, r1, r2, r3, post_ptr, comb_ptr, rm, stride_pt, stride_ct, tmask, j: tl.constexpr):
+    """New stream j of the post, rounded to bf16 (the model's residual boundary)."""
+    return _post_stream(x, r0, r1, r2, r3, _col(post_ptr, rm, stride_pt, j, tmask),
+                        _col(comb_ptr, rm, stride_ct, j, tmask), _col(comb_ptr, rm, stride_ct, 4 + j, tmask),
+                        _col(comb_ptr, rm, stride_ct, 8 + j, tmask),
+                        _col(comb_ptr, rm, stride_ct, 12 + j, tmask)).to(tl.bfloat16)
+
+
+@triton.jit
+def _seam_partials(f, w_row, D, dd, dmask, nmask, acc, PRECISION: tl.constexpr, j: tl.constexpr,
+                   USE_DOT: tl.constexpr):
+    """Stream j's share of the mixes: ``acc[t, n] += sum_d f[t, d] fn[n, j*D + d]``; the fn tile is loaded
+    ``[BLOCK_N, BLOCK_D]`` (rows contiguous in d: vector loads, few address registers). USE_DOT: TF32/ieee
+    ``tl.dot`` (16-token blocks); else fp32 FMA on a ``[BLOCK_M, BLOCK_N, BLOCK_D]`` product (1-4 tokens),
+    summed over d at once."""
+    w = tl.load(w_row + j * D + dd[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+    if USE_DOT:
+        acc = tl.dot(f, tl.trans(w), acc, input_precision=PRECISION)
+    else:
+        acc = acc + tl.sum(f[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _sum_parts(ptr, row, lm, col0, WIDTH: tl.constexpr, ROW: tl.constexpr):
+    """``sum_s ptr[row[s, t], col0 : col0 + WIDTH]`` -> ``[BLOCK_M, WIDTH]`` (L2 reads: other SMs wrote them)."""
+    c = tl.arange(0, WIDTH)
+    return tl.sum(tl.load(ptr + row[:, :, None] * ROW + col0 + c[None, None, :], mask=lm, other=0.0,
+                          cache_modifier=".cg"), axis=0)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """``v / (a + b + c + d + eps)`` for the four entries of one Sinkhorn row or column (per thread)."""
+    inv = 1.0 / (a + b + c + d + eps)
+    return a * inv, b * inv, c * inv, d * inv
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
+    inv = 1.0 / (a + b + c + d)
+    return a * inv + eps, b * inv + eps, c * inv + eps, d * inv + eps
+
+
+@triton.jit
+def _mhc_seam_kernel(
+    x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
+    fn_ptr, scale_ptr, base_ptr, w_ptr, mix_part_ptr, gram_part_ptr, sync_ptr,
+    post_ptr, comb_ptr, out_ptr,
+    T, D, S, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps,
+    stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh, stride_fn,
+    stride_yt,
+    HC_: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
+    PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BLOCK_M), S + 1)``; ``S = cdiv(D, BLOCK_D)``. The decode seam (post + next pre) in
+    one launch: program (m, s < S) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` x hidden columns
+    ``[s*BLOCK_D, +BLOCK_D)`` of all 4 streams; program (m, S) computes the post gates and Sinkhorn.
+
+    Phase A (s < S): the new streams (bf16, written to ``res_out``) and their partials: the 24 mixes
+    (``tl.dot`` with fn columns ``j*D + d`` for 16-token blocks, fp32 FMA for 1-4 tokens) and the 4x4
+    Gram matrix ``G[a, b] = sum_d new_a new_b`` (fp32; trace(G) is the pre-norm's sum of squares).
+    Grid barrier (one per token block). Phase B: every program reduces the S partials itself (no serial
+    tail), forms the pre gates, collapses its own columns from registers and normalises with
+    ``mean(y^2) = pre^T G pre / D`` (fp32 y; the unfused pair squares bf16(y): relative ~1e-5, below the
+    bf16 output step, unless the weighted streams cancel to ~1e-2 of their size). Program S reduces the
+    post/comb partials and runs Sinkhorn on 16 per-thread registers, beside the collapse.
+
+    PHASE 0: both phases and the barrier (GPU). PHASE 1 / 2: phase A / B as two launches (the CPU
+    interpreter, which runs programs one after another, and the barrier-free candidate); phase B
+    then re-reads its columns of ``res_out``.
+    """
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rt = tl.arange(0, BLOCK_M)
+    rm = pid_m * BLOCK_M + rt
+    tmask = rm < T
+    rm64 = rm.to(tl.int64)
+    h = tl.arange(0, HC_)
+    hh = tl.arange(0, HC_ * HC_)
+    HH: tl.constexpr = HC_ * HC_
+    if pid_s < S:
+        dd = pid_s * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = dd < D
+        m2 = tmask[:, None] & dmask[None, :]
+        o_row = res_out_ptr + rm64[:, None] * stride_ot + dd[None, :]
+        if PHASE != 2:
+            x = tl.load(x_ptr + rm64[:, None] * stride_xt + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+            if HAS_X2:
+                x = _add_bf16(x, x2_ptr + rm64[:, None] * stride_x2t + dd[None, :], m2)
+            r_row = res_ptr + rm64[:, None] * stride_rt + dd[None, :]
+            r0 = tl.load(r_row, mask=m2, other=0.0).to(tl.float32)
+            r1 = tl.load(r_row + stride_rh, mask=m2, other=0.0).to(tl.float32)
+            r2 = tl.load(r_row + 2 * stride_rh, mask=m2, other=0.0).to(tl.float32)
+            r3 = tl.load(r_row + 3 * stride_rh, mask=m2, other=0.0).to(tl.float32)
+            n0 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 0)
+            n1 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 1)
+            n2 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 2)
+            n3 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 3)
+            tl.store(o_row, n0, mask=m2)
+            tl.store(o_row + stride_oh, n1, mask=m2)
+            tl.store(o_row + 2 * stride_oh, n2, mask=m2)
+            tl.store(o_row + 3 * stride_oh, n3, mask=m2)
+            f0, f1, f2, f3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
+            rn = tl.arange(0, BLOCK_N)
+            nmask = rn < 6 * HC_
+            w_row = fn_ptr + rn[:, None] * stride_fn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _seam_partials(f0, w_row, D, dd, dmask, nmask, acc, PRECISION, 0, USE_DOT)
+            acc = _seam_partials(f1, w_row, D, dd, dmask, nmask, acc, PRECISION, 1, USE_DOT)
+            acc = _seam_partials(f2, w_row, D, dd, dmask, nmask, acc, PRECISION, 2, USE_DOT)
+            acc = _seam_partials(f3, w_row, D, dd, dmask, nmask, acc, PRECISION, 3, USE_DOT)
+            part_row = ((pid_m * S + pid_s) * BLOCK_M + rt).to(tl.int64)
+            tl.store(mix_part_ptr + part_row[:, None] * BLOCK_N + rn[None, :], acc, mask=tmask[:, None])
+            g_row = gram_part_ptr + part_row * HH
+            g01 = tl.sum(f0 * f1, axis=1)
+            g02 = tl.sum(f0 * f2, axis=1)
+            g03 = tl.sum(f0 * f3, axis=1)
+            g12 = tl.sum(f1 * f2, axis=1)
+            g13 = tl.sum(f1 * f3, axis=1)
+            g23 = tl.sum(f2 * f3, axis=1)
+            tl.store(g_row + 0, tl.sum(f0 * f0, axis=1), mask=tmask)
+            tl.store(g_row + 5, tl.sum(f1 * f1, axis=1), mask=tmask)
+            tl.store(g_row + 10, tl.sum(f2 * f2, axis=1), mask=tmask)
+            tl.store(g_row + 15, tl.sum(f3 * f3, axis=1), mask=tmask)
+            tl.store(g_row + 1, g01, mask=tmask)
+            tl.store(g_row + 4, g01, mask=tmask)
+            tl.store(g_row + 2, g02, mask=tmask)
+            tl.store(g_row + 8, g02, mask=tmask)
+            tl.store(g_row + 3, g03, mask=tmask)
+            tl.store(g_row + 12, g03, mask=tmask)
+            tl.store(g_row + 6, g12, mask=tmask)
+            tl.store(g_row + 9, g12, mask=tmask)
+            tl.store(g_row + 7, g13, mask=tmask)
+            tl.store(g_row + 13, g13, mask=tmask)
+            tl.store(g_row + 11, g23, mask=tmask)
+            tl.store(g_row + 14, g23, mask=tmask)
+        if PHASE == 0:
+            _grid_barrier(sync_ptr + pid_m * 64, S + 1)
+        if PHASE == 2:
+            n0 = tl.load(o_row, mask=m2, other=0.0)
+            n1 = tl.load(o_row + stride_oh, mask=m2, other=0.0)
+            n2 = tl.load(o_row + 2 * stride_oh, mask=m2, other=0.0)
+            n3 = tl.load(o_row + 3 * stride_oh, mask=m2, other=0.0)
+        if PHASE != 1:
+            pre_acc = tl.zeros((BLOCK_M, HC_), dtype=tl.float32)
+            gram = tl.zeros((BLOCK_M, HH), dtype=tl.float32)
+            for s0 in range(0, S, BLOCK_S):
+                rs = s0 + tl.arange(0, BLOCK_S)
+                row = ((pid_m * S + rs)[:, None] * BLOCK_M + rt[None, :]).to(tl.int64)      # [BS, BM]
+                lm = ((rs < S)[:, None] & tmask[None, :])[:, :, None]
+                pre_acc += _sum_parts(mix_part_ptr, row, lm, 0, HC_, BLOCK_N)
+                gram += _sum_parts(gram_part_ptr, row, lm, 0, HH, HH)
+            sq = tl.sum(tl.where((hh % (HC_ + 1) == 0)[None, :], gram, 0.0), axis=1)      # trace(G)
+            rms = tl.math.rsqrt(sq / rms_numel + rms_eps)[:, None]
+            pre = tl.sigmoid(pre_acc * rms * tl.load(scale_ptr) + tl.load(base_ptr + h)[None, :]) + pre_eps
+            p0 = tl.sum(tl.where(h[None, :] == 0, pre, 0.0), axis=1)
+            p1 = tl.sum(tl.where(h[None, :] == 1, pre, 0.0), axis=1)
+            p2 = tl.sum(tl.where(h[None, :] == 2, pre, 0.0), axis=1)
+            p3 = tl.sum(tl.where(h[None, :] == 3, pre, 0.0), axis=1)
+            y = p0[:, None] * n0.to(tl.float32)
+            y += p1[:, None] * n1.to(tl.float32)
+            y += p2[:, None] * n2.to(tl.float32)
+            y += p3[:, None] * n3.to(tl.float32)
+            yb = y.to(tl.bfloat16)
+            y_row = out_ptr + rm64[:, None] * stride_yt + dd[None, :]
+            if HAS_NORM:
+                ia = (hh // HC_)[None, :]
+                ib = (hh % HC_)[None, :]
+                pa = tl.where(ia == 0, p0[:, None], tl.where(ia == 1, p1[:, None],
+                              tl.where(ia == 2, p2[:, None], p3[:, None])))
+                pb = tl.where(ib == 0, p0[:, None], tl.where(ib == 1, p1[:, None],
+                              tl.where(ib == 2, p2[:, None], p3[:, None])))
+                ysq = tl.maximum(tl.sum(gram * pa * pb, axis=1), 0.0)
+                inv = tl.math.rsqrt(ysq / D + norm_eps)
+                w = tl.load(w_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+                tl.store(y_row, (yb.to(tl.float32) * inv[:, None] * w[None, :]).to(tl.bfloat16), mask=m2)
+            else:
+                tl.store(y_row, yb, mask=m2)
+    else:
+        if PHASE == 0:
+            _grid_barrier(sync_ptr + pid_m * 64, S + 1)
+        if PHASE != 1:
+            post_acc = tl.zeros((BLOCK_M, HC_), dtype=tl.float32)
+            comb_acc = tl.zeros((BLOCK_M, HH), dtype=tl.float32)
+            gram = tl.zeros((BLOCK_M, HH), dtype=tl.float32)
+            for s0 in range(0, S, BLOCK_S):
+                rs = s0 + tl.arange(0, BLOCK_S)
+                row = ((pid_m * S + rs)[:, None] * BLOCK_M + rt[None, :]).to(tl.int64)
+                lm = ((rs < S)[:, None] & tmask[None, :])[:, :, None]
+                post_acc += _sum_parts(mix_part_ptr, row, lm, HC_, HC_, BLOCK_N)
+                comb_acc += _sum_parts(mix_part_ptr, row, lm, 2 * HC_, HH, BLOCK_N)
+                gram += _sum_parts(gram_part_ptr, row, lm, 0, HH, HH)
+            sq = tl.sum(tl.where((hh % (HC_ + 1) == 0)[None, :], gram, 0.0), axis=1)
+            rms = tl.math.rsqrt(sq / rms_numel + rms_eps)[:, None]
+            post = tl.sigmoid(post_acc * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC_ + h)[None, :])
+            tl.store(post_ptr + rm64[:, None] * HC_ + h[None, :], post * post_mult, mask=tmask[:, None])
+            logits = comb_acc * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC_ + hh)[None, :]
+            c_row = comb_ptr + rm64 * HH
+            tl.store(c_row[:, None] + hh[None, :], logits, mask=tmask[:, None])
+            tl.debug_barrier()  # the logits come back one entry per register: no cross-thread sums below
+            c00 = tl.load(c_row + 0, mask=tmask, other=0.0)
+            c01 = tl.load(c_row + 1, mask=tmask, other=0.0)
+            c02 = tl.load(c_row + 2, mask=tmask, other=0.0)
+            c03 = tl.load(c_row + 3, mask=tmask, other=0.0)
+            c10 = tl.load(c_row + 4, mask=tmask, other=0.0)
+            c11 = tl.load(c_row + 5, mask=tmask, other=0.0)
+            c12 = tl.load(c_row + 6, mask=tmask, other=0.0)
+            c13 = tl.load(c_row + 7, mask=tmask, other=0.0)
+            c20 = tl.load(c_row + 8, mask=tmask, other=0.0)
+            c21 = tl.load(c_row + 9, mask=tmask, other=0.0)
+            c22 = tl.load(c_row + 10, mask=tmask, other=0.0)
+            c23 = tl.load(c_row + 11, mask=tmask, other=0.0)
+            c30 = tl.load(c_row + 12, mask=tmask, other=0.0)
+            c31 = tl.load(c_row + 13, mask=tmask, other=0.0)
+            c32 = tl.load(c_row + 14, mask=tmask, other=0.0)
+            c33 = tl.load(c_row + 15, mask=tmask, other=0.0)
+            c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, sk_eps)
+            c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, sk_eps)
+            c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, sk_eps)
+            c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, sk_eps)
+            c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, sk_eps)
+            c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, sk_eps)
+            c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, sk_eps)
+            c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, sk_eps)
+            for _ in range(1, n_iters):
+                c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, sk_eps)
+                c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, sk_eps)
+                c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, sk_eps)
+                c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, sk_eps)
+                c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, sk_eps)
+                c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, sk_eps)
+                c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, sk_eps)
+                c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, sk_eps)
+            tl.debug_barrier()  # every thread has read the logits before any overwrites them
+            tl.store(c_row + 0, c00, mask=tmask)
+            tl.store(c_row + 1, c01, mask=tmask)
+            tl.store(c_row + 2, c02, mask=tmask)
+            tl.store(c_row + 3, c03, mask=tmask)
+            tl.store(c_row + 4, c10, mask=tmask)
+            tl.store(c_row + 5, c11, mask=tmask)
+            tl.store(c_row + 6, c12, mask=tmask)
+            tl.store(c_row + 7, c13, mask=tmask)
+            tl.store(c_row + 8, c20, mask=tmask)
+            tl.store(c_row + 9, c21, mask=tmask)
+            tl.store(c_row + 10, c22, mask=tmask)
+            tl.store(c_row + 11, c23, mask=tmask)
+            tl.store(c_row + 12, c30, mask=tmask)
+            tl.store(c_row + 13, c31, mask=tmask)
+            tl.store(c_row + 14, c32, mask=tmask)
+            tl.store(c_row + 15, c33, mask=tmask)
 
 
 # ---- input checks --------------------------------------------------------------------------------
@@ -349,7 +643,7 @@ def _apply(mixes, sqrsum, hc_scale, hc_base, res, res_strides, norm_weight, D, r
     return post, comb, out
 
 
-def _post(x, residual, post_mix, comb_mix, out, cfg, fn=None, precision="tf32", num_splits=None):
+def _post(x, residual, post_mix, comb_mix, out, cfg, fn=None, precision="tf32", num_splits=None, x2=None):
     T, _, D = residual.shape
     prenorm = fn is not None
     key = "POST" if prenorm else "PLAIN"
@@ -365,24 +659,103 @@ def _post(x, residual, post_mix, comb_mix, out, cfg, fn=None, precision="tf32", 
     if T == 0:
         return mixes, sqrsum
     _mhc_post_kernel[(triton.cdiv(T, BM), S)](
-        x, residual, post_mix, comb_mix, out,
+        x, x2 if x2 is not None else x, residual, post_mix, comb_mix, out,
         fn if prenorm else out, mixes if prenorm else out, sqrsum if prenorm else out,
         T, D, N, dps,
-        x.stride(0), residual.stride(0), residual.stride(1), post_mix.stride(0), comb_mix.stride(0),
+        x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1), post_mix.stride(0), comb_mix.stride(0),
         out.stride(0), out.stride(1),
         fn.stride(0) if prenorm else 0, mixes.stride(0) if prenorm else 0, mixes.stride(1) if prenorm else 0,
         sqrsum.stride(0) if prenorm else 0,
         BLOCK_M=BM, BLOCK_N=max(16, triton.next_power_of_2(max(N, 1))), BLOCK_K=BK,
-        PRENORM=prenorm, PRECISION=precision,
+        PRENORM=prenorm, PRECISION=precision, HAS_X2=x2 is not None,
         num_warps=cfg[f"{key}_WARPS"], num_stages=cfg.get("POST_STAGES", 1))
     return mixes, sqrsum
 
 
-def _check_post_inputs(x, residual, post_mix, comb_mix):
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_SYNC: dict = {}
+
+
+def _sync_buffer(device) -> torch.Tensor:
+    """The seam's grid-barrier words (count, generation; 64 int32 per token block), zeroed once per
+    device and self-resetting, so any number of launches and CUDA-graph replays reuse it. Shared by every
+    seam launch on the device: seam launches must not run concurrently on two streams (the model runs
+    them in one stream order); the first call should be eager (a first call inside graph capture makes
+    the zeroing a node of that graph, harmless but an extra memset per replay)."""
+    key = str(device)
+    buf = _SYNC.get(key)
+    if buf is None:
+        buf = _SYNC[key] = torch.zeros(64 * SEAM_MAX_TILES, dtype=torch.int32, device=device)
+    return buf
+
+
+def seam_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dict:
+    """The seam kernel's launch plan: token block, column split, grid, launches (1 with the grid barrier,
+    2 without: the interpreter, ``SEAM_LAUNCHES = 2`` rows, or a grid larger than the SM count, whose
+    programs could not all be resident at once). ``compiled``: plan for compiled kernels (True) or the
+    interpreter (False) whatever this process runs (None: this process)."""
+    BM = 16 if T > 4 else max(1, triton.next_power_of_2(T))
+    # 16-token blocks take the tl.dot path, whose 4 fp32 stream tiles + 4 fn tiles spill above 32 columns
+    # on sm_89 (255 registers at 64, as _mhc_post_kernel's POST_BLOCK_K): SEAM_DOT_BLOCK_D caps them
+    BD = cfg["SEAM_BLOCK_D"] if BM < 16 else min(cfg["SEAM_BLOCK_D"], cfg["SEAM_DOT_BLOCK_D"])
+    S = triton.cdiv(D, BD)
+    m_tiles = triton.cdiv(T, BM)
+    launches = cfg.get("SEAM_LAUNCHES", 1)
+    interp = _interpreting() if compiled is None else not compiled
+    if interp or m_tiles * (S + 1) > num_sms(device) or m_tiles > SEAM_MAX_TILES:
+        launches = 2
+    BS = min(triton.next_power_of_2(S), max(1, cfg.get("SEAM_PART_ELEMS", 4096) // (BM * HC * HC)))
+    return {"BLOCK_M": BM, "BLOCK_D": BD, "S": S, "m_tiles": m_tiles, "launches": launches, "BLOCK_S": BS}
+
+
+def _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, pre_eps, sk_eps,
+          post_mult, n_iters, norm_eps, precision, cfg):
+    T, _, D = residual.shape
+    dev = residual.device
+    res_cur = torch.empty_like(residual)
+    out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
+    post = torch.empty((T, HC, 1), dtype=torch.float32, device=dev)
+    comb = torch.empty((T, HC, HC), dtype=torch.float32, device=dev)
+    if T == 0:
+        return res_cur, post, comb, out
+    plan = seam_plan(T, D, dev, cfg)
+    BM, S, mt = plan["BLOCK_M"], plan["S"], plan["m_tiles"]
+    BN = 32
+    mix_part = torch.empty((mt * S * BM, BN), dtype=torch.float32, device=dev)
+    gram_part = torch.empty((mt * S * BM, HC * HC), dtype=torch.float32, device=dev)
+    sync = _sync_buffer(dev) if plan["launches"] == 1 else mix_part
+    args = (x, x2 if x2 is not None else x, residual, post_mix, comb_mix, res_cur,
+            fn, hc_scale, hc_base, norm_weight if norm_weight is not None else out, mix_part, gram_part, sync,
+            post, comb, out,
+            T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
+            float(norm_eps),
+            x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
+            post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
+            out.stride(0))
+    meta = dict(HC_=HC, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"],
+                HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None, PRECISION=precision, USE_DOT=BM >= 16,
+                num_warps=cfg["SEAM_WARPS"], num_stages=1)
+    if plan["launches"] == 1:
+        _mhc_seam_kernel[(mt, S + 1)](*args, PHASE=0, **meta)
+    else:
+        _mhc_seam_kernel[(mt, S)](*args, PHASE=1, **meta)
+        _mhc_seam_kernel[(mt, S + 1)](*args, PHASE=2, **meta)
+    return res_cur, post, comb, out
+
+
+def _check_post_inputs(x, residual, post_mix, comb_mix, x2=None):
     T, D = _check_residual("residual", residual)
     check.tensor("x", x, torch.bfloat16, 2)
     check.shape("x", x, (T, D))
     check.last_dim_contiguous("x", x)
+    if x2 is not None:
+        check.tensor("x2", x2, torch.bfloat16, 2)
+        check.shape("x2", x2, (T, D))
+        check.last_dim_contiguous("x2", x2)
+        check.same_device("residual", residual, x2=x2)
     check.tensor("post_mix", post_mix, torch.float32)
     if tuple(post_mix.shape) not in ((T, HC), (T, HC, 1)):
         raise ValueError(f"post_mix: expected shape ({T}, {HC}) or ({T}, {HC}, 1), got {tuple(post_mix.shape)}")
@@ -531,13 +904,16 @@ def mhc_pre_broadcast(x: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor,
 
 
 def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, comb_mix: torch.Tensor,
-             out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, config: dict | None = None,
+             x2: torch.Tensor | None = None) -> torch.Tensor:
     """mHC post block: ``new[:, j] = sum_i comb[:, i, j] residual[:, i] + post[:, j] x`` in fp32, bf16 out.
 
     Semantics: vLLM ``mhc_post_torch`` / ``mhc_post_tilelang``.
 
     Args:
         x: ``(num_tokens, hidden)`` bfloat16, last dim contiguous (the sublayer output).
+        x2: optional second addend like ``x`` (the MoE's shared-expert output): the post then runs on
+            ``(x.float() + x2.float()).to(bfloat16)``, the rounding of the separate add it replaces.
         residual: ``(num_tokens, 4, hidden)`` bfloat16, contiguous.
         post_mix: ``(num_tokens, 4)`` or ``(num_tokens, 4, 1)`` float32, contiguous.
         comb_mix: ``(num_tokens, 4, 4)`` float32, contiguous.
@@ -550,7 +926,7 @@ def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, co
     Raises:
         TypeError / ValueError naming the offending argument.
     """
-    T, D = _check_post_inputs(x, residual, post_mix, comb_mix)
+    T, D = _check_post_inputs(x, residual, post_mix, comb_mix, x2)
     if out is None:
         out = torch.empty_like(residual)
     else:
@@ -561,7 +937,7 @@ def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, co
         if out.data_ptr() == residual.data_ptr() and T:
             raise ValueError("out: must not alias residual (other programs still read it)")
     cfg = config or pick_config(T, residual.device)
-    _post(x, residual, post_mix, comb_mix, out, cfg)
+    _post(x, residual, post_mix, comb_mix, out, cfg, x2=x2)
     return out
 
 
@@ -569,7 +945,8 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
                        fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
                        norm_weight: torch.Tensor | None = None, rms_eps: float = 1e-6, hc_pre_eps: float = 1e-6,
                        hc_sinkhorn_eps: float = 1e-6, hc_post_mult: float = 2.0, sinkhorn_iters: int = 20,
-                       norm_eps: float = 1e-6, precision: str = "tf32", config: dict | None = None):
+                       norm_eps: float = 1e-6, precision: str = "tf32", config: dict | None = None,
+                       x2: torch.Tensor | None = None):
     """mHC post of one sublayer fused with the pre of the next (the per-sublayer seam).
 
     Semantics: vLLM ``mhc_fused_post_pre_tilelang``: ``residual_cur = mhc_post(x, residual, post, comb)``
@@ -580,7 +957,13 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
     of the next pre; pass 2 reduces the partials, computes gates and Sinkhorn, and collapses ``residual_cur``
     (L2-resident for moderate T) into the normalised layer input.
 
-    Args: as :func:`mhc_post` then :func:`mhc_pre`.
+    Decode rows (``SEAM_BLOCK_D`` in the config, up to 64 tokens): one launch of ``_mhc_seam_kernel``
+    (``cdiv(hidden, SEAM_BLOCK_D) + 1`` programs per 16-token block, a grid barrier between the partial
+    mixes and the collapse; Sinkhorn in its own program). Its layer input normalises with
+    ``mean(y^2)`` from the streams' Gram matrix (fp32 ``y``) instead of squaring ``bf16(y)``; the two
+    differ by ~1e-5 relative (a bf16 output may move by one step).
+
+    Args: as :func:`mhc_post` (``x2`` included) then :func:`mhc_pre`.
 
     Returns:
         ``(residual_cur, post_mix, comb_mix, layer_input)``: ``(num_tokens, 4, hidden)`` bfloat16,
@@ -589,14 +972,17 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
     Raises:
         TypeError / ValueError naming the offending argument.
     """
-    T, D = _check_post_inputs(x, residual, post_mix, comb_mix)
+    T, D = _check_post_inputs(x, residual, post_mix, comb_mix, x2)
     _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, ("residual", residual))
     _check_scalars(sinkhorn_iters, hc_post_mult, rms_eps=rms_eps, hc_pre_eps=hc_pre_eps,
                    hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
     _check_precision(precision)
     cfg = config or pick_config(T, residual.device, fused=True)
+    if cfg.get("SEAM_BLOCK_D") and T <= SEAM_MAX_T:
+        return _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
+                     hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, precision, cfg)
     res_cur = torch.empty_like(residual)
-    mixes, sqrsum = _post(x, residual, post_mix, comb_mix, res_cur, cfg, fn=fn, precision=precision)
+    mixes, sqrsum = _post(x, residual, post_mix, comb_mix, res_cur, cfg, fn=fn, precision=precision, x2=x2)
     post, comb, out = _apply(mixes, sqrsum, hc_scale, hc_base, res_cur, (res_cur.stride(0), res_cur.stride(1)),
                              norm_weight, D, HC * D, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult,
                              sinkhorn_iters, norm_eps, cfg)
@@ -653,6 +1039,18 @@ _DECODE_89 = {"GEMM_BLOCK_M": 16, "GEMM_BLOCK_K": 128, "GEMM_WARPS": 4, "GEMM_ST
               "PLAIN_BLOCK_M": 1, "PLAIN_BLOCK_K": 256, "PLAIN_WARPS": 2,
               "APPLY_BLOCK_T": 1, "APPLY_WARPS": 4, "WAVES": 2, "MIN_K_BLOCKS": 1}
 _DECODE_90 = {**_DECODE_89, "GEMM_STAGES": 3}  # the only decode difference
+# SEAM_*: the one-launch decode seam (mhc_fused_post_pre, T <= 64): cdiv(D, SEAM_BLOCK_D) column programs
+#   + 1 Sinkhorn program per 16-token block, SEAM_WARPS warps each, a grid barrier between partials and
+#   collapse (SEAM_LAUNCHES 2: the same kernel as two launches, no barrier); SEAM_PART_ELEMS bounds the
+#   partial tile one phase-B load brings in (S x tokens x 16 fp32). Issue 20 candidates: the other
+#   launchers read these rows as the decode row.
+_SEAM = {"SEAM_BLOCK_D": 64, "SEAM_DOT_BLOCK_D": 32, "SEAM_WARPS": 4, "SEAM_LAUNCHES": 1, "SEAM_PART_ELEMS": 1024}
+SEAM_ROWS = {
+    "seam_d64": {},
+    "seam_d64_w8": {"SEAM_WARPS": 8},         # the 1-4 token FMA product [BM, 32, 64] over 256 threads
+    "seam_d32": {"SEAM_BLOCK_D": 32},         # 129 programs: one launch on 129+ SMs (H200 132), else two
+    "seam2_d64": {"SEAM_LAUNCHES": 2},        # barrier-free reference point: the same math in two launches
+}
 CONFIGS = {
     "sm_89": {
         "decode": _DECODE_89,
@@ -664,6 +1062,7 @@ CONFIGS = {
         # pre-norm GEMM at large T: more split-K programs (S = WAVES x SMs / m-tiles)
         "gemm_waves8": {**_PREFILL_89, "WAVES": 8},
         "gemm_m32": {**_PREFILL_89, "GEMM_BLOCK_M": 32, "GEMM_STAGES": 4, "WAVES": 4},
+        **{k: {**_DECODE_89, **_SEAM, **v} for k, v in SEAM_ROWS.items()},
     },
     "sm_90": {
         "decode": _DECODE_90,
@@ -676,5 +1075,6 @@ CONFIGS = {
         # pre-norm GEMM at large T: more split-K programs (S = WAVES x SMs / m-tiles)
         "gemm_waves8": {**_PREFILL_90, "WAVES": 8},
         "gemm_m32": {**_PREFILL_90, "GEMM_BLOCK_M": 32, "GEMM_STAGES": 4, "WAVES": 4},
+        **{k: {**_DECODE_90, **_SEAM, **v} for k, v in SEAM_ROWS.items()},
     },
 }

@@ -226,6 +226,87 @@ def test_reference_matches_vllm_torch():
                  compare(li, rli, "bfloat16", "layer_input")], seed)
 
 
+# ---- the one-launch decode seam (issue 20) and the x2 addend -----------------------------------------
+SEAM_LABELS = [k for k, v in K.CONFIGS["sm_89"].items() if "SEAM_BLOCK_D" in v]
+
+
+@pytest.mark.parametrize("label,T,case", [("seam_d64", 1, "sharp_comb"), ("seam_d64", 2, "x2_cancel"),
+                                          ("seam_d64", 16, "large_rows"), ("seam_d64", 18, "x2"),
+                                          ("seam_d64_w8", 4, "zero_rows"), ("seam_d32", 3, "x2"),
+                                          ("seam2_d64", 5, "random")])
+def test_seam_matches_reference(label, T, case):
+    """Each seam row (1-4 token FMA blocks, 16-token dot blocks, several token blocks) vs the fp64 reference."""
+    inp, seed = _inputs("fused", T, D=256, case=case)
+    _assert_all(S.check_fused(K.mhc_fused_post_pre(**inp, config=K.CONFIGS["sm_89"][label]),
+                              R.mhc_fused_post_pre(**inp), inp), seed)
+
+
+def test_seam_equals_two_pass_kernels():
+    """The seam writes the same residual bits as today's two-pass `decode` row; gates within fp32 noise,
+    layer input within one bf16 step (the Gram-matrix norm)."""
+    inp, seed = _inputs("fused", 3, D=384, case="x2")
+    cur, post, comb, out = K.mhc_fused_post_pre(**inp, config=K.CONFIGS["sm_89"]["decode"])
+    scur, spost, scomb, sout = K.mhc_fused_post_pre(**inp, config=K.CONFIGS["sm_89"]["seam_d64"])
+    assert torch.equal(scur, cur), f"seed={seed}: new residual differs"
+    _assert_all([compare(spost, post, S._TOL_FP32, "post"), compare(scomb, comb, S._TOL_FP32, "comb"),
+                 compare(sout, out, "bfloat16", "layer_input")], seed)
+
+
+@pytest.mark.parametrize("label", ["decode", "seam_d64"])
+def test_x2_equals_the_separate_add(label):
+    """post(x, x2) == post(bf16(x.float() + x2.float())): the MoE's `moe.add` rounding, bit for bit."""
+    inp, seed = _inputs("fused", 4, D=128, case="x2")
+    summed = dict(inp, x=(inp["x"].float() + inp["x2"].float()).to(torch.bfloat16))
+    del summed["x2"]
+    cfg = K.CONFIGS["sm_89"][label]
+    got, want = K.mhc_fused_post_pre(**inp, config=cfg), K.mhc_fused_post_pre(**summed, config=cfg)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed}"
+    io = {k: inp[k] for k in ("x", "x2", "residual", "post_mix", "comb_mix")}
+    assert torch.equal(K.mhc_post(**io), K.mhc_post(summed["x"], *(io[k] for k in ("residual", "post_mix",
+                                                                                    "comb_mix")))), f"seed={seed}"
+
+
+def test_seam_plan(monkeypatch):
+    """One launch only where every program can be resident (grid <= SMs) and never on the interpreter;
+    16-token (dot) blocks cap the columns at SEAM_DOT_BLOCK_D."""
+    cfg, dev = K.CONFIGS["sm_89"]["seam_d64"], torch.device("cpu")
+    assert K.seam_plan(1, 4096, dev, cfg)["launches"] == 2          # the interpreter runs programs in turn
+    monkeypatch.setattr(K, "_interpreting", lambda: False)
+    p = K.seam_plan(1, 4096, dev, cfg)                               # 128 SMs on the CPU (an RTX 4090)
+    assert (p["BLOCK_M"], p["BLOCK_D"], p["S"], p["launches"]) == (1, 64, 64, 1)
+    p = K.seam_plan(16, 4096, dev, cfg)
+    assert (p["BLOCK_M"], p["BLOCK_D"], p["S"], p["launches"]) == (16, 32, 128, 2)   # 129 programs > 128
+    assert K.seam_plan(64, 4096, dev, cfg)["launches"] == 2
+    assert K.seam_plan(1, 4096, dev, K.CONFIGS["sm_89"]["seam2_d64"])["launches"] == 2
+    assert p["BLOCK_S"] * p["BLOCK_M"] * 16 <= cfg["SEAM_PART_ELEMS"]
+
+
+def test_backends_pass_x2():
+    """KernelBackend / ReferenceBackend mhc_post and mhc_post_pre take the shared expert's output as x2."""
+    from types import SimpleNamespace
+
+    from ds4lab.model.backend_kernel import KernelBackend
+    from ds4lab.model.backend_ref import ReferenceBackend
+    inp, seed = _inputs("fused", 2, D=128, case="x2")
+    cfg = SimpleNamespace(rms_norm_eps=1e-6, hc_eps=1e-6, hc_sinkhorn_iters=20)
+    args = (inp["x"], inp["residual"], inp["post_mix"], inp["comb_mix"])
+    pre = (inp["fn"], inp["hc_scale"], inp["hc_base"], inp["norm_weight"], cfg, "seam")
+    kb, rb = KernelBackend(mhc_precision="ieee"), ReferenceBackend()
+    ref = R.mhc_fused_post_pre(**inp)
+    _assert_all(S.check_fused(kb.mhc_post_pre(*args, *pre, x2=inp["x2"]), ref, inp), seed)
+    _assert_all(S.check_fused(rb.mhc_post_pre(*args, *pre, x2=inp["x2"]), ref, inp), seed)
+    _assert_all(S.check_post(kb.mhc_post(*args, "post", x2=inp["x2"]), ref[0], inp), seed)
+    _assert_all(S.check_post(rb.mhc_post(*args, "post", x2=inp["x2"]), ref[0], inp), seed)
+
+
+def test_x2_bad_inputs():
+    inp, _ = _inputs("fused", 3, D=128, case="x2")
+    with pytest.raises(TypeError, match="x2: dtype"):
+        K.mhc_fused_post_pre(**dict(inp, x2=inp["x2"].float()))
+    with pytest.raises(ValueError, match="x2: expected shape"):
+        K.mhc_post(inp["x"], inp["residual"], inp["post_mix"], inp["comb_mix"], x2=inp["x2"][:2])
+
+
 # ---- bad inputs ---------------------------------------------------------------------------------
 def _pre():
     inp, _ = _inputs("pre", 2, D=128)

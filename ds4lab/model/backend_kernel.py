@@ -233,14 +233,16 @@ class KernelBackend(Backend):
         with op_group(name, "kernel:mhc.mhc_pre"):
             return self.k["mhc"].mhc_pre(residual.contiguous(), fn, scale, base, norm_weight, **self._hc_args(cfg))
 
-    def mhc_post(self, x, residual, post, comb, name):
+    def mhc_post(self, x, residual, post, comb, name, x2=None):
         with op_group(name, "kernel:mhc.mhc_post"):
-            return self.k["mhc"].mhc_post(x.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous())
+            return self.k["mhc"].mhc_post(x.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous(),
+                                          x2=None if x2 is None else x2.contiguous())
 
-    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name):
+    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name, x2=None):
         with op_group(name, "kernel:mhc.mhc_fused_post_pre"):
             return self.k["mhc"].mhc_fused_post_pre(x.contiguous(), residual.contiguous(), post.contiguous(),
                                                     comb.contiguous(), fn, scale, base, norm_weight,
+                                                    x2=None if x2 is None else x2.contiguous(),
                                                     **self._hc_args(cfg))
 
     def hc_head(self, residual, fn, scale, base, cfg, name="head.hc_head"):

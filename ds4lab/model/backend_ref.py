@@ -166,9 +166,9 @@ class ReferenceBackend(Backend):
             return rmhc.mhc_pre(residual, fn, scale, base, norm_weight, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_eps,
                                 2.0, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
 
-    def mhc_post(self, x, residual, post, comb, name):
+    def mhc_post(self, x, residual, post, comb, name, x2=None):
         with op_group(name, _k("mhc.mhc_post")):
-            return rmhc.mhc_post(x, residual, post, comb)
+            return rmhc.mhc_post(x, residual, post, comb, x2=x2)
 
     def hc_head(self, residual, fn, scale, base, cfg, name="head.hc_head"):
         with op_group(name, _k("mhc.hc_head")):

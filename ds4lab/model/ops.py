@@ -208,14 +208,15 @@ class Backend:
         """``(post (T,4,1), comb (T,4,4), layer_input (T, D) bf16)`` (attn/ffn norm fused)."""
         raise NotImplementedError
 
-    def mhc_post(self, x, residual, post, comb, name):
-        """``new residual (T, 4, D)`` bf16."""
+    def mhc_post(self, x, residual, post, comb, name, x2=None):
+        """``new residual (T, 4, D)`` bf16. ``x2``: optional second sublayer output ``(T, D)`` bf16 (the
+        shared expert's), summed into ``x`` as ``(x.float() + x2.float()).to(bf16)`` first (the MoE's add)."""
         raise NotImplementedError
 
-    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name):
-        """The seam between two sublayers: ``mhc_post`` then ``mhc_pre`` (a backend may fuse them)
-        -> ``(new residual (T, 4, D) bf16, post, comb, layer_input)``."""
-        r = self.mhc_post(x, residual, post, comb, name + ".post")
+    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name, x2=None):
+        """The seam between two sublayers: ``mhc_post`` (``x2`` as there) then ``mhc_pre`` (a backend may
+        fuse them) -> ``(new residual (T, 4, D) bf16, post, comb, layer_input)``."""
+        r = self.mhc_post(x, residual, post, comb, name + ".post", x2=x2)
         return (r, *self.mhc_pre(r, fn, scale, base, norm_weight, cfg, name + ".pre"))
 
     def hc_head(self, residual, fn, scale, base, cfg, name="head.hc_head"):

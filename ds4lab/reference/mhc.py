@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["hc_prenorm_gemm", "mhc_gates", "sinkhorn", "mhc_pre", "mhc_pre_broadcast", "mhc_post",
+__all__ = ["hc_prenorm_gemm", "mhc_gates", "sinkhorn", "mhc_pre", "mhc_pre_broadcast", "add_bf16", "mhc_post",
            "mhc_fused_post_pre", "hc_head"]
 
 
@@ -82,8 +82,16 @@ def mhc_pre_broadcast(x, fn, hc_scale, hc_base, norm_weight=None, rms_eps=1e-6, 
                                hc_post_mult, sinkhorn_iters, norm_eps, compute_dtype=compute_dtype))
 
 
-def mhc_post(x, residual, post_mix, comb_mix, out=None, compute_dtype=torch.float64, **_):
-    """``new[t, j] = sum_i comb[t, i, j] residual[t, i] + post[t, j] x[t]`` -> bf16 ``[T, 4, D]``."""
+def add_bf16(x, x2):
+    """The MoE's final add as the model rounds it: ``(x.float() + x2.float()).to(bfloat16)``; ``x`` when
+    ``x2`` is None."""
+    return x if x2 is None else (x.float() + x2.float()).to(torch.bfloat16)
+
+
+def mhc_post(x, residual, post_mix, comb_mix, out=None, compute_dtype=torch.float64, x2=None, **_):
+    """``new[t, j] = sum_i comb[t, i, j] residual[t, i] + post[t, j] x[t]`` -> bf16 ``[T, 4, D]``; with ``x2``
+    the sublayer output is :func:`add_bf16` ``(x, x2)`` (routed + shared expert)."""
+    x = add_bf16(x, x2)
     dt = compute_dtype
     T, hc, D = residual.shape
     new = torch.einsum("tij,tid->tjd", comb_mix.to(dt), residual.to(dt))
@@ -93,9 +101,9 @@ def mhc_post(x, residual, post_mix, comb_mix, out=None, compute_dtype=torch.floa
 
 def mhc_fused_post_pre(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight=None, rms_eps=1e-6,
                        hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult=2.0, sinkhorn_iters=20, norm_eps=1e-6,
-                       compute_dtype=torch.float64, **_):
-    """``residual_cur = mhc_post(...)`` (bf16), then ``mhc_pre(residual_cur, ...)``."""
-    cur = mhc_post(x, residual, post_mix, comb_mix, compute_dtype=compute_dtype)
+                       compute_dtype=torch.float64, x2=None, **_):
+    """``residual_cur = mhc_post(...)`` (bf16, ``x2`` as there), then ``mhc_pre(residual_cur, ...)``."""
+    cur = mhc_post(x, residual, post_mix, comb_mix, compute_dtype=compute_dtype, x2=x2)
     return (cur, *mhc_pre(cur, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
                           hc_post_mult, sinkhorn_iters, norm_eps, compute_dtype=compute_dtype))
 

@@ -18,7 +18,10 @@ from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseli
 
 HC = 4
 CASES = ("random", "large_rows", "zero_rows", "sharp_comb")
-POST_CASES = ("random", "large_rows", "zero_rows", "nan_row")
+POST_CASES = ("random", "large_rows", "zero_rows", "nan_row", "x2")
+# "x2": a second addend (the shared expert's output, its own per-token scale) summed into x in bf16;
+# "x2_cancel": x2 = -x on some rows (the bf16 sum is exactly 0: the post is the comb mix alone)
+FUSED_CASES = CASES + ("x2", "x2_cancel")
 
 # Normalised mixes (mix * rsqrt(mean x^2)) are O(1). fp32 (interpreter / ieee): accumulation-order noise only.
 # TF32: operands keep 10 mantissa bits (2^-11 relative per product), over K=16384 random-signed products of
@@ -64,8 +67,8 @@ def _params(hc, D, n_mix, case, g, head=False):
 
 def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu", kind: str = "pre") -> dict:
     """Inputs for one mHC launcher ``kind`` in (gemm, pre, broadcast, post, fused, head)."""
-    if case not in CASES and case not in POST_CASES:
-        raise ValueError(f"case={case!r}: known cases {sorted(set(CASES + POST_CASES))}")
+    if case not in CASES + POST_CASES + FUSED_CASES:
+        raise ValueError(f"case={case!r}: known cases {sorted(set(CASES + POST_CASES + FUSED_CASES))}")
     T, D, hc, n_mix = _dims(shape)
     g = _gen(seed)
     dev = torch.device(device)
@@ -97,6 +100,12 @@ def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu", 
     comb = sinkhorn(logits.double(), 20, 1e-6).float()
     io = {"x": x.to(torch.bfloat16).to(dev), "residual": res.to(torch.bfloat16).to(dev),
           "post_mix": post.to(dev), "comb_mix": comb.to(dev)}
+    if case in ("x2", "x2_cancel") or shape.get("x2"):  # shape "x2": the compile report's x2 variant
+        x2 = torch.randn(T, D, generator=g) * torch.exp(torch.empty(T, 1).uniform_(-4.6, 4.6, generator=g))
+        x2 = x2.to(torch.bfloat16)
+        if case == "x2_cancel" and T:
+            x2[::2] = -io["x"][::2].cpu()
+        io["x2"] = x2.to(dev)
     return io if kind == "post" else {**io, **common}
 
 
@@ -154,7 +163,7 @@ def check_fused(out, ref, inputs):
     RESIDUAL THE KERNEL WROTE: fp32 vs fp64 post arithmetic flips ~5e-5 of the bf16 roundings by one ulp,
     and one flipped element moves a mix by ~2^-8 |fn| (1e-3 at the small test K), which is not an error."""
     from ds4lab.reference.mhc import mhc_pre
-    pre_kw = {k: v for k, v in inputs.items() if k not in ("x", "residual", "post_mix", "comb_mix")}
+    pre_kw = {k: v for k, v in inputs.items() if k not in ("x", "x2", "residual", "post_mix", "comb_mix")}
     ref_pre = mhc_pre(out[0], **pre_kw)
     return [_rowwise(out[0], ref[0], "residual_cur"),
             *_check_pre_outputs(*out[1:], *ref_pre, inputs, norm=inputs.get("norm_weight") is not None)]
@@ -177,25 +186,53 @@ def _bench(ts1, ts4):
     return bench_shapes
 
 
-# H200 run 4 candidates: timed only at the bench shapes that matter (each is a full config row, so
-# the interpreter tests and the AOT report still run every row of the table at their shapes)
-CANDIDATES = {"mhc_fused_post_pre": (("fused_m64k16",), (512, 2048)),
-              "hc_prenorm_gemm": (("gemm_waves8", "gemm_m32"), (4096,))}
-_ALL_CANDIDATES = {c for labels, _ in CANDIDATES.values() for c in labels}
+# Candidates: timed only at the bench shapes that matter (each is a full config row, so the interpreter
+# tests and the AOT report still run every row of the table at their shapes). H200 run 4: fused_m64k16,
+# gemm_*. Issue 20: the one-launch decode seam rows (seam_*) against today's two-launch `decode`.
+_SEAM_T = (1, 2, 4, 16)
+SEAM = "seam rows"  # every row with SEAM_BLOCK_D (ds4lab_kernels.mhc.SEAM_ROWS), read from the table
+CANDIDATES = {"mhc_fused_post_pre": ((("fused_m64k16",), (512, 2048)), ((SEAM,), _SEAM_T)),
+              "hc_prenorm_gemm": ((("gemm_waves8", "gemm_m32"), (4096,)),)}
 
 
 def _config_for_kernel(name):
     def config_for(arch, shape):
-        labels = list(kernel_configs("mhc")[arch])
-        if shape.get("D") != 4096 or shape.get("aot"):
+        table = kernel_configs("mhc")[arch]
+        seam = {c for c, row in table.items() if "SEAM_BLOCK_D" in row}
+        # the seam rows change only mhc_fused_post_pre: every other launcher would run them as `decode`
+        labels = [c for c in table if name == "mhc_fused_post_pre" or c not in seam]
+        if shape.get("aot"):
+            # compile each distinct seam kernel once: rows whose launch plan and warps coincide at this
+            # shape build the same code (at T = 8 every row's dot blocks are 32 columns, two launches)
+            from ds4lab_kernels.mhc import seam_plan
+            seen, keep = set(), []
+            for c in labels:
+                if c in seam:
+                    p = seam_plan(shape["T"], shape["D"], torch.device("cpu"), table[c], compiled=True)
+                    key = (p["BLOCK_D"], p["launches"], p["BLOCK_S"], table[c]["SEAM_WARPS"])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                elif shape["aot"] == "seam":
+                    continue
+                keep.append(c)
+            return keep
+        if shape.get("D") != 4096:
             return labels  # interpreter test shapes / AOT: every row
-        mine, ts = CANDIDATES.get(name, ((), ()))
-        return [c for c in labels if c not in _ALL_CANDIDATES or (c in mine and shape["T"] in ts)]
+        cands = {c for g in CANDIDATES.values() for ls, _ in g for c in (seam if ls == (SEAM,) else ls)}
+        mine = {c for ls, ts in (CANDIDATES.get(name, ())) for c in (seam if ls == (SEAM,) else ls)
+                if shape["T"] in ts}
+        if name == "mhc_fused_post_pre" and shape["T"] in _SEAM_T:
+            cands.add("prefill")  # never picked at T <= 64; keeps the decode sweep short
+        return [c for c in labels if c not in cands or c in mine]
     return config_for
 
 
 TEST_SHAPES = [{"T": 1, "D": 128}, {"T": 3, "D": 256}, {"T": 33, "D": 128}]
 AOT_SHAPE = {"T": 8, "D": 4096, "hc": 4, "N": 24, "aot": 1}  # "aot": every config row
+# the seam rows again at T = 1: 1-token blocks, 65 programs, so the one-launch (grid barrier) variant is
+# what compiles (at T = 8 the 16-token blocks make 129 programs: two launches on the 128-SM target)
+AOT_SHAPE_SEAM = {"T": 1, "D": 4096, "hc": 4, "N": 24, "aot": "seam", "x2": 1}  # with the x2 addend
 
 _KINDS = [
     # name, kind, check, cases, bench (tp=1, tp=4), bound
@@ -203,7 +240,7 @@ _KINDS = [
     ("mhc_pre", "pre", check_pre, CASES, ((1, 8, 512), (8,)), "memory"),
     ("mhc_pre_broadcast", "broadcast", check_broadcast, CASES, ((8, 512), (8,)), "memory"),
     ("mhc_post", "post", check_post, POST_CASES, ((1, 512, 4096), (8,)), "memory"),
-    ("mhc_fused_post_pre", "fused", check_fused, CASES, ((1, 8, 512, 2048, 8192), (8,)), "memory"),
+    ("mhc_fused_post_pre", "fused", check_fused, FUSED_CASES, ((1, 8, 512, 2048, 8192), _SEAM_T), "memory"),
     ("hc_head", "head", check_head, CASES[:3], ((1, 8, 512), (8,)), "memory"),
 ]
 
@@ -225,7 +262,7 @@ for _name, _kind, _check, _cases, (_b1, _b4), _bound in _KINDS:
         config_for=_config_for_kernel(_name),
         baselines={"torch_eager": reference_baseline(f"ds4lab.reference.mhc:{_name}", compute_dtype=torch.float32)},
         bound=_bound,
-        aot_shape=AOT_SHAPE,
+        aot_shape=[AOT_SHAPE, AOT_SHAPE_SEAM] if _kind == "fused" else AOT_SHAPE,
         sm89_mma={"_hc_prenorm_gemm_kernel": "HMMA"} if _kind in ("gemm", "pre", "broadcast", "head")
         else ({"_mhc_post_kernel": "HMMA"} if _kind == "fused" else {}),
     ))
