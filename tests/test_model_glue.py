@@ -109,8 +109,8 @@ def test_tiny_decode_step_launch_budget():
     """Launches per op group of one decode step (B=2) of the tiny config cut to its C4A and C128A
     layers (the interpreter runs ~7 s per layer) on the kernel backend: the index maps once per
     step, no per-layer slot glue, nothing outside a group but the decode wrapper's own two ops,
-    the fused norm / GEMM / add in one launch each. Measured 177 when written (main before: 221);
-    the ceiling catches new glue."""
+    the fused norm / GEMM / add in one launch each. Measured 177 on this work alone, 133 with the
+    other issue-20 branches merged (main before both: 221); the ceiling catches new glue."""
     import dataclasses
 
     from ds4lab.model import build_rank
@@ -129,4 +129,4 @@ def test_tiny_decode_step_launch_budget():
     for g in ("attn.q_kv_norm_rope", "attn.x_proj", "moe.add", "attn.q_norm_rope", "indexer.slots"):
         assert n[g] == n.calls[g] * (3 if g == "indexer.slots" else 1), g
     assert n.calls["attn.wq_b"] == 2 and "indexer.wq_b" not in n and "attn.kv_norm" not in n   # one per layer
-    assert sum(n.values()) <= 180
+    assert sum(n.values()) <= 140
