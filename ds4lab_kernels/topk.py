@@ -462,7 +462,9 @@ CONFIGS = {
 # `python scripts/gpu/attn_pick.py DIR/bench.csv` prints the replacement lines from the winners.
 DEFAULTS = {
     "sm_89": ((4095, "b1024"), (None, "r3_2048")),
-    "sm_90": ((4095, "b1024"), (None, "r3_2048")),
+    # sm_90 above 4095 columns: r3_2048p8 from the H200 native run (issue 20): best or within 1% of
+    # the best r3 row at every timed shape (R 1-64, N 8k-262k), b1024 / b4096 2-9x slower
+    "sm_90": ((4095, "b1024"), (None, "r3_2048p8")),
 }
 
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);

@@ -70,10 +70,13 @@ FIELDS = PROVENANCE + [
 STEP = "(step)"
 GAPS = "(gaps)"
 ALLREDUCE_GROUP = "comm.all_reduce (device copy)"
-# op groups of ds4lab.model after which the TP ranks all-reduce the hidden state (vLLM DeepseekV4:
-# the attention output projection, whose wo_b is row-parallel, and the MoE's routed + shared sum).
-# The recorder matches a group name ending in one of these.
-ALLREDUCE_AFTER = ("attn.o_proj", "moe.add")
+# op groups of ds4lab.model after which the TP ranks all-reduce (vLLM DeepseekV4: the attention
+# output projection, whose wo_b is row-parallel, and the MoE's routed + shared sum) -> how many
+# ``T x hidden`` bf16 tensors that all-reduce carries. ds4lab.model adds the routed and shared outputs
+# inside the next mHC post (x + x2, no add launch), so its MoE all-reduce carries both (one call over
+# a [routed; shared] buffer, after the shared expert's down projection). The recorder matches a
+# group name ending in one of these.
+ALLREDUCE_AFTER = {"attn.o_proj": 1, "moe.shared_w2": 2}
 # ds4lab.model op group -> the decode model's ops (planner.speed.step_bytes) whose bytes it moves;
 # groups not listed have no byte formula yet and get no floor
 GROUP_OPS = {
@@ -142,19 +145,23 @@ class GroupRecorder:
                 self._stack[-1] = (o[0], o[1], now)
         if rf is not None:
             rf.__exit__(None, None, None)
-        if self._ar is not None and name.endswith(ALLREDUCE_AFTER):
-            self._allreduce()
+        if self._ar is not None:
+            for point, n in ALLREDUCE_AFTER.items():
+                if name.endswith(point):
+                    self._allreduce(n)
+                    break
 
     def arm_allreduce(self, tokens: int, hidden: int, device) -> None:
-        """Issue a ``tokens x hidden`` bf16 device copy after every all-reduce point (TP > 1)."""
+        """Issue an ``n x tokens x hidden`` bf16 device copy after every all-reduce point (TP > 1)."""
         import torch
-        src = torch.zeros(tokens, hidden, dtype=torch.bfloat16, device=device)
+        n = max(ALLREDUCE_AFTER.values())
+        src = torch.zeros(n, tokens, hidden, dtype=torch.bfloat16, device=device)
         self._ar = (src, torch.empty_like(src))
 
-    def _allreduce(self) -> None:
+    def _allreduce(self, n: int = 1) -> None:
         src, dst = self._ar
         self.enter(ALLREDUCE_GROUP, "torch:copy_ (stand-in for the TP all-reduce)")
-        dst.copy_(src)
+        dst[:n].copy_(src[:n])
         self.exit(ALLREDUCE_GROUP, "torch:copy_")
         self.allreduce_copies += 1
 

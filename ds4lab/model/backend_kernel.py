@@ -54,6 +54,15 @@ from ds4lab.model.ops import Backend, Experts, Linear, op_group
 BF16 = torch.bfloat16
 F32 = torch.float32
 
+#: the fused router gate + top-k kernel up to this many tokens (see ``KernelBackend.gate_route``)
+GATE_FUSED_MAX_T = 4
+
+#: the 1x128 activation quant fused into the FP8 GEMM's prologue (``w8a8_block_fp8_linear(fused=True)``):
+#: off. H200 (issue 20, first run, TP4 decode shapes, cold L2): the fused GEMM ran 9-11 us against
+#: 5-8 us for the plain GEMM, and in the step the four FP8 linears took ~440 us more per token than
+#: quant + GEMM (2 launches each). The fused path stays a launcher option until it beats the pair.
+FUSE_ACT_QUANT = False
+
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
 DECODE_MAX_T = 64
@@ -130,12 +139,13 @@ class KernelBackend(Backend):
     def linear(self, x, lin: Linear, name, out_dtype=BF16):
         x2 = x.reshape(-1, x.shape[-1])
         if lin.fp8:
-            # one launch at decode (the 1x128 UE8M0 quant runs in the GEMM's prologue, bit-identical
-            # to quant + fp8_gemm_nt); above FUSED_MAX_M tokens the launcher runs the two kernels
-            fused = x2.shape[0] <= self.k["gemm"].FUSED_MAX_M
+            # quant + GEMM (2 launches; FUSE_ACT_QUANT: the quant in the GEMM's prologue, 1 launch,
+            # bit-identical, up to FUSED_MAX_M tokens)
+            fused = FUSE_ACT_QUANT and x2.shape[0] <= self.k["gemm"].FUSED_MAX_M
             with op_group(name, K_LINEAR_FP8_FUSED if fused else K_LINEAR_FP8):
                 cfg = None if x2.is_cuda else _interp_gemm_config(x2.shape[0])
-                y = self.k["gemm"].w8a8_block_fp8_linear(x2.contiguous(), lin.weight, lin.scale, config=cfg)
+                y = self.k["gemm"].w8a8_block_fp8_linear(x2.contiguous(), lin.weight, lin.scale, config=cfg,
+                                                         fused=fused)
                 if out_dtype != BF16:
                     y = y.to(out_dtype)
         elif out_dtype == F32:
@@ -252,8 +262,24 @@ class KernelBackend(Backend):
 
     # ---- MoE -------------------------------------------------------------------------------
     def gate_route(self, x, gate: Linear, bias, topk, scaling, ids, tid2eid, name="moe.gate_route"):
+        """Up to :data:`GATE_FUSED_MAX_T` tokens: the gate GEMV + routing in one launch
+        (``moe_gate.gate_sqrtsoftplus_topk``); above, vLLM's cuBLAS tier (bf16 x bf16 -> fp32
+        ``torch.mm``) then ``sqrtsoftplus_topk`` (H200, TP4 batch 16: the fused kernel's single
+        reducing program made it 50 us a call against ~23 us for the unfused pair)."""
         if gate.fp8:   # an FP8 gate (no DeepSeek-V4 checkpoint has one): the unfused pair
             return super().gate_route(x, gate, bias, topk, scaling, ids, tid2eid, name)
+        if x.shape[0] > GATE_FUSED_MAX_T:
+            lg = None
+            if x.is_cuda:
+                with op_group("moe.gate", "torch:mm(bf16->fp32)"):
+                    try:
+                        lg = torch.mm(x.reshape(-1, x.shape[-1]).to(BF16), gate.weight.to(BF16).t(),
+                                      out_dtype=F32)
+                    except (RuntimeError, TypeError):   # a torch without mm(out_dtype=) on this device
+                        lg = None
+            if lg is None:
+                return super().gate_route(x, gate, bias, topk, scaling, ids, tid2eid, name)
+            return self.route(lg, bias, topk, scaling, ids, tid2eid)
         with op_group(name, "kernel:moe_gate.gate_sqrtsoftplus_topk"):
             hashed = tid2eid is not None
             w, e, _ = self.k["gate"].gate_sqrtsoftplus_topk(x.contiguous().to(BF16), gate.weight.to(BF16), bias, topk,

@@ -100,7 +100,8 @@ class ReferenceBackend(Backend):
         with op_group(name, _k("indexer.indexer_q_rope_quant")):
             return ridx.indexer_q_rope_quant(q, positions, cos_sin, weights, rope_dtype=F64)
 
-    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None):
+    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None,
+                     slot_base=None):
         with op_group(name, _k("indexer.fp8_mqa_logits+topk")):
             T = q_fp8.shape[0]
             out = torch.full((T, topk), -1, dtype=torch.int32)
@@ -113,6 +114,8 @@ class ReferenceBackend(Backend):
                 zeros = torch.zeros(len(rows), dtype=torch.int32)
                 lg = ridx.fp8_mqa_logits(q_fp8[rows], (k, ks), w[rows], zeros, limits[rows].to(torch.int32))
                 out[rows] = topk_indices(lg, topk, limits[rows])
+            if slot_base is not None:
+                out = torch.where(out >= 0, out + slot_base.cpu().to(torch.int32)[:, None], out)
             return out.to(q_fp8.device)
 
     def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,

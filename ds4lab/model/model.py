@@ -167,10 +167,10 @@ class RankModel:
                                     "indexer.compressor")
                 o.indexer_cache_write(ic, cm["comp_w"], C.idx, "indexer.k_insert")
                 qf, wf = o.indexer_q(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), pos, cs, iw)
-                top = o.indexer_topk(qf, wf, C.idx, C.idx_block_table, req, cm["ncomp"], C.n_comp,
-                                     cfg.index_topk, "indexer.logits_topk", next_n=next_n)
-                with op_group("indexer.slots", "torch:where"):   # local top-512 -> global slots (-1 kept)
-                    comp_slots = torch.where(top >= 0, top + cm["base"], top)
+                # the top-512 comes back as global compressed slots (req * n_comp added in the launch)
+                comp_slots = o.indexer_topk(qf, wf, C.idx, C.idx_block_table, req, cm["ncomp"], C.n_comp,
+                                            cfg.index_topk, "indexer.logits_topk", next_n=next_n,
+                                            slot_base=cm["base"][:, 0])
             else:
                 comp_slots, comp_lens = cm["slots"], cm["lens"]
         a = o.sparse_mla(q, C.swa, maps["swa_idx"], maps["swa_lens"], L["attn_sink"], comp_cache, comp_slots,
@@ -191,7 +191,7 @@ class RankModel:
         gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
         h = o.swiglu(gu, cfg.swiglu_limit, "moe.shared_act")
         s = o.linear(h, L["shared_w2"], "moe.shared_w2")
-        return o.add(r, s, "moe.add")
+        return r, s   # routed + shared: their bf16-rounded sum is the mHC post's x + x2 (no add launch)
 
     def _block(self, i, L, resid, ids, pos, req, C, maps, next_n=None, pre=None, nxt=None):
         """One decoder block. ``pre``: this block's ``mhc_pre`` result when the previous block's
@@ -205,11 +205,12 @@ class RankModel:
         a = self._attention(i, L, x, pos, req, C, maps, ids, next_n)
         resid, post, comb, x = o.mhc_post_pre(a, resid, post, comb, L["hc_ffn_fn"], L["hc_ffn_scale"],
                                               L["hc_ffn_base"], L["ffn_norm"], cfg, "mhc.post_attn+pre_ffn")
-        f = self._moe(L, x, ids)
+        f, f2 = self._moe(L, x, ids)
         if nxt is None:
-            return o.mhc_post(f, resid, post, comb, "mhc.post_ffn"), None
+            return o.mhc_post(f, resid, post, comb, "mhc.post_ffn", x2=f2), None
         resid, post, comb, x = o.mhc_post_pre(f, resid, post, comb, nxt["hc_attn_fn"], nxt["hc_attn_scale"],
-                                              nxt["hc_attn_base"], nxt["attn_norm"], cfg, "mhc.post_ffn+pre_attn")
+                                              nxt["hc_attn_base"], nxt["attn_norm"], cfg, "mhc.post_ffn+pre_attn",
+                                              x2=f2)
         return resid, (post, comb, x)
 
     def forward(self, ids, pos, req, caches: Caches, next_n=None):

@@ -186,11 +186,13 @@ class Backend:
         round, per-(token, head) pow2 scale folded into ``w`` with ``128^-0.5 * 64^-0.5``."""
         raise NotImplementedError
 
-    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None):
+    def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None,
+                     slot_base=None):
         """Indexer logits over request ``req[t]``'s compressed entries ``j < limits[t]`` and the
         top-``topk`` local indices ``(T, topk)`` int32 (ascending, -1 padded). ``next_n`` (decode
         only): the rows are ``(B, next_n)`` with row ``b*next_n + i`` of request ``b`` (a kernel may
-        read each request's cache once for its rows); None: any ``req``."""
+        read each request's cache once for its rows); None: any ``req``. ``slot_base`` ``(T,)`` int32:
+        added to every selected index (-1 kept), so the result is compressed-cache slots."""
         raise NotImplementedError
 
     # ---- attention -------------------------------------------------------------------------
