@@ -835,16 +835,16 @@ CONFIGS = {
 # of 32 x split 2, or 64 of 64 x split 4. smem: wo_a stage 16 KiB (weight) + 2 KiB (A), <= 3 stages.
 _FUSED_ROWS = {
     "fused": {"path": "fused", "quant_z": "wo_a",
-              "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "num_warps": 4, "num_stages": 2},
+              "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "num_warps": 8, "num_stages": 2},
               "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
     "fused_s8": {"path": "fused", "quant_z": "wo_a",
-                 "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
+                 "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 8, "num_stages": 2},
                  "wo_b": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}},
     "fused_zbf16": {"path": "fused", "quant_z": "wo_b",
-                    "wo_a": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
+                    "wo_a": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 8, "num_stages": 3},
                     "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
     "fused_auto": {"path": "fused", "quant_z": "wo_a",
-                   "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": None, "num_warps": 4, "num_stages": 2},
+                   "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": None, "num_warps": 8, "num_stages": 2},
                    "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": None, "num_warps": 4, "num_stages": 4}},
 }
 for _arch_name, _t in CONFIGS.items():
