@@ -290,6 +290,7 @@ def _norm4(a, b, c, d, eps):
 
 @triton.jit
 def _softmax4(a, b, c, d, eps):
+    """Softmax over four same-shape fp32 tensors (elementwise across the four), plus ``eps`` on each."""
     m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
     a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
     inv = 1.0 / (a + b + c + d)
