@@ -309,8 +309,8 @@ def _mhc_seam_kernel(
     BLOCK_S: tl.constexpr, HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
     PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
 ):
-    """Grid ``(cdiv(T, BLOCK_M), S + 1)``; ``S = cdiv(D, BLOCK_D)``. The decode seam (post + next pre) in
-    one launch: program (m, s < S) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` x hidden columns
+    """Grid ``(cdiv(T, BLOCK_M), S + 1)``; ``S = cdiv(D, BLOCK_D)``.
+    One program (m, s < S) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` x hidden columns
     ``[s*BLOCK_D, +BLOCK_D)`` of all 4 streams; program (m, S) computes the post gates and Sinkhorn.
 
     Phase A (s < S): the new streams (bf16, written to ``res_out``) and their partials: the 24 mixes
