@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
-from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3, ue8m0_to_fp32
+from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2, ue8m0_to_fp32
 
 BLOCK_K = 128
 
@@ -57,6 +57,7 @@ def _fp8_gemm_nt_kernel(
     kb_per_split, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_BF16: tl.constexpr, SPLIT: tl.constexpr,
+    A_ROWS: tl.constexpr,
 ):
     """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split)``: output tiles in GROUP_M order x k splits.
     One program: a BLOCK_M x BLOCK_N tile of D over its split's k-blocks.
@@ -90,7 +91,13 @@ def _fp8_gemm_nt_kernel(
     kb_lo = pid_k * kb_per_split
     kb_hi = tl.minimum(kb_lo + kb_per_split, n_kb)
 
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + (kb_lo * BLOCK_K + offs_k)[None, :]
+    if A_ROWS == 1:
+        # one real row (M=1); its next k-block is prefetched into registers one iteration ahead
+        # (1 bf16 per thread is too narrow for the pipeliner's cp.async)
+        a_ptrs = a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am + (kb_lo * BLOCK_K + offs_k)[None, :]
+        x_next = tl.load(a_ptrs, mask=(kb_lo < kb_hi), other=0.0)
+    else:
+        a_ptrs = a_ptr + rows_a[:, None] * stride_am + (kb_lo * BLOCK_K + offs_k)[None, :]
     b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (kb_lo * BLOCK_K + offs_k)[None, :]
     sa_row = sa_ptr + rows_a * stride_sam
     if BLOCK_N <= 128:
@@ -103,8 +110,16 @@ def _fp8_gemm_nt_kernel(
     for kb in range(kb_lo, kb_hi):
         b = tl.load(b_ptrs)
         if A_BF16:
-            # the 1x128 group quant of fp8_quant (same helper), scale through its UE8M0 byte and back
-            a, sa = quant_rows_e4m3(tl.load(a_ptrs).to(tl.float32), eps, True)
+            # the 1x128 group quant of fp8_quant (bit-identical helper), scale through its UE8M0
+            # byte and back
+            if A_ROWS == 1:
+                xr = x_next.to(tl.float32)
+                x_next = tl.load(a_ptrs + BLOCK_K, mask=(kb + 1 < kb_hi), other=0.0)
+                a, sa = quant_rows_e4m3_pow2(xr, eps)  # one row, not BLOCK_M copies of it
+                a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
+                sa = tl.broadcast_to(sa, (BLOCK_M,))
+            else:
+                a, sa = quant_rows_e4m3_pow2(tl.load(a_ptrs).to(tl.float32), eps)
             sa = ue8m0_to_fp32(fp32_pow2_to_ue8m0(sa))
         else:
             a = tl.load(a_ptrs)
@@ -281,7 +296,17 @@ def _launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out, cfg, a_bf16: bool, eps: f
         a, b, sa, b_scale, out, ws, cnt, M, N, K, a.stride(0), b.stride(0), out.stride(0),
         *sa_strides, b_scale.stride(0), b_scale.stride(1), kb_per, eps,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK_K, GROUP_M=cfg.get("GROUP_M", 1), A_FMT=a_fmt, B_FMT=b_fmt,
-        A_BF16=a_bf16, SPLIT=split > 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        A_BF16=a_bf16, SPLIT=split > 1, A_ROWS=_a_rows(a, BM) if a_bf16 else BM,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _a_rows(x: torch.Tensor, BM: int) -> int:
+    """1 when a fused-quant program can load and quantize one bf16 row per k-block instead of
+    ``BLOCK_M`` copies of it (M=1: the row's next k-block is prefetched into registers); else
+    ``BLOCK_M``. Sub-tiles of 2..BLOCK_M/2 rows were tried: the broadcast
+    back to the MMA operand made Triton's layout pass run the quant in the operand layout (2x the
+    instructions of the full tile in the sm_89 PTX), and 1 bf16 per thread is a plain ld.global."""
+    return 1 if x.shape[0] == 1 else BM
 
 
 # decode sizes at which w8a8_block_fp8_linear quantizes A inside the GEMM (each program re-quantizes

@@ -94,7 +94,10 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128, scale_fmt:
         s_buf = s
     else:
         width = G if scale_fmt == "ue8m0" else 4 * triton.cdiv(G, 4)
-        s_buf = torch.zeros((M, width), dtype=torch.uint8, device=x.device)
+        # every byte of a ue8m0 row is written by the kernel: torch.empty (torch.zeros was a third
+        # launch per linear, a fill kernel, in the decode step); only packed padding needs zeros
+        alloc = torch.zeros if width > G else torch.empty
+        s_buf = alloc((M, width), dtype=torch.uint8, device=x.device)
         s = s_buf if scale_fmt == "ue8m0" else s_buf.view(torch.int32)
     n_groups = M * G
     if n_groups == 0:

@@ -338,3 +338,29 @@ def test_default_config_is_fused_up_to_32_tokens(monkeypatch):
     assert quant.n == 0
     q, s = fp8_quant.per_token_group_quant_fp8(x, 128, scale_fmt="ue8m0")
     _check(got, q, s, b, sb)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_fused_single_row_path_is_bit_identical_on_adversarial_groups(split):
+    """M=1 loads and quantizes one row per k-block (prefetched a k-block ahead, ``_a_rows``): still
+    bit-identical to quant + GEMM with NaN, ±inf, 2^108, zero, 1e-30 and subnormal groups in that
+    row, an odd k-block count and a split boundary (5 k-blocks, split 2: 3 + 2)."""
+    N, K = 96, 640
+    g = torch.Generator().manual_seed(_seed())
+    x = torch.randn(1, K, generator=g) * 3
+    x[0, 0:128] = 0.0
+    x[0, 128:256] = 1e-30 * torch.randn(128, generator=g)
+    x[0, 256:384] = 2.0 ** -133
+    x[0, 400] = 448.0 * 2.0 ** 100
+    _, _, b, sb = _operands(1, N, K, b_fmt="ue8m0")
+    cfg = {**CONFIGS["sm_89"]["decode"], "SPLIT_K": split}
+    for bad in (None, float("nan"), float("inf")):
+        xb = x.clone()
+        if bad is not None:
+            xb[0, 600] = bad
+        xb = xb.bfloat16().to(DEVICE)
+        assert G._a_rows(xb, 16) == 1
+        q, s = fp8_quant.per_token_group_quant_fp8(xb, 128, scale_fmt="ue8m0")
+        two = fp8_gemm_nt(q, s, b, sb, config=cfg)
+        assert compare_exact(G.w8a8_block_fp8_linear(xb, b, sb, config=cfg), two, f"M=1 fused, {bad}")
+        assert two.isnan().all() if bad is not None else not two.isnan().any()

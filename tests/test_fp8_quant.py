@@ -77,3 +77,18 @@ def test_empty_and_strided_rows():
 def test_bad_inputs_raise_naming_the_argument(bad, kw, exc, match):
     with pytest.raises(exc, match=match):
         quant(bad().to(DEVICE), **kw)
+
+
+def test_ue8m0_scales_are_not_zero_filled(monkeypatch):
+    """ue8m0 writes every scale byte, so no torch.zeros (a fill kernel: the third launch per FP8
+    linear in the decode step); packed with padding columns still zero-fills."""
+    calls = []
+    real = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: calls.append(a) or real(*a, **k))
+    x = torch.randn(3, 640).bfloat16().to(DEVICE)
+    q, s = quant(x, 128, scale_fmt="ue8m0")
+    assert calls == []
+    _, ref_s = ref.per_token_group_quant_fp8(x, 128, "ue8m0")
+    assert torch.equal(s.cpu(), ref_s.cpu())
+    _, sp = quant(x, 128, scale_fmt="ue8m0_packed")   # 5 groups -> 3 pad bytes
+    assert len(calls) == 1 and int((sp.view(torch.uint8)[:, 5:]).abs().sum()) == 0

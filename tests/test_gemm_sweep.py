@@ -52,3 +52,16 @@ def test_best_rows_and_comparison_table(tmp_path, capsys):
         w.writerows(rows + [{k: v for k, v in b.items() if k in rows[0]} for b in best.values()])
     assert GS.main(["--table", str(path)]) == 0
     assert "1.5" in capsys.readouterr().out
+
+
+def test_configs_filter_keeps_only_the_named_candidates(tmp_path):
+    """The short final run (scripts/gpu/gemm.sh CONFIGS=...): only the named labels of ours and the
+    peer's, plus the quant+gemm pair; M=1 runs the fused single-row path (checked bit-identical)."""
+    from ds4lab.harness.specs.fp8_gemm import PEER
+    shape = {"op": "t", "M": 1, "N": 64, "K": 256, "b_fmt": "ue8m0"}
+    rows = GS.sweep([shape], log=lambda m: None, configs={"decode_16x64", "16x32_w4_s4"})
+    got = sorted((r["impl"], r["config_label"]) for r in rows if "(best)" not in r["impl"])
+    assert got == sorted([("ds4lab_fused", "decode_16x64"), ("ds4lab", "decode_16x64"),
+                          ("ds4lab_quant+gemm", "decode"), (PEER, "16x32_w4_s4")])
+    assert all(r["status"] == "OK" for r in rows)
+    assert GS.main(["--configs", "nope", "--ms", "1"]) == 2

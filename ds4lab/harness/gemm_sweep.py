@@ -57,12 +57,15 @@ class _Set:
         self.peer = S.peer_operands(self.gemm)
 
 
-def _candidates(shape, arch, peer):
-    """[(impl, config label, config json, make(set) -> zero-arg callable)] at ``shape``."""
+def _candidates(shape, arch, peer, configs=None):
+    """[(impl, config label, config json, make(set) -> zero-arg callable)] at ``shape``; ``configs``
+    (a set of config labels, ours and the peer's): only those (the quant+gemm pair always runs)."""
     from ds4lab.harness.specs import fp8_gemm as S
     from ds4lab_kernels import fp8_gemm as G
     out = []
     for label in G.decode_candidates(shape["M"]):
+        if configs and label not in configs:
+            continue
         cfg = G.CONFIGS[arch][label]
         out.append(("ds4lab_fused", label, cfg, lambda s, c=cfg: (lambda: G.w8a8_block_fp8_linear(
             s.lin["x"], s.lin["weight"], s.lin["weight_scale"], config=c))))
@@ -74,6 +77,8 @@ def _candidates(shape, arch, peer):
                                         fused=False))))
     if peer is not None:
         for label, pc in S.PEER_CONFIGS.items():
+            if configs and label not in configs:
+                continue
             out.append((S.PEER, label, pc, lambda s, c=pc: S.peer_call(peer.fn, s.peer, c)))
     return out
 
@@ -120,8 +125,10 @@ def _precompile(calls, log) -> None:
     log(f"precompile: {len(calls)} calls ({n_err} raised) in {time.time() - t0:.1f} s")
 
 
-def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, replays=20) -> list[dict]:
-    """Check, then time, every implementation at every shape; returns rows (``FIELDS``).
+def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, replays=20, configs=None,
+          baselines=True) -> list[dict]:
+    """Check, then time, every implementation at every shape; returns rows (``FIELDS``). ``configs``:
+    only these config labels (ours and the peer's; None: all); ``baselines``: also cuBLAS / bf16.
 
     On a machine without CUDA the rows are checked but not timed (``timing = "not timed"``)."""
     import torch
@@ -165,7 +172,7 @@ def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, repla
             for sh in group:
                 firsts[json.dumps(sh)] = _Set(sh, 0, dev)
             if cuda:
-                _precompile([make(firsts[json.dumps(sh)]) for sh in group for *_, make in _candidates(sh, arch, peer)],
+                _precompile([make(firsts[json.dumps(sh)]) for sh in group for *_, make in _candidates(sh, arch, peer, configs)],
                             log)
         first = firsts[key]
         if cuda:
@@ -183,7 +190,7 @@ def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, repla
         plain_out = {}
         if peer is None:
             emit({**common, "impl": S.PEER, "status": "SKIP", "numerics": f"peer not loaded: {peer_err}"[:300]})
-        for impl, label, cfg, make in _candidates(shape, arch, peer):
+        for impl, label, cfg, make in _candidates(shape, arch, peer, configs):
             row = {**common, "impl": impl, "config_label": label, "config": json.dumps(cfg)}
             try:
                 got = make(first)()
@@ -217,7 +224,7 @@ def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, repla
             except Exception as e:  # noqa: BLE001
                 row.update(status="ERROR", numerics=f"timing: {type(e).__name__}: {e}"[:300])
                 emit(row)
-        if cuda:
+        if cuda and baselines:
             for impl, make in _baselines(shape):
                 row = {**common, "impl": impl, "config_label": "", "config": "", "numerics": "not checked (reference point)"}
                 try:
@@ -346,6 +353,9 @@ def main(argv=None) -> int:
                    help="a copy of vLLM's source (DIR/vllm/...); default $DS4LAB_PEER_SRC, else installed vllm")
     p.add_argument("--table", metavar="CSV", help="print the comparison table of CSV and exit")
     p.add_argument("--check", action="store_true", help="only the registry numerics of both launchers")
+    p.add_argument("--configs", default="", help="comma-separated config labels to time, ours (fp8_gemm.CONFIGS) "
+                   "and the peer's (specs.fp8_gemm.PEER_CONFIGS); default: every decode candidate")
+    p.add_argument("--no-baselines", action="store_true", help="skip the cuBLAS / bf16-dequant reference points")
     a = p.parse_args(argv)
     if a.table:
         from ds4lab.tables import format_table
@@ -376,7 +386,14 @@ def main(argv=None) -> int:
         order = [int(m) for m in a.ms.split(",") if m]
         shapes.sort(key=lambda s: order.index(s["M"]))  # M-major: every op at the first M first
     t0 = time.time()
-    rows = sweep(shapes, a.arch, a.peer_src, csv_path=os.path.join(a.out, CSV_NAME), replays=a.replays)
+    configs = {c for c in a.configs.split(",") if c} or None
+    from ds4lab_kernels import fp8_gemm as G
+    unknown = sorted((configs or set()) - set(G.CONFIGS["sm_89"]) - set(S.PEER_CONFIGS))
+    if unknown:
+        print(f"gemm_sweep: --configs: unknown labels {unknown}", file=sys.stderr)
+        return 2
+    rows = sweep(shapes, a.arch, a.peer_src, csv_path=os.path.join(a.out, CSV_NAME), replays=a.replays,
+                 configs=configs, baselines=not a.no_baselines)
     bad = [r for r in rows if r.get("status") in ("FAIL", "ERROR")]
     print(f"{len(rows)} rows -> {os.path.join(a.out, CSV_NAME)}; {len(bad)} FAIL/ERROR; {time.time() - t0:.1f} s")
     return 1 if bad else 0

@@ -12,7 +12,10 @@
 # Usage: OUT=DIR bash scripts/gpu/gemm.sh [--peer-src DIR]     (or PEER_SRC=DIR; default: ./.peer if
 #   present, made by `make peer-src` and carried as an ignored folder). Without the peer source the
 #   sweep says so in its log and CSV (SKIP rows) and times the rest.
-#   BUILDS="native sm89" (default), MS=1,4,8,16,32, BUILD_TIMEOUT (s, default 45), CHECK_TIMEOUT (s, 25)
+#   BUILDS="native sm89" (default), MS=1,4,8,16,32, BUILD_TIMEOUT (s, default 45), CHECK_TIMEOUT (s, 25),
+#   CONFIGS=label,label (only these configs, ours and the peer's; quant+gemm always), NO_BASELINES=1
+#   (skip cuBLAS / bf16 dequant). Short final run (~40-60 s for both builds):
+#   MS=1,16 CONFIGS=decode,decode_16x64,decode_16x128,16x32_w4_s4,16x64_w4_s4,16x32_w2_s5 NO_BASELINES=1
 # Rows -> $OUT/gemm_decode.csv (appended as measured), logs -> $OUT/gemm_*.log, table -> $OUT/gemm_table.txt.
 # Fail-soft: a failing candidate, check or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
@@ -34,6 +37,8 @@ export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null
 BUILDS=${BUILDS:-native sm89}
 MS=${MS:-1,4,8,16,32}
 peer_args=""; [ -n "$PEER_SRC" ] && peer_args="--peer-src $PEER_SRC"
+[ -n "${CONFIGS:-}" ] && peer_args="$peer_args --configs $CONFIGS"
+[ -n "${NO_BASELINES:-}" ] && peer_args="$peer_args --no-baselines"
 echo "peer source: ${PEER_SRC:-<installed vllm, if any>}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
 rc=0
