@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP := bash env/setup.sh
 PYTEST_ARGS ?=
 
-.PHONY: peer-src setup test test-fast test-fuzz tour lab aot bench-gpu step-gpu lock clean info doctor plan serve serve-bench tiny screenshots
+.PHONY: peer-src gpu-topics setup test test-fast test-fuzz tour lab aot bench-gpu step-gpu lock clean info doctor plan serve serve-bench tiny screenshots
 
 setup:
 	@$(SETUP)
@@ -49,6 +49,10 @@ bench-gpu:
 ## .peer/ (never committed); pass it as `--peer-src .peer` (carry .peer to the device)
 peer-src: setup
 	$(PY) -m ds4lab.harness.peers --copy-to .peer
+
+## On the H200 image: the issue-20 candidate sweeps (TOPICS="gemm moe mhc route oproj attn"), .peer carried
+gpu-topics:
+	OUT=results/gpu TOPICS="$(or $(TOPICS),gemm moe mhc route oproj attn)" bash scripts/gpu/topics.sh
 
 ## On the H200 image: the decode step, model check + native and sm_89 builds (MODE=full for all points)
 step-gpu:

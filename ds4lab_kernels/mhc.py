@@ -290,6 +290,7 @@ def _norm4(a, b, c, d, eps):
 
 @triton.jit
 def _softmax4(a, b, c, d, eps):
+    """Softmax over four same-shape fp32 tensors (elementwise across the four), plus ``eps`` on each."""
     m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
     a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
     inv = 1.0 / (a + b + c + d)
@@ -308,8 +309,8 @@ def _mhc_seam_kernel(
     BLOCK_S: tl.constexpr, HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
     PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
 ):
-    """Grid ``(cdiv(T, BLOCK_M), S + 1)``; ``S = cdiv(D, BLOCK_D)``. The decode seam (post + next pre) in
-    one launch: program (m, s < S) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` x hidden columns
+    """Grid ``(cdiv(T, BLOCK_M), S + 1)``; ``S = cdiv(D, BLOCK_D)``.
+    One program (m, s < S) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` x hidden columns
     ``[s*BLOCK_D, +BLOCK_D)`` of all 4 streams; program (m, S) computes the post gates and Sinkhorn.
 
     Phase A (s < S): the new streams (bf16, written to ``res_out``) and their partials: the 24 mixes

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
-from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3, ue8m0_to_fp32
+from ._fp8 import ceil_pow2, fp32_pow2_to_ue8m0, quant_rows_e4m3, to_e4m3, ue8m0_to_fp32
 
 SCALE_FMTS = ("fp32", "pow2", "ue8m0")
 _FMT_CODE = {"fp32": 0, "pow2": 1, "ue8m0": 2}
@@ -172,6 +172,23 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, n_elem, SPLIT_K: tl.constexpr, BLOC
 
 
 @triton.jit
+def _quant_rows(x, eps, POW2: tl.constexpr):
+    """``_fp8.quant_rows_e4m3`` with the same bits, faster for power-of-two scales: ``x / s`` is
+    ``x * (1/s)`` exactly when s is a power of two (1/s is exact, one correctly rounded product;
+    NaN/inf scales give the same NaN/0 as the division), so only one ``div_rn`` per row is paid
+    (H200: the 2048 ``div_rn`` of a 16x128 block cost ~2.8 us per k step in the wo_a prologue)."""
+    if POW2:
+        has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
+        s = ceil_pow2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+        s = tl.where(has_nan, float("nan"), s)
+        inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        return to_e4m3(x * inv[:, None]), s
+    else:
+        return quant_rows_e4m3(x, eps, False)
+
+
+@triton.jit
 def _fused_epilogue(tot, rm64, rn, mmask, omask, g, pid_n, out_ptr, q_ptr, qs_ptr, eps,
                     stride_ot, stride_og, stride_qt, stride_qg, stride_qst, stride_qsg,
                     STORE_OUT: tl.constexpr, QUANT_OUT: tl.constexpr, POW2: tl.constexpr,
@@ -182,7 +199,7 @@ def _fused_epilogue(tot, rm64, rn, mmask, omask, g, pid_n, out_ptr, q_ptr, qs_pt
     if STORE_OUT:
         tl.store(out_ptr + rm64[:, None] * stride_ot + g * stride_og + rn[None, :], tb, mask=omask)
     if QUANT_OUT:
-        q, s = quant_rows_e4m3(tb.to(tl.float32), eps, POW2)
+        q, s = _quant_rows(tb.to(tl.float32), eps, POW2)
         tl.store(q_ptr + rm64[:, None] * stride_qt + g * stride_qg + rn[None, :], q, mask=omask)
         s_off = qs_ptr + rm64 * stride_qst + g * stride_qsg + pid_n
         if QS_UE8M0:
@@ -202,7 +219,7 @@ def _fused_gemm_kernel(
     A_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, POW2: tl.constexpr,
     XS_UE8M0: tl.constexpr, WS_UE8M0: tl.constexpr, STORE_OUT: tl.constexpr, QUANT_OUT: tl.constexpr,
     QS_UE8M0: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROPE_SPLIT: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), G * SPLIT_K)``.
     One program: a BLOCK_M x BLOCK_N tile of one group's output over one K split (the tile's last split sums them).
@@ -213,7 +230,8 @@ def _fused_gemm_kernel(
     attention output ``o[t, g*HPG + k/HEAD_DIM, k%HEAD_DIM]`` (head stride ``stride_ah``), rotates
     the last ROPE dims of the head back by ``-theta`` (same products and sums as
     ``_inv_rope_quant_kernel``) and quantizes it, so the bytes fed to the MMA are those of
-    ``inv_rope_fp8_quant``. Split-K in the same launch: every split stores its fp32 partial to
+    ``inv_rope_fp8_quant`` (``ROPE_SPLIT``: the rope pairs taken as the even/odd halves of the block,
+    ``tl.split``, instead of a second, gathered load of the partners). Split-K in the same launch: every split stores its fp32 partial to
     ``part[s, t, g, n]``, then takes a ticket on the tile's counter (acq_rel, after a CTA barrier);
     the split that draws the last ticket sums the partials in split order (deterministic, whoever
     arrives last), runs the epilogue and resets the counter to 0 for the next launch (stream order).
@@ -255,21 +273,36 @@ def _fused_gemm_kernel(
                 d = (k - hd * HEAD_DIM) + rk
                 h_row = a_row + hd * stride_ah
                 x = tl.load(h_row + d[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
-                is_rope = d >= NOPE
-                r = tl.maximum(d - NOPE, 0)
-                m2 = mmask[:, None] & is_rope[None, :]
-                xp = tl.load(h_row + (d ^ 1)[None, :], mask=m2, other=0.0).to(tl.float32)
-                ci = (r >> 1)[None, :]
-                cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
-                sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
-                pa = x * cosv
-                pb = xp * sinv
-                rot = tl.where(((r & 1) == 0)[None, :], pa + pb, pa - pb)
-                x = tl.where(is_rope[None, :], rot, x)
+                if ROPE_SPLIT and k - hd * HEAD_DIM + BLOCK_K > NOPE:
+                    # even/odd halves of the block (no gather): pair p of the head is rope pair p - NOPE/2
+                    ev, od = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+                    ri = (k - hd * HEAD_DIM) // 2 + tl.arange(0, BLOCK_K // 2) - NOPE // 2
+                    isr = ri >= 0
+                    m2 = mmask[:, None] & isr[None, :]
+                    ci = tl.maximum(ri, 0)[None, :]
+                    cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
+                    sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
+                    ne = ev * cosv + od * sinv
+                    no = od * cosv - ev * sinv
+                    ev = tl.where(isr[None, :], ne, ev)
+                    od = tl.where(isr[None, :], no, od)
+                    x = tl.reshape(tl.join(ev, od), (BLOCK_M, BLOCK_K))
+                elif k - hd * HEAD_DIM + BLOCK_K > NOPE:  # this k step holds rope dims
+                    is_rope = d >= NOPE
+                    r = tl.maximum(d - NOPE, 0)
+                    m2 = mmask[:, None] & is_rope[None, :]
+                    xp = tl.load(h_row + (d ^ 1)[None, :], mask=m2, other=0.0).to(tl.float32)
+                    ci = (r >> 1)[None, :]
+                    cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
+                    sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
+                    pa = x * cosv
+                    pb = xp * sinv
+                    rot = tl.where(((r & 1) == 0)[None, :], pa + pb, pa - pb)
+                    x = tl.where(is_rope[None, :], rot, x)
                 x = tl.where(bad[:, None], float("nan"), x)
             else:
                 x = tl.load(a_row + k + rk[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
-            a, xs = quant_rows_e4m3(x, eps, POW2)
+            a, xs = _quant_rows(x, eps, POW2)
         dd = tl.dot(a, tl.trans(b))
         acc += dd * (xs[:, None] * ws)
     omask = mmask[:, None] & nmask[None, :]
@@ -285,7 +318,7 @@ def _fused_gemm_kernel(
         ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:
             tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(SPLIT_K):
+            for j in range(SPLIT_K):  # a loop, not unrolled: SPLIT_K live tiles would spill
                 tot += tl.load(part_ptr + j * stride_ps + p_off, mask=omask, other=0.0, cache_modifier=".cg")
             _fused_epilogue(tot, rm64, rn, mmask, omask, g, pid_n, out_ptr, q_ptr, qs_ptr, eps,
                             stride_ot, stride_og, stride_qt, stride_qg, stride_qst, stride_qsg,
@@ -637,7 +670,7 @@ def _fused_gemm(mode, a, a_s, w, w_s, T, G, N, K, cfg, *, out=None, q=None, qs=N
         XS_UE8M0=a_s is not None and a_s.dtype == torch.uint8, WS_UE8M0=w_s.dtype == torch.uint8,
         STORE_OUT=out is not None, QUANT_OUT=q is not None,
         QS_UE8M0=qs is not None and qs.dtype == torch.uint8, SPLIT_K=split,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=W_BLOCK,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=W_BLOCK, ROPE_SPLIT=bool(cfg.get("ROPE_SPLIT", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
 
 
@@ -817,16 +850,20 @@ CONFIGS = {
 # of 32 x split 2, or 64 of 64 x split 4. smem: wo_a stage 16 KiB (weight) + 2 KiB (A), <= 3 stages.
 _FUSED_ROWS = {
     "fused": {"path": "fused", "quant_z": "wo_a",
-              "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "num_warps": 4, "num_stages": 2},
+              "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "num_warps": 8, "num_stages": 2},
               "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
     "fused_s8": {"path": "fused", "quant_z": "wo_a",
-                 "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
+                 "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 8, "num_stages": 2},
                  "wo_b": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}},
     "fused_zbf16": {"path": "fused", "quant_z": "wo_b",
-                    "wo_a": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3},
+                    "wo_a": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 8, "num_stages": 3},
                     "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
+    "fused_rsplit": {"path": "fused", "quant_z": "wo_a",
+                     "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "num_warps": 8, "num_stages": 1,
+                              "ROPE_SPLIT": True},
+                     "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
     "fused_auto": {"path": "fused", "quant_z": "wo_a",
-                   "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": None, "num_warps": 4, "num_stages": 2},
+                   "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": None, "num_warps": 8, "num_stages": 2},
                    "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": None, "num_warps": 4, "num_stages": 4}},
 }
 for _arch_name, _t in CONFIGS.items():

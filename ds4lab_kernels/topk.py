@@ -158,7 +158,8 @@ def _topk_kernel(x_ptr, len_ptr, off_ptr, out_ptr, N, stride_xr, stride_or,
 @triton.jit
 def _r3_hist0_kernel(x_ptr, len_ptr, h0_ptr, cnt_ptr, N, stride_xr, chunk, P,
                      HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(num_rows, P)``. One program: one chunk of one row: its top-byte histogram."""
+    """Grid ``(num_rows, P)``.
+    One program: one chunk of one row: its top-byte histogram."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
@@ -187,8 +188,8 @@ def _sum_chunks(h_ptr, r, P, PB: tl.constexpr):
 @triton.jit
 def _r3_hist1_kernel(x_ptr, len_ptr, h0_ptr, h1_ptr, aux_ptr, st_ptr, N, stride_xr, chunk, P,
                      K: tl.constexpr, PB: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(num_rows, P)``. One program: the row's first radix level (from all chunks' top-byte
-    histograms), then its own chunk's histogram of byte 2 within the selected top byte."""
+    """Grid ``(num_rows, P)``.
+    One program: the row's first radix level (from all chunks' top-byte histograms), then its own chunk's histogram of byte 2 within the selected top byte."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr
@@ -282,8 +283,8 @@ def _r3_select_kernel(x_ptr, len_ptr, off_ptr, out_ptr, h1_ptr, aux_ptr, st_ptr,
                       N, stride_xr, stride_or, chunk, P, CAP,
                       K: tl.constexpr, KP2: tl.constexpr, PB: tl.constexpr, HAS_LEN: tl.constexpr,
                       HAS_OFF: tl.constexpr, BLOCK: tl.constexpr, FBLOCK: tl.constexpr):
-    """Grid ``(num_rows, P)``. One program: the row's second radix level, its chunk's candidates into
-    the row's compact list; the row's last program to arrive selects exactly and writes the row."""
+    """Grid ``(num_rows, P)``.
+    One program: the row's second radix level, its chunk's candidates into the row's compact list; the row's last program to arrive selects exactly and writes the row."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     row_ptr = x_ptr + r * stride_xr

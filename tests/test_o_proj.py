@@ -240,8 +240,9 @@ def _wo_a_small(G, R=128, seed=0, fmt="fp32"):
 _A1 = {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 1}
 
 
-@pytest.mark.parametrize("case,fmt,H", [("nan_rows", "fp32", 8), ("outliers", "pow2", 8), ("cache_end", "ue8m0", 16)])
-def test_fused_prologue_feeds_the_bytes_of_inv_rope_fp8_quant(case, fmt, H):
+@pytest.mark.parametrize("case,fmt,H,rsplit", [("nan_rows", "fp32", 8, False), ("outliers", "pow2", 8, True),
+                                               ("cache_end", "ue8m0", 16, False), ("nan_rows", "ue8m0", 8, True)])
+def test_fused_prologue_feeds_the_bytes_of_inv_rope_fp8_quant(case, fmt, H, rsplit):
     """Launch 1's prologue (inverse RoPE + 1x128 quant per k step) gives the MMA exactly the bytes and
     scales of ``inv_rope_fp8_quant``: with the same split the wo_a product is bit-identical to the
     same kernel fed the quantized tensors, and its z quant epilogue is bit-identical to
@@ -260,7 +261,8 @@ def test_fused_prologue_feeds_the_bytes_of_inv_rope_fp8_quant(case, fmt, H):
     z = torch.empty_like(z_ref)
     zq = torch.empty(T, G, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
     zs = torch.empty(T, G, 1, dtype=sdt, device=DEVICE)
-    K._fused_gemm(2, o_g, None, w, ws, T, G, 128, 4096, _A1, out=z, q=zq, qs=zs, positions=inp["positions"],
+    K._fused_gemm(2, o_g, None, w, ws, T, G, 128, 4096, {**_A1, "ROPE_SPLIT": rsplit}, out=z, q=zq, qs=zs,
+                  positions=inp["positions"],
                   cos_sin=inp["cos_sin_cache"], head_stride=o.stride(1), head_dim=512, rope=64, pow2=pow2)
     assert compare_exact(z, z_ref, "z (rope prologue vs quantized input)")
     rq, rs = per_token_group_quant_fp8(z.view(T, G * 128), 128, scale_fmt=fmt)
