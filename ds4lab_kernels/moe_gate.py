@@ -306,9 +306,7 @@ _TABLE = {
     "e32k16": {**_D, "BLOCK_E": 32, "BLOCK_K": 256, "SPLIT_K": 16},                     # 128 programs, 16 KiB
     "e32k16t4": {**_D, "BLOCK_E": 32, "BLOCK_K": 256, "SPLIT_K": 16, "TAIL_T": 4, "RED_T": 4},
     "e16k16": {**_D, "BLOCK_E": 16, "BLOCK_K": 256, "SPLIT_K": 16},                     # 256 programs, 8 KiB
-    "e32k32": {**_D, "BLOCK_E": 32, "BLOCK_K": 128, "SPLIT_K": 32},                     # 256 programs, 8 KiB
     "e64k32": {**_D, "BLOCK_E": 64, "BLOCK_K": 128, "SPLIT_K": 32},                     # 128 programs, 16 KiB
-    "e16k8": {**_D, "BLOCK_E": 16, "BLOCK_K": 512, "SPLIT_K": 8},                       # 128 programs, 16 KiB
     "e32k16w8": {**_D, "BLOCK_E": 32, "BLOCK_K": 256, "SPLIT_K": 16, "num_warps": 8},
     "t32e32k8": {"BLOCK_T": 32, "BLOCK_E": 32, "BLOCK_K": 128, "SPLIT_K": 8, "TAIL_T": 16, "RED_T": 16,
                  "num_warps": 4, "num_stages": 2},
@@ -320,6 +318,8 @@ _TABLE = {
 }
 CONFIGS = {"sm_89": dict(_TABLE), "sm_90": {k: dict(v) for k, v in _TABLE.items()}}
 
+# the decode candidates the bench times at T <= 16 (scripts/gpu/route.sh --gate)
+DECODE_CANDIDATES = ("e32k16", "e32k16t4", "e16k16", "e64k32", "e32k16w8")
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes)
 GPU_DEFAULTS = {"sm_89": ("e32k16", "t32e32k8", "prefill"), "sm_90": ("e32k16", "t32e32k8", "prefill")}
 

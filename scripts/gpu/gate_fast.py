@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="native", choices=["native", "sm89"])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--warm-only", action="store_true")
+    p.add_argument("--config", default=None, help="--warm-only: this candidate only ('default': the "
+                   "default's bias + hash builds and the baseline router)")
     args = p.parse_args(argv)
     from ds4lab.harness import bench
     bench._setup_build(args.arch)
@@ -54,12 +56,21 @@ def main(argv=None) -> int:
     if args.warm_only:
         for shape in shapes[:1]:
             inp = spec.make_inputs(shape, "random", 0, dev)
-            for lb in spec.config_labels(table, shape):
+            labels = spec.config_labels(table, shape) if args.config is None else \
+                [] if args.config == "default" else [args.config]
+            for lb in labels:
                 try:
                     gate_sqrtsoftplus_topk(**inp, config=spec.configs[table][lb])
                 except Exception as e:
                     print(f"warm {lb}: {type(e).__name__}: {e}"[:300])
-            gate_sqrtsoftplus_topk(**spec.make_inputs(shape, "hash", 0, dev))
+            if args.config in (None, "default"):
+                gate_sqrtsoftplus_topk(**inp)
+                gate_sqrtsoftplus_topk(**spec.make_inputs(shape, "hash", 0, dev))
+                for name, make in spec.baselines.items():
+                    try:
+                        make(inp)()
+                    except Exception as e:
+                        print(f"warm {name}: {type(e).__name__}: {e}"[:300])
         sync()
         print(f"warm {args.arch}: {time.time() - t0:.1f} s")
         return 0
