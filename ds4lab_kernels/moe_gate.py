@@ -9,17 +9,21 @@ and returns fp32 ``router_logits``, which ``fused_topk_bias`` routes (``sqrtsoft
 ``routed_scaling_factor``; hash layers ``tid2eid[input_ids]``). bf16 x bf16 products are exact in
 fp32, so the logits equal ``F.linear(x.float(), W.float())`` up to fp32 summation order.
 
-How one launch does it (grid ``(cdiv(E, BLOCK_E), SPLIT_K, cdiv(T, BLOCK_T))``): each program
-computes a ``[BLOCK_T, BLOCK_E]`` fp32 partial product over its ``K / SPLIT_K`` slice with
-``tl.dot`` and stores it to a workspace ``(SPLIT_K, T, E)`` (with ``SPLIT_K == 1`` that workspace
-is the logits output itself). Then it takes a ticket from the token block's arrival counter
-(``atomic_add``, acq_rel, after a CTA barrier so every thread's stores are released). The program
-that draws the last ticket sums the partials in split order 0, 1, ... (deterministic: the same
-logits bit for bit on every run, whatever the arrival order), writes the logits, routes the
-block's tokens (``moe_routing.route_tile``) and resets the counter to 0, so the next launch (or
-CUDA-graph replay) finds it zeroed: no memset launch, no host sync. The counter buffer is
-allocated once per device and shared by every call: calls on one device must not run
-concurrently on two streams (pass ``arrivals`` of your own there).
+How one launch does it (grid ``(n_eb = cdiv(E, BLOCK_E), SPLIT_K, cdiv(T, BLOCK_T))``): each
+program computes a ``[BLOCK_T, BLOCK_E]`` fp32 partial product over its ``K / SPLIT_K`` slice with
+``tl.dot`` and stores it to a workspace ``(SPLIT_K, T, E)``. The tail is two-level, so no program
+walks every partial: (1) each expert block has an arrival counter; the program that draws its
+last ticket (``atomic_add``, acq_rel, after a CTA barrier so every thread's stores are released)
+sums that block's ``SPLIT_K`` partials in split order 0, 1, ... (all loads in flight at once;
+deterministic: the same logits bit for bit on every run, whatever the arrival order) and stores
+the block's logits; (2) it then takes a ticket of the token block's counter, and the last of the
+``n_eb`` expert-block reducers routes the block: the top-k selection packs score and id into one
+int64 key, one max reduction per pick (the hash path runs ``moe_routing.route_tile``). With
+``SPLIT_K == 1`` the products are the logits (level 2 only; one expert block: no counter). Each
+counter is reset to 0 by the program that drew its last ticket, so the next launch (or CUDA-graph
+replay) finds it zeroed: no memset launch, no host sync. The counter buffer is allocated once per
+device and shared by every call: calls on one device must not run concurrently on two streams
+(pass ``arrivals`` of your own there).
 """
 import torch
 import triton
@@ -27,7 +31,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of
-from .moe_routing import route_tile
+from .moe_routing import _sqrt_softplus, route_tile
 
 
 @triton.jit(do_not_specialize=["T"])   # one build serves every token count (decode: 1, 2, 16, 32)
@@ -36,12 +40,14 @@ def _gate_topk_kernel(
     T, E, K, k_per_split, vocab, stride_xt, stride_we, stride_tv, scaling,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, E_P2: tl.constexpr, TAIL_T: tl.constexpr,
-    ONE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+    RED_T: tl.constexpr, ONE_PART: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
 ):
-    """Grid ``(cdiv(E, BLOCK_E), SPLIT_K, cdiv(T, BLOCK_T))``.
-    One program: the ``[BLOCK_T, BLOCK_E]`` partial logits of its K slice; the last of the token
-    block's ``cdiv(E, BLOCK_E) * SPLIT_K`` programs to arrive also reduces and routes the block,
-    ``TAIL_T`` tokens at a time (``ONE_PART``: a single program per block, no counter)."""
+    """Grid ``(n_eb = cdiv(E, BLOCK_E), SPLIT_K, cdiv(T, BLOCK_T))``.
+    One program: the ``[BLOCK_T, BLOCK_E]`` partial logits of its K slice. Level 1: the last of an
+    expert block's ``SPLIT_K`` programs to arrive (counter ``cnt[pid_t, pid_e]``) sums the block's
+    partials in split order and stores its logits (``RED_T`` tokens at a time). Level 2: the last
+    of the token block's ``n_eb`` level-1 reducers (counter ``cnt[pid_t, n_eb]``) routes the block,
+    ``TAIL_T`` tokens at a time. ``ONE_PART``: a single program per token block, no counter."""
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -60,45 +66,111 @@ def _gate_topk_kernel(
         w = tl.load(wg_ptr + ecols.to(tl.int64)[None, :] * stride_we + kk[:, None],
                     mask=emask[None, :] & kmask[:, None], other=0.0)
         acc = tl.dot(x, w, acc)
-    TE = T * E
-    tl.store(part_ptr + pid_k.to(tl.int64) * TE + rows.to(tl.int64)[:, None] * E + ecols[None, :], acc,
-             mask=rmask[:, None] & emask[None, :])
-    if ONE_PART:
-        tl.debug_barrier()   # the tail reads what the other threads of this program stored
-        _reduce_route(part_ptr, lg_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_t, T, E, vocab,
-                      stride_tv, scaling, TOPK, TOPK_P2, BLOCK_T, SPLIT_K, E_P2, TAIL_T, HAS_BIAS, HASH)
+    TE = T.to(tl.int64) * E
+    tile = rows.to(tl.int64)[:, None] * E + ecols[None, :]
+    tmask2 = rmask[:, None] & emask[None, :]
+    n_eb = tl.num_programs(0)
+    if SPLIT_K == 1:   # the product is the logits
+        tl.store(lg_ptr + tile, acc, mask=tmask2)
+        if ONE_PART:
+            tl.debug_barrier()   # the tail reads what the other threads of this program stored
+            _route_block(lg_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_t, T, E, vocab, stride_tv,
+                         scaling, TOPK, TOPK_P2, BLOCK_T, E_P2, TAIL_T, HAS_BIAS, HASH)
+        else:
+            _level2(lg_ptr, cnt_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_t, n_eb, T, E, vocab,
+                    stride_tv, scaling, TOPK, TOPK_P2, BLOCK_T, E_P2, TAIL_T, HAS_BIAS, HASH)
     else:
+        tl.store(part_ptr + pid_k.to(tl.int64) * TE + tile, acc, mask=tmask2)
         tl.debug_barrier()   # every thread's partial stores happen before the ticket (release)
-        ticket = tl.atomic_add(cnt_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-        if ticket == tl.num_programs(0) * SPLIT_K - 1:
-            _reduce_route(part_ptr, lg_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_t, T, E, vocab,
-                          stride_tv, scaling, TOPK, TOPK_P2, BLOCK_T, SPLIT_K, E_P2, TAIL_T, HAS_BIAS, HASH)
-            tl.atomic_xchg(cnt_ptr + pid_t, 0)   # zeroed for the next launch / graph replay
+        c1 = cnt_ptr + pid_t * (n_eb + 1) + pid_e
+        ticket = tl.atomic_add(c1, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            # level 1: this expert block's logits = partial 0 + partial 1 + ... (split order)
+            for r0 in tl.static_range(0, BLOCK_T, RED_T):
+                if pid_t * BLOCK_T + r0 < T:
+                    rr = pid_t * BLOCK_T + r0 + tl.arange(0, RED_T)
+                    m = (rr < T)[:, None] & emask[None, :]
+                    off = rr.to(tl.int64)[:, None] * E + ecols[None, :]
+                    lg = tl.load(part_ptr + off, mask=m, other=0.0, cache_modifier=".cg")
+                    for s in tl.static_range(1, SPLIT_K):   # independent loads, all in flight; adds in order
+                        lg += tl.load(part_ptr + s * TE + off, mask=m, other=0.0, cache_modifier=".cg")
+                    tl.store(lg_ptr + off, lg, mask=m)
+            tl.atomic_xchg(c1, 0)   # zeroed for the next launch / graph replay
+            _level2(lg_ptr, cnt_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_t, n_eb, T, E, vocab,
+                    stride_tv, scaling, TOPK, TOPK_P2, BLOCK_T, E_P2, TAIL_T, HAS_BIAS, HASH)
 
 
 @triton.jit
-def _reduce_route(part_ptr, lg_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_t, T, E, vocab,
-                  stride_tv, scaling, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_T: tl.constexpr,
-                  SPLIT_K: tl.constexpr, E_P2: tl.constexpr, TAIL_T: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HASH: tl.constexpr):
-    """Token block ``pid_t``, ``TAIL_T`` rows at a time: logits = partial 0 + partial 1 + ... (split
-    order), stored when ``SPLIT_K > 1`` (else the partial is the logits), then routed."""
+def _level2(lg_ptr, cnt_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_t, n_eb, T, E, vocab, stride_tv,
+            scaling, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_T: tl.constexpr, E_P2: tl.constexpr,
+            TAIL_T: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
+    """An expert block's logits are stored: take a ticket of the token block; the last routes it."""
+    tl.debug_barrier()   # every thread's logit stores happen before the ticket (release)
+    c2 = cnt_ptr + pid_t * (n_eb + 1) + n_eb
+    ticket = tl.atomic_add(c2, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_eb - 1:
+        _route_block(lg_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_t, T, E, vocab, stride_tv,
+                     scaling, TOPK, TOPK_P2, BLOCK_T, E_P2, TAIL_T, HAS_BIAS, HASH)
+        tl.atomic_xchg(c2, 0)
+
+
+@triton.jit
+def _route_block(lg_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_t, T, E, vocab, stride_tv, scaling,
+                 TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_T: tl.constexpr, E_P2: tl.constexpr,
+                 TAIL_T: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr):
+    """Route token block ``pid_t`` from its stored logits, ``TAIL_T`` rows at a time."""
     cols = tl.arange(0, E_P2)
     cmask = cols < E
-    TE = T * E
     for r0 in tl.static_range(0, BLOCK_T, TAIL_T):
         if pid_t * BLOCK_T + r0 < T:
             trows = pid_t * BLOCK_T + r0 + tl.arange(0, TAIL_T)
             tmask = trows < T
             off = trows.to(tl.int64)[:, None] * E + cols[None, :]
-            m2 = tmask[:, None] & cmask[None, :]
-            lg = tl.load(part_ptr + off, mask=m2, other=0.0, cache_modifier=".cg")
-            for s in range(1, SPLIT_K):   # a loop, not unrolled: 15 hoisted tile loads spilled on sm_89
-                lg += tl.load(part_ptr + s * TE + off, mask=m2, other=0.0, cache_modifier=".cg")
-            if SPLIT_K > 1:
-                tl.store(lg_ptr + off, lg, mask=m2)
-            route_tile(lg, trows, tmask, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, E, vocab, stride_tv,
-                       scaling, TOPK, TOPK_P2, E_P2, HAS_BIAS, HASH)
+            lg = tl.load(lg_ptr + off, mask=tmask[:, None] & cmask[None, :], other=0.0, cache_modifier=".cg")
+            if HASH:
+                route_tile(lg, trows, tmask, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, E, vocab, stride_tv,
+                           scaling, TOPK, TOPK_P2, E_P2, HAS_BIAS, HASH)
+            else:
+                _topk_keys(lg, lg_ptr, trows, tmask, bias_ptr, w_ptr, ids_ptr, E, scaling, TOPK, TOPK_P2, E_P2,
+                           HAS_BIAS)
+
+
+@triton.jit
+def _topk_keys(lg, lg_ptr, rows, rmask, bias_ptr, w_ptr, ids_ptr, E, scaling, TOPK: tl.constexpr,
+               TOPK_P2: tl.constexpr, E_P2: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``moe_routing.route_tile``'s selection (score + bias, descending, ties to the lowest id, NaN
+    after every number) with ONE reduction per pick instead of four: each entry's int64 key is
+    ``ordered(score + bias) * 1024 + (1023 - id)`` (``ordered``: the fp32 bits mapped to a signed
+    int with the float order, -0 as +0, NaN below -inf; unavailable entries below all), so the
+    max key is the best score at its lowest id. The weights are the scores of the picked ids,
+    recomputed from the stored logits (the same bits as the tile's), renormalised as route_tile."""
+    cols = tl.arange(0, E_P2)
+    cmask = cols < E
+    slots = tl.arange(0, TOPK_P2)
+    sel = _sqrt_softplus(lg)
+    if HAS_BIAS:
+        sel = sel + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    bits = sel.to(tl.int32, bitcast=True)
+    bits = tl.where(sel == 0.0, 0, bits)                       # -0 ranks as +0 (they tie)
+    k32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # signed order == float order
+    k32 = tl.where(sel != sel, -2147483647, k32)               # NaN: below -inf (0x807fffff)
+    key = k32.to(tl.int64) * 1024 + (1023 - cols)[None, :]
+    SENT: tl.constexpr = -4611686018427387904                  # taken / outside: below every key
+    key = tl.where(rmask[:, None] & cmask[None, :], key, SENT)
+    sel_ids = tl.zeros([lg.shape[0], TOPK_P2], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        kmax = tl.max(key, axis=1)
+        eid = (1023 - (kmax & 1023)).to(tl.int32)
+        key = tl.where(cols[None, :] == eid[:, None], SENT, key)
+        sel_ids = tl.where(slots[None, :] == j, eid[:, None], sel_ids)
+    omask = rmask[:, None] & (slots[None, :] < TOPK)
+    out_off = rows.to(tl.int64)[:, None] * TOPK + slots[None, :]
+    lgs = tl.load(lg_ptr + rows.to(tl.int64)[:, None] * E + sel_ids, mask=omask, other=0.0, cache_modifier=".cg")
+    w = tl.where(omask, _sqrt_softplus(lgs), 0.0)
+    tot = tl.sum(w, axis=1)
+    w = w / tl.where(tot > 0, tot, 1.0)[:, None] * scaling
+    tl.store(w_ptr + out_off, w, mask=omask)
+    tl.store(ids_ptr + out_off, sel_ids, mask=omask)
 
 
 _ARRIVALS: dict = {}
@@ -130,11 +202,12 @@ def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tenso
         routed_scaling_factor: a positive normal float32 (1.5).
         input_ids, tid2eid: hash layers, as :func:`ds4lab_kernels.moe_routing.sqrtsoftplus_topk`
             (ids ``tid2eid[input_ids]``; out-of-range token ids or table entries give id -1, weight 0).
-        arrivals: optional int32 zeroed counter buffer with ``>= cdiv(num_tokens, BLOCK_T)`` entries
+        arrivals: optional int32 zeroed counter buffer with ``>= cdiv(num_tokens, BLOCK_T) *
+            (cdiv(num_experts, BLOCK_E) + 1)`` entries
             (default: one shared buffer per device; give your own for concurrent streams). The
             kernel leaves it zeroed.
-        config: a row of ``CONFIGS`` (``BLOCK_T, BLOCK_E, BLOCK_K, SPLIT_K, TAIL_T, num_warps,
-            num_stages``); default by size (:func:`pick_config`).
+        config: a row of ``CONFIGS`` (``BLOCK_T, BLOCK_E, BLOCK_K, SPLIT_K, TAIL_T, RED_T,
+            num_warps, num_stages``); default by size (:func:`pick_config`).
 
     Returns:
         ``topk_weights`` ``(num_tokens, topk)`` float32, ``topk_ids`` ``(num_tokens, topk)`` int32
@@ -186,6 +259,8 @@ def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tenso
     BT, BE, BK, SK = cfg["BLOCK_T"], cfg["BLOCK_E"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     BE = min(BE, max(16, triton.next_power_of_2(E)))
     n_tb = triton.cdiv(T, BT)
+    n_eb = triton.cdiv(E, BE)
+    n_cnt = n_tb * (n_eb + 1)
     w = torch.empty((T, topk), dtype=torch.float32, device=dev)
     ids = torch.empty((T, topk), dtype=torch.int32, device=dev)
     logits = torch.empty((T, E), dtype=torch.float32, device=dev)
@@ -195,52 +270,56 @@ def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tenso
     k_per_split = triton.cdiv(triton.cdiv(K, SK), BK) * BK
     one_part = SK == 1 and BE >= E
     if arrivals is None:
-        arrivals = _arrivals(dev, n_tb) if not one_part else logits
+        arrivals = _arrivals(dev, n_cnt) if not one_part else logits
     else:
         check.tensor("arrivals", arrivals, torch.int32, ndim=1)
         check.same_device("hidden_states", hidden_states, arrivals=arrivals)
-        if arrivals.numel() < n_tb or arrivals.stride(0) != 1:
-            raise ValueError(f"arrivals: needs >= {n_tb} contiguous entries, got shape {tuple(arrivals.shape)}")
+        if arrivals.numel() < n_cnt or arrivals.stride(0) != 1:
+            raise ValueError(f"arrivals: needs >= {n_cnt} contiguous entries, got shape {tuple(arrivals.shape)}")
     part = logits if SK == 1 else torch.empty((SK, T, E), dtype=torch.float32, device=dev)
     dummy = logits
-    _gate_topk_kernel[(triton.cdiv(E, BE), SK, n_tb)](
+    _gate_topk_kernel[(n_eb, SK, n_tb)](
         hidden_states, gate_weight, part, logits, arrivals, b if b is not None else dummy,
         input_ids if hashed else dummy, tid2eid if hashed else dummy, w, ids,
         T, E, K, k_per_split, tid2eid.shape[0] if hashed else 0, hidden_states.stride(0), gate_weight.stride(0),
         tid2eid.stride(0) if hashed else 0, scaling,
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), BLOCK_T=BT, BLOCK_E=BE, BLOCK_K=BK, SPLIT_K=SK,
-        E_P2=triton.next_power_of_2(E), TAIL_T=min(cfg["TAIL_T"], BT), ONE_PART=one_part, HAS_BIAS=b is not None,
+        E_P2=triton.next_power_of_2(E), TAIL_T=min(cfg["TAIL_T"], BT),
+        RED_T=min(cfg.get("RED_T", BT), BT), ONE_PART=one_part, HAS_BIAS=b is not None,
         HASH=hashed, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return w, ids, logits
 
 
 # ---- config table ------------------------------------------------------------------------------
-# Decode (T <= 32): the 2 MiB bf16 gate weight (256 x 4096) is the whole cost; ~128 programs each
-# stream a [BLOCK_E, K/SPLIT_K] slice (16 KiB) so every SM pulls weight at once. BLOCK_T=16 is the
-# smallest mma M tile (rows past T are masked). The last program then reads SPLIT_K x T x E fp32
-# partials from L2 (16 KiB at T=1, SPLIT_K=16). Prefill: no split, 128 experts per program.
+# Decode (T <= 16): the 2 MiB bf16 gate weight (256 x 4096) is the whole DRAM cost; 128-256
+# programs each stream a [BLOCK_E, K/SPLIT_K] slice (8-16 KiB) in ONE K step (BLOCK_K ==
+# K/SPLIT_K, num_stages 1: every byte of the slice in flight at once, no pipeline prologue).
+# BLOCK_T=16 is the smallest mma M tile (rows past T are masked). Level 1: an expert block's
+# reducer loads SPLIT_K [RED_T, BLOCK_E] partials from L2 at once (T=1: 16 x 128 B); level 2 routes
+# TAIL_T tokens per step (16: one [16, 256] key tile, 6 reductions for the whole block; 4: a
+# smaller tile, 4 steps at T=16). Prefill: no split, 128 experts per program (level 2 only).
 # Shared memory (sm_89 <= 101,376 B): per stage BLOCK_T*BLOCK_K*2 + BLOCK_E*BLOCK_K*2 bytes
-# (decode: 16*128*2 + 32*128*2 = 12 KiB x 2 stages; prefill: 64*64*2 + 128*64*2 = 24 KiB x 3) plus
-# the tail's reduction scratch. The tail routes TAIL_T tokens at a time (4: a [4, 256] tile per
-# step keeps the 6-pass selection in registers, 239 -> fewer regs than a [16, 256] tile) and skips
-# chunks past T (T=1 runs one chunk).
+# (e32k16: 16*256*2 + 32*256*2 = 24 KiB; prefill: 64*64*2 + 128*64*2 = 24 KiB x 3) plus the
+# tail's reduction scratch.
+_D = {"BLOCK_T": 16, "TAIL_T": 16, "RED_T": 16, "num_warps": 4, "num_stages": 1}
 _TABLE = {
-    "e32k16": {"BLOCK_T": 16, "BLOCK_E": 32, "BLOCK_K": 128, "SPLIT_K": 16, "TAIL_T": 4, "num_warps": 4,
-               "num_stages": 2},
-    "e16k8": {"BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 128, "SPLIT_K": 8, "TAIL_T": 4, "num_warps": 4,
-              "num_stages": 2},
-    "e64k32": {"BLOCK_T": 16, "BLOCK_E": 64, "BLOCK_K": 128, "SPLIT_K": 32, "TAIL_T": 4, "num_warps": 8,
-               "num_stages": 1},
-    "t32e32k8": {"BLOCK_T": 32, "BLOCK_E": 32, "BLOCK_K": 128, "SPLIT_K": 8, "TAIL_T": 4, "num_warps": 4,
-                 "num_stages": 2},
-    "prefill": {"BLOCK_T": 64, "BLOCK_E": 128, "BLOCK_K": 64, "SPLIT_K": 1, "TAIL_T": 8, "num_warps": 8,
+    "e32k16": {**_D, "BLOCK_E": 32, "BLOCK_K": 256, "SPLIT_K": 16},                     # 128 programs, 16 KiB
+    "e32k16t4": {**_D, "BLOCK_E": 32, "BLOCK_K": 256, "SPLIT_K": 16, "TAIL_T": 4, "RED_T": 4},
+    "e16k16": {**_D, "BLOCK_E": 16, "BLOCK_K": 256, "SPLIT_K": 16},                     # 256 programs, 8 KiB
+    "e64k32": {**_D, "BLOCK_E": 64, "BLOCK_K": 128, "SPLIT_K": 32},                     # 128 programs, 16 KiB
+    "e32k16w8": {**_D, "BLOCK_E": 32, "BLOCK_K": 256, "SPLIT_K": 16, "num_warps": 8},
+    "t32e32k8": {"BLOCK_T": 32, "BLOCK_E": 32, "BLOCK_K": 128, "SPLIT_K": 8, "TAIL_T": 16, "RED_T": 16,
+                 "num_warps": 4, "num_stages": 2},
+    "prefill": {"BLOCK_T": 64, "BLOCK_E": 128, "BLOCK_K": 64, "SPLIT_K": 1, "TAIL_T": 8, "RED_T": 8, "num_warps": 8,
                 "num_stages": 3},
     # the interpreter: programs run one by one in Python, fewest is fastest
-    "interp": {"BLOCK_T": 16, "BLOCK_E": 256, "BLOCK_K": 64, "SPLIT_K": 1, "TAIL_T": 16, "num_warps": 4,
+    "interp": {"BLOCK_T": 16, "BLOCK_E": 256, "BLOCK_K": 64, "SPLIT_K": 1, "TAIL_T": 16, "RED_T": 16, "num_warps": 4,
                "num_stages": 1},
 }
 CONFIGS = {"sm_89": dict(_TABLE), "sm_90": {k: dict(v) for k, v in _TABLE.items()}}
 
+# the decode candidates the bench times at T <= 16 (scripts/gpu/route.sh --gate)
+DECODE_CANDIDATES = ("e32k16", "e32k16t4", "e16k16", "e64k32", "e32k16w8")
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes)
 GPU_DEFAULTS = {"sm_89": ("e32k16", "t32e32k8", "prefill"), "sm_90": ("e32k16", "t32e32k8", "prefill")}
 

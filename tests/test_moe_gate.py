@@ -37,8 +37,11 @@ def test_logits_match_torch_path_and_route_as_old_glue(cfg):
 def test_split_and_single_program_agree_and_counter_resets():
     inp = _inputs(T=3, E=64, D=256)
     a = K.gate_sqrtsoftplus_topk(**inp, config=ONE)
-    cnt = torch.zeros(4, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):   # a second call finds the counter zeroed by the first
+    # one counter per (token block, expert block) + one per token block: 1 x (64 / 16 + 1)
+    with pytest.raises(ValueError, match="arrivals: needs >= 5"):
+        K.gate_sqrtsoftplus_topk(**inp, arrivals=torch.zeros(4, dtype=torch.int32, device=DEVICE), config=SPLIT)
+    cnt = torch.zeros(5, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):   # a second call finds the counters zeroed by the first
         b = K.gate_sqrtsoftplus_topk(**inp, arrivals=cnt, config=SPLIT)
         assert int(cnt.abs().sum()) == 0
         assert torch.equal(a[1], b[1])
@@ -148,3 +151,31 @@ def test_backend_gate_route_matches_the_unfused_pair():
     assert seen == [("moe.gate_route", "kernel:moe_gate.gate_sqrtsoftplus_topk")]
     w2, e2 = Backend.gate_route(kb, inp["hidden_states"], lin, inp["e_score_correction_bias"], 6, 1.5, None, None)
     assert torch.equal(e, e2) and torch.allclose(w, w2, rtol=1e-5, atol=0)
+
+
+SPLIT1 = {**SPLIT, "SPLIT_K": 1}   # no split, 4 expert blocks: the level-2 counter only
+
+
+@pytest.mark.parametrize("cfg", [ONE, SPLIT, SPLIT1], ids=["one_program", "split_k3", "split_k1"])
+def test_packed_key_selection_equals_route_tile_on_adversarial_logits(cfg):
+    """The fused tail's one-reduction-per-pick selection (int64 score|id keys) against the router
+    kernel's four-reduction one (``route_tile``) on planted logits: exact ties among many values,
+    scores of exactly 0 (logit -3e38: every expert ties), huge logits, ties broken by a bias that
+    itself ties. The identity gate weight makes the logits the hidden state's bf16 values."""
+    E = 64
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-2, 3, (7, E), generator=g).float()        # 5 values over 64 experts: ties
+    x[1] = -3.0e38                                             # every score 0: ids 0..5
+    x[2, ::3] = 3.0e38                                          # finite huge scores, tied
+    x[3] = 0.0
+    x[4, 10:] = -3.0e38
+    W = torch.eye(E, dtype=torch.bfloat16, device=DEVICE)
+    bias = (torch.arange(E) % 3 * 0.25 - 0.25).to(DEVICE)        # ties in the bias too
+    for b in (None, bias):
+        w, ids, lg = K.gate_sqrtsoftplus_topk(x.to(torch.bfloat16).to(DEVICE), W, b, 6, 1.5, config=cfg)
+        assert torch.equal(lg.cpu(), x.bfloat16().float())
+        w2, ids2 = sqrtsoftplus_topk(lg, b, 6, 1.5)
+        assert torch.equal(ids, ids2), (ids.cpu(), ids2.cpu())
+        assert torch.equal(w, w2)
+        if b is None:
+            assert ids.cpu()[1].tolist() == list(range(6))

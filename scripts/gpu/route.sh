@@ -11,6 +11,11 @@
 # Run from a plain copy of the tree with the image's python3:  OUT=/some/dir bash scripts/gpu/route.sh
 # Expected: ~50-60 s (per build: numerics ~10-15 s, bench ~15-20 s; timeouts 20 + 25 s cap it at ~95 s).
 # Fail-soft: a failing check or build is reported, the rest still runs; exit 1 if anything failed.
+#
+# --gate: the fused gate alone, short (scripts/gpu/gate_fast.py): sm89 numerics + every candidate
+# and the torch.mm(bf16 -> fp32) + sqrtsoftplus_topk baseline at TP=4, T in {1, 2, 16} (the
+# kernels of both builds compile first, 12 processes in parallel), then the same for native.
+#   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~35-45 s (timeouts cap it at 90 s).
 set -u
 : "${OUT:?set OUT to an output folder}"
 mkdir -p "$OUT"
@@ -19,6 +24,28 @@ export PYTHONUNBUFFERED=1
 export DS4LAB_GIT_SHA="${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 rc=0
 t0=$SECONDS
+if [ "${1:-}" = "--gate" ]; then
+  # compile in parallel first (one process per build x candidate, each build's own triton cache;
+  # no timing runs meanwhile), then numerics + timing per build from the warm caches
+  pids=()
+  for build in sm89 native; do
+    for cfg in default $(python3 -c 'from ds4lab_kernels.moe_gate import DECODE_CANDIDATES as C; print(*C)'); do
+      timeout 30 python3 scripts/gpu/gate_fast.py --arch "$build" --out "$OUT" --warm-only --config "$cfg" \
+        > "$OUT/gate_warm_${build}_${cfg}.log" 2>&1 &
+      pids+=($!)
+    done
+  done
+  for p in "${pids[@]}"; do wait "$p" || echo "warm-up pid $p: exit $? (that build compiles inline)"; done
+  echo "compiled: $((SECONDS - t0)) s"
+  timeout 30 python3 scripts/gpu/gate_fast.py --arch sm89 --out "$OUT" > "$OUT/gate_fast_sm89.log" 2>&1 \
+    || { echo "gate_fast --arch sm89: exit $?"; rc=1; }
+  timeout 30 python3 scripts/gpu/gate_fast.py --arch native --out "$OUT" > "$OUT/gate_fast_native.log" 2>&1 \
+    || { echo "gate_fast --arch native: exit $?"; rc=1; }
+  for build in sm89 native; do
+    echo "== $build: numerics =="; grep -c '^PASS' "$OUT/gate_fast_${build}.log"; grep '^FAIL' "$OUT/gate_fast_${build}.log" | head -8
+    tail -1 "$OUT/gate_fast_${build}.log"
+  done
+else
 for build in native sm89; do
   timeout 20 python3 scripts/gpu/route_check.py --arch "$build" --out "$OUT" > "$OUT/route_check_${build}.log" 2>&1 \
     || { echo "route_check --arch $build: exit $?"; rc=1; }
@@ -28,6 +55,7 @@ done
 for build in native sm89; do
   echo "== $build: numerics =="; sed -n '/^build /,$p' "$OUT/route_check_${build}.log"; grep '^FAIL' "$OUT/route_check_${build}.log" | head -5
 done
+fi
 python3 - "$OUT/bench.csv" <<'PY'
 import csv, json, sys
 try:

@@ -99,11 +99,12 @@ def _bench(cfg, tp):
 
 def _config_for(arch, shape):
     """Bench shapes (the real D) time the path's candidates; test / AOT shapes build every row."""
-    from ds4lab_kernels.moe_gate import CONFIGS
-    labels = [k for k in CONFIGS[arch] if k != "interp"]
+    from ds4lab_kernels.moe_gate import CONFIGS, DECODE_CANDIDATES
     if shape.get("D", 0) < 4096:
         return list(CONFIGS[arch])
-    return ["prefill"] if shape["T"] > 64 else [k for k in labels if k != "prefill"]
+    if shape["T"] > 64:
+        return ["prefill"]
+    return list(DECODE_CANDIDATES) if shape["T"] <= 16 else ["t32e32k8", "e32k16"]
 
 
 def _glue(inputs):
