@@ -7,8 +7,8 @@ GPU, torch glue counted as the CUDA kernels it issues, approximately):
 ==========================  =============================================================  ========
 op (Backend method)         kind                                                           launches
 ==========================  =============================================================  ========
-linear, FP8 weight, T<=32   ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
-linear, FP8 weight, T>32    ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
+linear, FP8 weight, T=1     ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
+linear, FP8 weight, T>1     ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
   (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
@@ -16,12 +16,12 @@ indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``           
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
-o_proj                      ``kernel:o_proj.o_proj``: decode (T <= 64) fused, inv-RoPE+quant  2 / 4-6
-                            +wo_a+z quant, then wo_b; prefill the parts
+o_proj                      ``kernel:o_proj.o_proj``: the parts (inv-RoPE+quant, einsum,     4-6
+                            quant, wo_b; the fused 2-launch path measured slower: a candidate)
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
-mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre``                                  2
+mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T=1: one-launch seam_d64)       1 / 2
 hc_head                     ``kernel:mhc.hc_head``                                             2
-gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk``                         1
+gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=4; above: mm + route) 1 / 2
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
 compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2
@@ -57,11 +57,12 @@ F32 = torch.float32
 #: the fused router gate + top-k kernel up to this many tokens (see ``KernelBackend.gate_route``)
 GATE_FUSED_MAX_T = 4
 
-#: the 1x128 activation quant fused into the FP8 GEMM's prologue (``w8a8_block_fp8_linear(fused=True)``):
-#: off. H200 (issue 20, first run, TP4 decode shapes, cold L2): the fused GEMM ran 9-11 us against
-#: 5-8 us for the plain GEMM, and in the step the four FP8 linears took ~440 us more per token than
-#: quant + GEMM (2 launches each). The fused path stays a launcher option until it beats the pair.
-FUSE_ACT_QUANT = False
+#: up to this many tokens the 1x128 activation quant runs in the FP8 GEMM's prologue
+#: (``w8a8_block_fp8_linear(fused=True)``, one launch, bit-identical); above, quant + GEMM (two).
+#: H200, TP4 decode shapes, sm_89 build, cold L2 (results/issue20/final/gemm_table.txt): at M=1 the
+#: single-row fused prologue 5.2-8.0 us vs quant + GEMM 7.0-11.0 us (every shape); at M=16 the two
+#: are within +-1 us either way (fused 5.9-9.8, pair 6.9-9.7), so the pair stays there.
+FUSE_ACT_QUANT_MAX_M = 1
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
@@ -139,9 +140,9 @@ class KernelBackend(Backend):
     def linear(self, x, lin: Linear, name, out_dtype=BF16):
         x2 = x.reshape(-1, x.shape[-1])
         if lin.fp8:
-            # quant + GEMM (2 launches; FUSE_ACT_QUANT: the quant in the GEMM's prologue, 1 launch,
-            # bit-identical, up to FUSED_MAX_M tokens)
-            fused = FUSE_ACT_QUANT and x2.shape[0] <= self.k["gemm"].FUSED_MAX_M
+            # up to FUSE_ACT_QUANT_MAX_M tokens the quant runs in the GEMM's prologue (1 launch,
+            # bit-identical); above, quant + GEMM (2 launches)
+            fused = x2.shape[0] <= min(FUSE_ACT_QUANT_MAX_M, self.k["gemm"].FUSED_MAX_M)
             with op_group(name, K_LINEAR_FP8_FUSED if fused else K_LINEAR_FP8):
                 cfg = None if x2.is_cuda else _interp_gemm_config(x2.shape[0])
                 y = self.k["gemm"].w8a8_block_fp8_linear(x2.contiguous(), lin.weight, lin.scale, config=cfg,
