@@ -43,3 +43,9 @@ def test_moe_bench_rows_and_table(tmp_path, monkeypatch):
         assert len(list(csv.DictReader(f))) == len(rows)
     t = moe_bench.table(rows)
     assert "peer best (full step) = 2.0 us" in t and "mma_n32s4" in t and "broken" in t
+
+
+def test_exit_code_is_1_on_any_fail_or_error_row():
+    assert moe_bench.exit_code([{"status": "OK"}, {"status": "SKIP"}]) == 0
+    assert moe_bench.exit_code([{"status": "OK"}, {"status": "FAIL"}]) == 1
+    assert moe_bench.exit_code([{"status": "ERROR"}]) == 1

@@ -32,3 +32,48 @@ def test_env_var_is_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv(peers.ENV, str(tmp_path))
     with pytest.raises(peers.PeerUnavailable, match=str(tmp_path)):
         peers.peer_root()
+
+
+def test_env_var_error_names_the_variable_and_the_vllm_folder_gets_a_hint(tmp_path, monkeypatch):
+    monkeypatch.setenv(peers.ENV, str(tmp_path))
+    with pytest.raises(peers.PeerUnavailable, match=r"\$DS4LAB_PEER_SRC="):
+        peers.peer_root()
+    monkeypatch.delenv(peers.ENV)
+    peers.copy_source(tmp_path / "p")
+    with pytest.raises(peers.PeerUnavailable, match="pass its parent"):
+        peers.peer_root(tmp_path / "p" / "vllm")
+
+
+def test_renamed_function_lists_the_files_jit_functions(tmp_path):
+    peers.copy_source(tmp_path / "p")
+    f = tmp_path / "p" / peers.VLLM_BLOCK_FP8[0]
+    f.write_text(f.read_text().replace(peers.VLLM_BLOCK_FP8[1], "_w8a8_block_mm_v2"))
+    with pytest.raises(peers.PeerUnavailable, match=r"@triton.jit functions: .*_w8a8_block_mm_v2.*--peer-src"):
+        peers.load_peer_jit(*peers.VLLM_BLOCK_FP8, peer_src=tmp_path / "p")
+
+
+def test_unwritable_cache_is_a_peer_error_naming_the_variable(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(peers.CACHE_ENV, str(tmp_path / "file" / "cache"))   # under a file: never writable
+    with pytest.raises(peers.PeerUnavailable, match="DS4LAB_PEER_CACHE.*writable"):
+        peers.load_peer_jit(*peers.VLLM_BLOCK_FP8)
+
+
+def test_a_copy_without_version_file_is_not_labelled_with_the_installed_version(tmp_path):
+    peers.copy_source(tmp_path / "p")
+    (tmp_path / "p" / "vllm" / "_version.py").unlink()
+    assert peers.load_peer_jit(*peers.VLLM_BLOCK_FP8, peer_src=tmp_path / "p").version == "unknown"
+    assert peers.peer_version(peers.peer_root()) != "unknown"      # the installed package: its metadata
+
+
+def test_cli_bad_peer_src_exits_2_before_any_gpu_work(tmp_path, capsys):
+    from ds4lab.harness import bench, gemm_sweep, moe_bench
+    import argparse
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    assert bench.main(ap.parse_args(["fp8_gemm_nt", "--peer-src", str(tmp_path)])) == 2
+    assert gemm_sweep.main(["--peer-src", str(tmp_path)]) == 2
+    assert moe_bench.main(["--peer-src", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("--peer-src: peer_src=") == 3 and "no 'vllm' folder" in err
+    assert peers.main(["--copy-to", str(tmp_path / "f" / "x"), "--peer-src", str(tmp_path)]) == 2

@@ -358,6 +358,11 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     _setup_build(args.arch)
     if getattr(args, "peer_src", None):
+        from ds4lab.harness.peers import check_peer_src
+        err = check_peer_src(args.peer_src, "ds4lab bench")
+        if err:
+            print(err, file=sys.stderr)
+            return 2
         os.environ["DS4LAB_PEER_SRC"] = args.peer_src
     import torch
     if not torch.cuda.is_available():

@@ -363,6 +363,11 @@ def main(argv=None) -> int:
         print(format_table(rows, digits=3) if rows else f"{a.table}: no timed rows")
         return 0 if rows else 1
     from ds4lab.harness import bench
+    from ds4lab.harness.peers import check_peer_src
+    err = check_peer_src(a.peer_src, "gemm_sweep")
+    if err:
+        print(err, file=sys.stderr)
+        return 2
     bench._setup_build(a.arch)
     import torch
     if not torch.cuda.is_available():

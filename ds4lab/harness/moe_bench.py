@@ -228,6 +228,11 @@ def main(argv=None) -> int:
         return 0
     bench._setup_build(a.arch)
     if a.peer_src:
+        from ds4lab.harness.peers import check_peer_src
+        err = check_peer_src(a.peer_src, "moe_bench")
+        if err:
+            print(err, file=sys.stderr)
+            return 2
         os.environ["DS4LAB_PEER_SRC"] = a.peer_src
     import torch
     if not torch.cuda.is_available():
@@ -238,7 +243,13 @@ def main(argv=None) -> int:
     rows = run(a.arch, a.tp, a.T, a.out)
     print(f"\n== W4A16 MoE decode, build {a.arch}, TP={a.tp} ({time.time() - t0:.0f} s) ==")
     print(table(rows))
-    return 0
+    return exit_code(rows)
+
+
+def exit_code(rows: list[dict]) -> int:
+    """1 when any row FAILed its numerics or ERRORed while timing (moe.sh then reports the build as
+    failed), else 0."""
+    return 1 if any(r.get("status") in ("FAIL", "ERROR") for r in rows) else 0
 
 
 if __name__ == "__main__":

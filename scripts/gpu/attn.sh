@@ -13,7 +13,7 @@
 #   GPU first (native build, +~1 min). Fail-soft: every step runs; exit 1 if any failed.
 set -uo pipefail
 OUT=${OUT:-${1:-results}}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

@@ -28,9 +28,9 @@ while [ $# -gt 0 ]; do
     *) echo "gemm.sh: unknown argument $1" >&2; exit 2;;
   esac
 done
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # OUT and PEER_SRC are relative to the caller's folder
+[ -n "$PEER_SRC" ] && [ -d "$PEER_SRC" ] && PEER_SRC=$(cd "$PEER_SRC" && pwd)
 cd "$(dirname "$0")/../.."
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
 if [ -z "$PEER_SRC" ] && [ -d .peer/vllm ]; then PEER_SRC=.peer; fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

@@ -11,7 +11,7 @@
 # Fail-soft: a failing step is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
 OUT=${OUT:-${1:-results}}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

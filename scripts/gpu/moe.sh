@@ -9,7 +9,8 @@
 # Usage: OUT=DIR [PEER_SRC=DIR] bash scripts/gpu/moe.sh       ~2-2.5 min; fail-soft per build.
 set -uo pipefail
 OUT=${OUT:-${1:-results/local/moe}}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
+[ -n "${PEER_SRC:-}" ] && [ -d "$PEER_SRC" ] && PEER_SRC=$(cd "$PEER_SRC" && pwd)
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

@@ -15,7 +15,7 @@
 # Fail-soft: a failing step or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
 OUT=${OUT:-${1:-results/oproj}}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 BUILDS=${BUILDS:-native sm89}

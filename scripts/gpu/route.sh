@@ -18,7 +18,7 @@
 #   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~35-45 s (timeouts cap it at 90 s).
 set -u
 : "${OUT:?set OUT to an output folder}"
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 export DS4LAB_GIT_SHA="${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"

@@ -6,12 +6,13 @@
 #   PEER_SRC (default .peer when that folder exists): vLLM's peer source for the benches (`make peer-src`).
 set -uo pipefail
 OUT=${OUT:-results/gpu}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # OUT and PEER_SRC are relative to the caller's folder
+[ -n "${PEER_SRC:-}" ] && [ -d "$PEER_SRC" ] && PEER_SRC=$(cd "$PEER_SRC" && pwd)
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 if [ -z "${PEER_SRC:-}" ] && [ -d .peer/vllm ]; then export PEER_SRC=$PWD/.peer; fi
 [ -n "${PEER_SRC:-}" ] && export DS4LAB_PEER_SRC=$PEER_SRC
 export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-mkdir -p "$OUT"
 rc=0
 for t in ${TOPICS:?set TOPICS, e.g. TOPICS="gemm moe"}; do
   s=scripts/gpu/$t.sh

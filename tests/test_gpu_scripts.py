@@ -1,0 +1,29 @@
+"""scripts/gpu/*.sh outside a GPU: OUT (and PEER_SRC) are read relative to the caller's folder, and a
+failing step makes the script exit non-zero. The benches themselves exit 2 here (no CUDA), which is
+the failure these scripts must report."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(tmp_path):
+    # the scripts call `python3`: this venv's real interpreter, its bin folder first on PATH
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+
+
+def test_topics_reads_out_relative_to_the_caller_and_fails_on_a_missing_topic(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "scripts/gpu/topics.sh")], cwd=tmp_path, capture_output=True,
+                       text=True, env={**_env(tmp_path), "OUT": "rel_out", "TOPICS": "nope"}, timeout=60)
+    assert r.returncode == 1 and "no scripts/gpu/nope.sh" in r.stdout
+    assert (tmp_path / "rel_out").is_dir() and not (ROOT / "rel_out").exists()
+
+
+def test_moe_script_writes_logs_under_a_caller_relative_out_and_exits_1_without_cuda(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "scripts/gpu/moe.sh")], cwd=tmp_path, capture_output=True, text=True,
+                       env={**_env(tmp_path), "OUT": "o", "MOE_BUILD_TIMEOUT": "60"}, timeout=150)
+    assert r.returncode == 1, r.stdout + r.stderr
+    log = tmp_path / "o" / "moe_native.log"
+    assert log.is_file() and "no CUDA device" in log.read_text()
