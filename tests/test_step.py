@@ -136,6 +136,17 @@ def test_cli_without_a_gpu_says_what_to_do(capsys):
     assert "--checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, msg", [(["--batch", "0"], "--batch: 0: must be >= 1"),
+                                       (["--ctx", "-5"], "--ctx: -5: must be >= 0"),
+                                       (["--tp", "x"], "--tp: 'x': expected an int")])
+def test_cli_bad_numbers_fail_at_parse_time_naming_the_option(tmp_path, capsys, argv, msg):
+    from ds4lab.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["step", "--cpu", "--checkpoint", str(tmp_path), "--out", str(tmp_path), *argv])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "decode_step.csv").exists()     # no ERROR row appended
+
+
 # ---- the tiny model's step (runs once ds4lab.model's composition has landed) ---------------------
 
 @pytest.mark.interp

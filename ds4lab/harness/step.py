@@ -711,15 +711,29 @@ def _print_table(rows: list[dict]) -> None:
 
 # ---- CLI -----------------------------------------------------------------------------------------
 
+def _int_at_least(lo: int):
+    """argparse type: an int >= ``lo`` (a bad --batch/--ctx/--tp fails at parse time, before a model
+    is built or an ERROR row is appended to OUT/decode_step.csv)."""
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r}: expected an int") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v}: must be >= {lo}")
+        return v
+    return parse
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--tp", type=int, action="append", help="TP degree(s) of the rank (default 4)")
-    p.add_argument("--batch", type=int, action="append", help="batch size(s) (default 1 4 8 16)")
-    p.add_argument("--ctx", type=int, action="append", help="context length(s) (default 8k 32k 128k)")
+    p.add_argument("--tp", type=_int_at_least(1), action="append", help="TP degree(s) of the rank (default 4)")
+    p.add_argument("--batch", type=_int_at_least(1), action="append", help="batch size(s) (default 1 4 8 16)")
+    p.add_argument("--ctx", type=_int_at_least(0), action="append", help="context length(s) (default 8k 32k 128k)")
     p.add_argument("--mode", action="append", choices=["plain", "mtp"], help="plain decode / MTP verify (next_n=2)")
     p.add_argument("--arch", default="native", choices=["native", "sm89"],
                    help="native build, or the sm_89 build assembled for this GPU (as ds4lab bench)")
     p.add_argument("--smoke", action="store_true", help="batch 1 and 16, ctx 8k and 32k (< 3 min on the H200)")
-    p.add_argument("--replays", type=int, help="graph replays timed per point (default 20; --cpu: 3 runs)")
+    p.add_argument("--replays", type=_int_at_least(1), help="graph replays timed per point (default 20; --cpu: 3 runs)")
     p.add_argument("--checkpoint", help="load this checkpoint folder instead of random weights")
     p.add_argument("--backend", default="kernel", choices=["kernel", "reference"],
                    help="ds4lab's kernels (default) or the reference twin (torch only)")
