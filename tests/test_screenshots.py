@@ -53,3 +53,16 @@ def test_colour_pixels_counts_drawn_traces_not_grey(tmp_path):
     im.save(tmp_path / "a.png")
     assert S.colour_pixels(str(tmp_path / "a.png"), {"x": 0, "y": 0, "w": 40, "h": 20}) == 10
     assert S.colour_pixels(str(tmp_path / "a.png"), {"x": 20, "y": 0, "w": 20, "h": 20}) == 0
+
+
+def test_step_charts_are_readable_in_a_browser(tmp_path):
+    """Notebook 10's charts from the committed step rows (the legend once sat on the rotated tick labels)."""
+    from ds4lab.harness import step as ST
+    from ds4lab.views.step import launches_figure, waterfall_figure
+    rows = ST.load_rows()
+    ok = [r for r in ST.configs(rows) if r.get("status") == "OK"]
+    if not ok:
+        pytest.skip("no committed results/decode_step.csv rows")
+    figs = {"launches": launches_figure(ok), "waterfall": waterfall_figure(ST.group_table(rows, ok[0]))}
+    for g in S.render(figs, str(tmp_path), "step"):
+        assert g["ticks"] and S.check(g) == [], (g["name"], S.check(g))

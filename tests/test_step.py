@@ -199,3 +199,9 @@ def test_reference_twin_step_on_the_real_composition():
     assert 0.9 < step["sum_vs_p50"] <= 1.0 + 1e-6
     assert by["attn.o_proj"]["bytes"] > 0 and "--backend reference" in step["repro"]
     assert TINY_CONFIG.num_hidden_layers == 4 and step["launches_per_layer"] == 0
+
+
+def test_launches_table_says_which_commit_ran_each_configuration():
+    rows = [{"group": "(step)", "build": b, "tp": 4, "batch": 1, "mode": "plain", "ctx": 8192, "git_sha": sha,
+             "status": "OK", "p50_us": 1.0} for b, sha in (("sm89", "aaaaaaa"), ("native", "bbbbbbb"))]
+    assert [r["git_sha"] for r in S.launches_table(rows)] == ["aaaaaaa", "bbbbbbb"]

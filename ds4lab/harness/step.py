@@ -658,9 +658,10 @@ def group_table(rows: list[dict], step_row: dict) -> list[dict]:
 
 
 def launches_table(rows: list[dict]) -> list[dict]:
-    """Per configuration: p50, launches per step and per layer, groups/p50 (the attribution check)."""
+    """Per configuration: p50, launches per step and per layer, groups/p50 (the attribution check), and
+    the commit whose tree ran it (``git_sha``: the committed CSV may hold rows of several runs)."""
     cols = ("build", "tp", "batch", "mode", "ctx", "timing", "status", "p50_us", "launches",
-            "launches_per_layer", "sum_vs_p50", "allreduce_copies", "note")
+            "launches_per_layer", "sum_vs_p50", "allreduce_copies", "git_sha", "note")
     return [{c: r.get(c) for c in cols} for r in configs(rows)]
 
 

@@ -53,6 +53,10 @@ function ds4labProbe(gd) {
   gd.querySelectorAll('g.annotation, g.g-gtitle, g.g-ytitle, g.g-xtitle').forEach(function (a) {
     var b = box(a); b.cls = a.getAttribute('class'); b.text = a.textContent.slice(0, 80); out.titles.push(b);
   });
+  out.ticks = [];
+  gd.querySelectorAll('g[class$="tick"] text').forEach(function (a) {
+    var b = box(a); b.text = a.textContent.slice(0, 80); out.ticks.push(b);
+  });
   return out;
 }
 </script>
@@ -138,7 +142,7 @@ def check(geo: dict, min_w: int = 150, min_h: int = 110, min_pixels: int = 40) -
     """What is wrong with a rendered figure a person would notice; ``[]`` when readable:
     a panel's plot area under ``min_w`` x ``min_h`` px (the old single bar chart's was ~50 px
     high), a panel with data but fewer than ``min_pixels`` coloured pixels drawn in it, the legend
-    covering a plot area or a title, or a title or axis title cut off at the page's edge or lying on another."""
+    covering a plot area, a title or axis tick labels, or a title or axis title cut off at the page's edge or lying on another."""
     problems = []
     for p in geo["panels"]:
         if p["w"] < min_w or p["h"] < min_h:
@@ -154,6 +158,10 @@ def check(geo: dict, min_w: int = 150, min_h: int = 110, min_pixels: int = 40) -
         for t in ts:
             if _overlap(geo["legend"], t) > 0.1 * t["w"] * t["h"]:
                 problems.append(f"legend covers the title {t['text']!r}")
+        covered = [t["text"] for t in geo.get("ticks", []) if t["w"] > 0 and t["h"] > 0
+                   and _overlap(geo["legend"], t) > 0.1 * t["w"] * t["h"]]
+        if covered:
+            problems.append(f"legend covers {len(covered)} tick labels ({', '.join(map(repr, covered[:3]))})")
     top = geo.get("top", 0)
     for t in ts:
         if (t["x"] < -1 or t["y"] < top - 1 or t["x"] + t["w"] > geo["width"] + 1

@@ -4,6 +4,10 @@ from __future__ import annotations
 __all__ = ["waterfall_figure", "launches_figure"]
 
 
+#: horizontal legend just above the plot area, right-aligned (below it, it sat on the rotated tick labels)
+_LEGEND_ABOVE = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1}
+
+
 def waterfall_figure(groups: list[dict], title: str = ""):
     """The step as a waterfall by op group (``groups``: :func:`ds4lab.harness.step.group_table`,
     largest first; microseconds), the total last, and each group's floor (bytes at the same-run copy
@@ -18,7 +22,7 @@ def waterfall_figure(groups: list[dict], title: str = ""):
     if any(f is not None for f in floors):
         fig.add_bar(x=x, y=floors, name="floor: bytes / copy roof (us)", opacity=0.6)
     fig.update_layout(title=title or "decode step by op group", yaxis_title="microseconds", height=480,
-                      legend_orientation="h", xaxis_tickangle=-40, margin={"b": 160})
+                      legend=_LEGEND_ABOVE, xaxis_tickangle=-40, margin={"b": 160})
     return fig
 
 
@@ -29,7 +33,7 @@ def launches_figure(configs: list[dict], title: str = ""):
     fig = go.Figure()
     fig.add_bar(x=x, y=[c.get("launches_per_layer") for c in configs], name="launches per layer")
     fig.add_scatter(x=x, y=[c.get("p50_us") for c in configs], name="p50 (us)", yaxis="y2", mode="markers+lines")
-    fig.update_layout(title=title or "launches per layer and step time", height=420, legend_orientation="h",
+    fig.update_layout(title=title or "launches per layer and step time", height=420, legend=_LEGEND_ABOVE,
                       yaxis={"title": "launches per layer"},
                       yaxis2={"title": "p50 us", "overlaying": "y", "side": "right"}, xaxis_tickangle=-30)
     return fig
