@@ -27,3 +27,10 @@ def test_moe_script_writes_logs_under_a_caller_relative_out_and_exits_1_without_
     assert r.returncode == 1, r.stdout + r.stderr
     log = tmp_path / "o" / "moe_native.log"
     assert log.is_file() and "no CUDA device" in log.read_text()
+
+
+def test_topics_refuses_more_than_one_device_call(tmp_path):
+    import subprocess
+    r = subprocess.run(["bash", "scripts/gpu/topics.sh"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path), "TOPICS": "gemm moe mhc route"})
+    assert r.returncode == 2 and "split TOPICS over several calls" in r.stderr

@@ -77,3 +77,26 @@ def test_cli_bad_peer_src_exits_2_before_any_gpu_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("--peer-src: peer_src=") == 3 and "no 'vllm' folder" in err
     assert peers.main(["--copy-to", str(tmp_path / "f" / "x"), "--peer-src", str(tmp_path)]) == 2
+
+
+def _fake_tree(root, body):
+    f = root / "vllm" / peers.VLLM_BLOCK_FP8[0].split("vllm/", 1)[1]
+    f.parent.mkdir(parents=True)
+    f.write_text(body)
+    return root
+
+
+def test_a_name_imported_by_the_peer_file_is_refused_at_load_time(tmp_path):
+    body = ("import triton\nfrom somewhere import helper\n\n@triton.jit\n"
+            "def _w8a8_triton_block_scaled_mm(a, b):\n    x = helper(a)\n    return [y for y in (x, b)]\n")
+    root = _fake_tree(tmp_path / "t", body)
+    with pytest.raises(peers.PeerUnavailable, match="names defined outside its file \\(helper\\)"):
+        peers.load_peer_jit(*peers.VLLM_BLOCK_FP8, peer_src=root)
+
+
+def test_two_copies_of_one_source_share_one_cache_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(peers.CACHE_ENV, str(tmp_path / "cache"))
+    a = peers.load_peer_jit(*peers.VLLM_MOE_W4A16, peer_src=peers.copy_source(tmp_path / "a") and tmp_path / "a")
+    b = peers.load_peer_jit(*peers.VLLM_MOE_W4A16, peer_src=peers.copy_source(tmp_path / "b") and tmp_path / "b")
+    assert a.source != b.source
+    assert len(list((tmp_path / "cache").glob("*.py"))) == 1

@@ -127,6 +127,35 @@ def _top_level(tree: ast.Module) -> dict[str, ast.stmt]:
     return out
 
 
+_PROVIDED = {"triton", "tl", "torch"}
+
+
+def _check_free_names(keep: list, defs: dict, name: str, path: str) -> None:
+    """Every name the kept functions read must be theirs (arguments, locals), kept, a builtin or one
+    of the modules the extracted file imports; else the peer would fail only when launched."""
+    import builtins
+    missing = set()
+    for node in keep:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        local = {a.arg for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs}
+        loads = set()
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name):
+                (loads if isinstance(sub.ctx, ast.Load) else local).add(sub.id)
+            elif isinstance(sub, (ast.FunctionDef, ast.Lambda)) and sub is not node:
+                local |= {a.arg for a in sub.args.args}
+            elif isinstance(sub, ast.comprehension):
+                local |= {n.id for n in ast.walk(sub.target) if isinstance(n, ast.Name)}
+        for dec in node.decorator_list:
+            loads |= {n.id for n in ast.walk(dec) if isinstance(n, ast.Name)}
+        missing |= {n for n in loads - local if n not in defs and n not in _PROVIDED and not hasattr(builtins, n)}
+    if missing:
+        raise PeerUnavailable(f"{path}: {name!r} uses names defined outside its file ({', '.join(sorted(missing))}); "
+                              f"ds4lab.harness.peers cannot load it without vLLM (update the loader for this "
+                              f"vLLM version)")
+
+
 def _extract(source: str, name: str, path: str) -> str:
     tree = ast.parse(source)
     defs = _top_level(tree)
@@ -151,14 +180,15 @@ def _extract(source: str, name: str, path: str) -> str:
             if isinstance(sub, ast.Name) and sub.id in defs and sub.id not in seen:
                 todo.append(sub.id)
     keep.sort(key=lambda nd: nd.lineno)
+    _check_free_names(keep, defs, name, path)
     lines = source.splitlines()
     chunks = []
     for nd in keep:
         start = min([d.lineno for d in getattr(nd, "decorator_list", [])] + [nd.lineno])
         chunks.append("\n".join(lines[start - 1:nd.end_lineno]))
-    head = (f"# Extracted at run time by ds4lab.harness.peers from {path}; not part of ds4lab.\n"
+    head = ("# Extracted at run time by ds4lab.harness.peers from vLLM's source; not part of ds4lab.\n"
             "import triton\nimport triton.language as tl\nimport torch\n\n")
-    return head + "\n\n\n".join(chunks) + "\n"
+    return head + "\n\n\n".join(chunks) + "\n"   # no path in the text: one cache file per kernel version
 
 
 def load_peer_jit(rel_path: str, name: str, peer_src: str | os.PathLike | None = None) -> PeerKernel:

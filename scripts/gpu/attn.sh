@@ -43,6 +43,9 @@ for arch in native sm89; do
   grep -E "FAIL|Error|Traceback" "$OUT/attn_bench_$arch.log" | head -10
   echo "bench $arch: $((SECONDS - tb)) s"
 done
-[ -f "$OUT/bench.csv" ] && python3 scripts/gpu/attn_pick.py "$OUT/bench.csv" | tee "$OUT/attn_table.txt"
+if [ -f "$OUT/bench.csv" ]; then
+  python3 scripts/gpu/attn_pick.py "$OUT/bench.csv" > "$OUT/attn_table.txt" || { echo "attn_pick failed"; rc=1; }
+  cat "$OUT/attn_table.txt"
+fi
 echo "total: $((SECONDS - t0)) s"
 exit $rc

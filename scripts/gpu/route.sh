@@ -24,6 +24,7 @@ export PYTHONUNBUFFERED=1
 export DS4LAB_GIT_SHA="${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 rc=0
 t0=$SECONDS
+case "${1:-}" in ""|--gate) ;; *) echo "route.sh: unknown argument '$1' (expected none or --gate)" >&2; exit 2;; esac
 if [ "${1:-}" = "--gate" ]; then
   # compile in parallel first (one process per build x candidate, each build's own triton cache;
   # no timing runs meanwhile), then numerics + timing per build from the warm caches

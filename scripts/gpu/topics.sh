@@ -14,7 +14,13 @@ if [ -z "${PEER_SRC:-}" ] && [ -d .peer/vllm ]; then export PEER_SRC=$PWD/.peer;
 [ -n "${PEER_SRC:-}" ] && export DS4LAB_PEER_SRC=$PEER_SRC
 export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 rc=0
-for t in ${TOPICS:?set TOPICS, e.g. TOPICS="gemm moe"}; do
+n=0; for t in ${TOPICS:?set TOPICS, e.g. TOPICS="gemm moe"}; do n=$((n + 1)); done
+if [ $((n * ${TOPIC_TIMEOUT:-170})) -gt "${CALL_BUDGET:-560}" ]; then
+  echo "topics.sh: $n topics x TOPIC_TIMEOUT=${TOPIC_TIMEOUT:-170} s can exceed CALL_BUDGET=${CALL_BUDGET:-560} s" \
+       "(a device call's limit is 600 s): split TOPICS over several calls, or lower TOPIC_TIMEOUT" >&2
+  [ "${ALLOW_LONG:-0}" = 1 ] || exit 2
+fi
+for t in $TOPICS; do
   s=scripts/gpu/$t.sh
   if [ ! -f "$s" ]; then echo "== $t: no $s"; rc=1; continue; fi
   t0=$SECONDS
