@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of
-from .moe_routing import _sqrt_softplus, route_tile
+from .moe_routing import _sqrt_softplus, check_routing_args, route_tile
 
 
 @triton.jit(do_not_specialize=["T"])   # one build serves every token count (decode: 1, 2, 16, 32)
@@ -237,24 +237,9 @@ def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tenso
     check.same_device("hidden_states", hidden_states, gate_weight=gate_weight)
     scaling = check.fp32_scalar("routed_scaling_factor", routed_scaling_factor, positive=True)
     dev = hidden_states.device
-    hashed = tid2eid is not None or input_ids is not None
-    if hashed:
-        if tid2eid is None or input_ids is None:
-            raise ValueError("input_ids and tid2eid: give both (hash layer) or neither")
-        check.tensor("input_ids", input_ids, (torch.int32, torch.int64))
-        check.tensor("tid2eid", tid2eid, (torch.int32, torch.int64))
-        check.same_device("hidden_states", hidden_states, input_ids=input_ids, tid2eid=tid2eid)
-        if input_ids.shape != (T,) or (T and input_ids.stride(0) != 1):
-            raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected contiguous ({T},)")
-        if tid2eid.dim() != 2 or tid2eid.shape[1] != topk or tid2eid.stride(1) != 1:
-            raise ValueError(f"tid2eid: expected a (vocab, topk={topk}) table with contiguous rows, "
-                             f"got shape {tuple(tid2eid.shape)} strides {tuple(tid2eid.stride())}")
+    hashed = check_routing_args("hidden_states", hidden_states, T, E, topk, input_ids, tid2eid,
+                                e_score_correction_bias)
     b = e_score_correction_bias
-    if b is not None:
-        check.tensor("e_score_correction_bias", b, (torch.float32, torch.bfloat16, torch.float16))
-        if b.shape != (E,) or b.stride(0) != 1:
-            raise ValueError(f"e_score_correction_bias: shape {tuple(b.shape)}, expected contiguous ({E},)")
-        check.same_device("hidden_states", hidden_states, e_score_correction_bias=b)
     cfg = config or pick_config(T, dev)
     BT, BE, BK, SK = cfg["BLOCK_T"], cfg["BLOCK_E"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     BE = min(BE, max(16, triton.next_power_of_2(E)))

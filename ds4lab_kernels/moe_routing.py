@@ -139,24 +139,8 @@ def sqrtsoftplus_topk(router_logits: torch.Tensor, e_score_correction_bias: torc
     check.last_dim_contiguous("router_logits", router_logits)
     scaling = check.fp32_scalar("routed_scaling_factor", routed_scaling_factor, positive=True)
     dev = router_logits.device
-    hashed = tid2eid is not None or input_ids is not None
-    if hashed:
-        if tid2eid is None or input_ids is None:
-            raise ValueError("input_ids and tid2eid: give both (hash layer) or neither")
-        check.tensor("input_ids", input_ids, (torch.int32, torch.int64))
-        check.tensor("tid2eid", tid2eid, (torch.int32, torch.int64))
-        check.same_device("router_logits", router_logits, input_ids=input_ids, tid2eid=tid2eid)
-        if input_ids.shape != (T,):
-            raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected ({T},)")
-        if tid2eid.dim() != 2 or tid2eid.shape[1] != topk or tid2eid.stride(1) != 1:
-            raise ValueError(f"tid2eid: expected a (vocab, topk={topk}) table with contiguous rows, "
-                             f"got shape {tuple(tid2eid.shape)} strides {tuple(tid2eid.stride())}")
-    if e_score_correction_bias is not None:
-        b = check.tensor("e_score_correction_bias", e_score_correction_bias,
-                         (torch.float32, torch.bfloat16, torch.float16))
-        if b.shape != (E,) or (E and b.stride(0) != 1):
-            raise ValueError(f"e_score_correction_bias: shape {tuple(b.shape)}, expected contiguous ({E},)")
-        check.same_device("router_logits", router_logits, e_score_correction_bias=b)
+    hashed = check_routing_args("router_logits", router_logits, T, E, topk, input_ids, tid2eid,
+                                e_score_correction_bias)
     w = torch.empty((T, topk), dtype=torch.float32, device=dev)
     ids = torch.empty((T, topk), dtype=torch.int32, device=dev)
     if T:
@@ -193,3 +177,32 @@ def pick_config(T: int, device: torch.device) -> dict:
     if device.type != "cuda":  # interpreter: fewest programs
         return table["rows16"]
     return table["row"] if T <= 512 else table["rows4"]
+
+
+def check_routing_args(anchor_name: str, anchor: torch.Tensor, T: int, E: int, topk: int,
+                       input_ids: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                       e_score_correction_bias: torch.Tensor | None) -> bool:
+    """The routing inputs both routers take, checked against ``anchor`` (the logits or the hidden
+    states, named ``anchor_name``): a hash layer's ``input_ids (T,)`` int32/int64 contiguous with
+    its ``tid2eid (vocab, topk)`` table (both or neither), the ``e_score_correction_bias (E,)``
+    fp32/bf16/fp16 contiguous. Returns whether the layer is hashed; raises ``TypeError`` /
+    ``ValueError`` naming the argument."""
+    hashed = tid2eid is not None or input_ids is not None
+    if hashed:
+        if tid2eid is None or input_ids is None:
+            raise ValueError("input_ids and tid2eid: give both (hash layer) or neither")
+        check.tensor("input_ids", input_ids, (torch.int32, torch.int64))
+        check.tensor("tid2eid", tid2eid, (torch.int32, torch.int64))
+        check.same_device(anchor_name, anchor, input_ids=input_ids, tid2eid=tid2eid)
+        if input_ids.shape != (T,) or (T and input_ids.stride(0) != 1):
+            raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected contiguous ({T},)")
+        if tid2eid.dim() != 2 or tid2eid.shape[1] != topk or tid2eid.stride(1) != 1:
+            raise ValueError(f"tid2eid: expected a (vocab, topk={topk}) table with contiguous rows, "
+                             f"got shape {tuple(tid2eid.shape)} strides {tuple(tid2eid.stride())}")
+    b = e_score_correction_bias
+    if b is not None:
+        check.tensor("e_score_correction_bias", b, (torch.float32, torch.bfloat16, torch.float16))
+        if b.shape != (E,) or (E and b.stride(0) != 1):
+            raise ValueError(f"e_score_correction_bias: shape {tuple(b.shape)}, expected contiguous ({E},)")
+        check.same_device(anchor_name, anchor, e_score_correction_bias=b)
+    return hashed

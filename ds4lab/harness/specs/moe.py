@@ -15,6 +15,21 @@ GROUP = 128
 ROUTE_CASES = ("random", "ties", "nan_inf", "hash", "bias_dominant")
 
 
+def hash_case(T: int, E: int, K: int, g: torch.Generator, device) -> dict:
+    """A hash layer's routing inputs for the ``hash`` case of both routers: a ``tid2eid (97, K)`` int32
+    table with two out-of-range entries (``E + 3``, ``-2``) and ``input_ids (T,)`` with token 0 = 5 (the
+    row holding ``E + 3``) and, for T > 1, token 1 outside the vocab."""
+    vocab = 97
+    tbl = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(vocab)]).to(torch.int32)
+    tbl[5, 0] = E + 3
+    tbl[6, 1] = -2
+    ids = torch.randint(0, vocab, (T,), generator=g)
+    if T > 1:
+        ids[1] = vocab + 10
+    ids[0] = 5
+    return {"input_ids": ids.to(device), "tid2eid": tbl.to(device)}
+
+
 def make_route_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
     """Router logits ``[T, E]`` fp32 ~ N(0, 2) and a correction bias ~ N(0, 0.1) (the checkpoint's
     biases are of that order). ``ties``: logits and bias drawn from 4 values (many exact ties, lowest
@@ -41,16 +56,7 @@ def make_route_inputs(shape: dict, case: str = "random", seed: int = 0, device="
         if T > 3:
             logits[3, 7 % E] = float("inf")
     elif case == "hash":
-        vocab = 97
-        tbl = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(vocab)]).to(torch.int32)
-        tbl[5, 0] = E + 3
-        tbl[6, 1] = -2
-        ids = torch.randint(0, vocab, (T,), generator=g)
-        if T > 1:
-            ids[1] = vocab + 10
-        ids[0] = 5
-        kw = {"input_ids": ids.to(device), "tid2eid": tbl.to(device)}
-        bias = None
+        kw, bias = hash_case(T, E, K, g, device), None
     elif case == "bias_dominant":
         bias = torch.randn(E, generator=g).sign() * 5
     elif case not in ROUTE_CASES:

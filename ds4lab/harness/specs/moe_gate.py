@@ -8,7 +8,7 @@ import torch
 from ds4lab.harness import costs
 from ds4lab.harness.numerics import Report
 from ds4lab.harness.registry import KernelSpec, kernel_configs, register
-from ds4lab.harness.specs.moe import check_route
+from ds4lab.harness.specs.moe import check_route, hash_case
 
 GATE_CASES = ("random", "ties", "nonfinite", "hash")
 DECODE_T = (1, 2, 16, 32)
@@ -41,16 +41,7 @@ def make_gate_inputs(shape: dict, case: str = "random", seed: int = 0, device="c
         x[t % 4 == 3] = 0.0
         w[::7, 5 % D] = 0.0
     elif case == "hash":
-        vocab = 97
-        tbl = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(vocab)]).to(torch.int32)
-        tbl[5, 0] = E + 3
-        tbl[6, 1] = -2
-        ids = torch.randint(0, vocab, (T,), generator=g)
-        if T > 1:
-            ids[1] = vocab + 10
-        ids[0] = 5
-        kw = {"input_ids": ids.to(device), "tid2eid": tbl.to(device)}
-        bias = None
+        kw, bias = hash_case(T, E, K, g, device), None
     elif case not in GATE_CASES:
         raise ValueError(f"case={case!r}: known cases {GATE_CASES}")
     return {"hidden_states": x.to(torch.bfloat16).to(device), "gate_weight": w.to(torch.bfloat16).to(device),
