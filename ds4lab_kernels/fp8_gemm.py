@@ -215,17 +215,7 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
     last program of each tile (bitwise deterministic; :func:`splitk_counters`); no host sync, so
     the call is CUDA-graph safe.
     """
-    check.tensor("a", a, torch.float8_e4m3fn, 2)
-    check.tensor("b", b, torch.float8_e4m3fn, 2)
-    M, K = a.shape
-    N, Kb = b.shape
-    if Kb != K:
-        raise ValueError(f"b: shape {tuple(b.shape)} has K={Kb}, a has K={K}")
-    if K <= 0 or K % BLOCK_K:
-        raise ValueError(f"a: K={K} must be a positive multiple of {BLOCK_K} (the scale block)")
-    check.same_device("a", a, b=b)
-    check.last_dim_contiguous("a", a)
-    check.last_dim_contiguous("b", b)
+    M, N, K = _check_operands("a", a, torch.float8_e4m3fn, "b", b)
     G = K // BLOCK_K
     a_scale, a_fmt = _check_scale("a_scale", a_scale, M, G, a)
     b_scale, b_fmt = _check_scale("b_scale", b_scale, triton.cdiv(N, 128), G, a)
@@ -350,17 +340,7 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         ``out``, ``config``) and ``per_token_group_quant_fp8`` (``eps``); ``fused=True`` with a
         config whose ``BLOCK_M > FUSED_MAX_M`` (ValueError naming ``config``).
     """
-    check.tensor("x", x, (torch.bfloat16, torch.float16, torch.float32), 2)
-    check.tensor("weight", weight, torch.float8_e4m3fn, 2)
-    M, K = x.shape
-    N, Kb = weight.shape
-    if Kb != K:
-        raise ValueError(f"weight: shape {tuple(weight.shape)} has K={Kb}, x has K={K}")
-    if K <= 0 or K % BLOCK_K:
-        raise ValueError(f"x: K={K} must be a positive multiple of {BLOCK_K} (the scale block)")
-    check.same_device("x", x, weight=weight)
-    check.last_dim_contiguous("x", x)
-    check.last_dim_contiguous("weight", weight)
+    M, N, K = _check_operands("x", x, (torch.bfloat16, torch.float16, torch.float32), "weight", weight)
     weight_scale, b_fmt = _check_scale("weight_scale", weight_scale, triton.cdiv(N, 128), K // BLOCK_K, x)
     eps = check.fp32_scalar("eps", eps, positive=True)
     require_fp8("x", x.device, "w8a8_block_fp8_linear")
@@ -385,6 +365,24 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     q, s = per_token_group_quant_fp8(x, BLOCK_K, scale_fmt="ue8m0", eps=eps)
     _launch(q, s, 1, weight, weight_scale, b_fmt, out, cfg, False, eps)
     return out
+
+
+def _check_operands(a_name: str, a: torch.Tensor, a_dtypes, b_name: str, b: torch.Tensor) -> tuple[int, int, int]:
+    """The GEMM operands of both launchers: 2-D ``a (M, K)`` of ``a_dtypes`` and e4m3 ``b (N, K)``
+    on one device, unit last strides, ``K`` a positive multiple of the scale block. Returns
+    ``(M, N, K)``; raises naming ``a_name`` / ``b_name``."""
+    check.tensor(a_name, a, a_dtypes, 2)
+    check.tensor(b_name, b, torch.float8_e4m3fn, 2)
+    M, K = a.shape
+    N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"{b_name}: shape {tuple(b.shape)} has K={Kb}, {a_name} has K={K}")
+    if K <= 0 or K % BLOCK_K:
+        raise ValueError(f"{a_name}: K={K} must be a positive multiple of {BLOCK_K} (the scale block)")
+    check.same_device(a_name, a, **{b_name: b})
+    check.last_dim_contiguous(a_name, a)
+    check.last_dim_contiguous(b_name, b)
+    return M, N, K
 
 
 def _check_config(cfg: dict) -> tuple[int, int]:

@@ -270,16 +270,10 @@ class KernelBackend(Backend):
         if gate.fp8:   # an FP8 gate (no DeepSeek-V4 checkpoint has one): the unfused pair
             return super().gate_route(x, gate, bias, topk, scaling, ids, tid2eid, name)
         if x.shape[0] > GATE_FUSED_MAX_T:
-            lg = None
-            if x.is_cuda:
-                with op_group("moe.gate", "torch:mm(bf16->fp32)"):
-                    try:
-                        lg = torch.mm(x.reshape(-1, x.shape[-1]).to(BF16), gate.weight.to(BF16).t(),
-                                      out_dtype=F32)
-                    except (RuntimeError, TypeError):   # a torch without mm(out_dtype=) on this device
-                        lg = None
-            if lg is None:
+            if not x.is_cuda:   # mm(out_dtype=) is a CUDA op: the interpreter takes the fp32 linear
                 return super().gate_route(x, gate, bias, topk, scaling, ids, tid2eid, name)
+            with op_group("moe.gate", "torch:mm(bf16->fp32)"):
+                lg = torch.mm(x.reshape(-1, x.shape[-1]).to(BF16), gate.weight.to(BF16).t(), out_dtype=F32)
             return self.route(lg, bias, topk, scaling, ids, tid2eid)
         with op_group(name, "kernel:moe_gate.gate_sqrtsoftplus_topk"):
             hashed = tid2eid is not None
