@@ -16,6 +16,14 @@ MODES = {"q_norm_rope": (True, False, True), "rmsnorm": (True, True, False), "ro
          "rmsnorm_rope": (True, True, True)}
 
 
+def _case_cos_sin(shape: dict, seed: int, max_pos: int) -> torch.Tensor:
+    """The RoPE table of a test case: YaRN-scaled (the compressed layers' table) on even seeds, plain
+    (the SWA layers') on odd ones, ``shape["R"]`` (default 64) rotary dims, ``max_pos`` positions."""
+    yarn = seed % 2 == 0
+    return cos_sin_cache(max_pos, shape.get("R", 64), 160000.0 if yarn else 10000.0, factor=16.0 if yarn else 1.0,
+                         original_max=65536 if yarn else 2048)
+
+
 def make_nr_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
     """bf16 ``x (T, H, D)`` (``H`` 0: ``(T, D)``) of per-row gain 1e-2..1e2, a float32 table of
     ``max_pos`` rows (YaRN base 160000 on even seeds, plain 10000 on odd). Adversarial: all-zero
@@ -39,9 +47,7 @@ def make_nr_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu
         pos[0::3], pos[1::3], pos[2::3] = 0, max_pos - 1, min(1, max_pos - 1)
     elif case not in NR_CASES:
         raise ValueError(f"case={case!r}: known cases {NR_CASES}")
-    yarn = seed % 2 == 0
-    cs = cos_sin_cache(max_pos, shape.get("R", 64), 160000.0 if yarn else 10000.0, factor=16.0 if yarn else 1.0,
-                       original_max=65536 if yarn else 2048)
+    cs = _case_cos_sin(shape, seed, max_pos)
     w = (1 + 0.5 * torch.randn(D, generator=g)).to(torch.bfloat16) if has_w else None
     return {"x": x.to(torch.bfloat16).to(device), "weight": None if w is None else w.to(device), "eps": 1e-6,
             "positions": pos.to(torch.int32).to(device) if rope else None,
@@ -88,9 +94,7 @@ def make_qkv_inputs(shape: dict, case: str = "random", seed: int = 0, device="cp
         pos[0::3], pos[1::3], pos[2::3] = 0, max_pos - 1, min(1, max_pos - 1)
     elif case not in QKV_CASES:
         raise ValueError(f"case={case!r}: known cases {QKV_CASES}")
-    yarn = seed % 2 == 0
-    cs = cos_sin_cache(max_pos, shape.get("R", 64), 160000.0 if yarn else 10000.0, factor=16.0 if yarn else 1.0,
-                       original_max=65536 if yarn else 2048)
+    cs = _case_cos_sin(shape, seed, max_pos)
     wq = (1 + 0.5 * torch.randn(Dq, generator=g)).to(torch.bfloat16)
     wkv = (1 + 0.5 * torch.randn(Dkv, generator=g)).to(torch.bfloat16)
     return {"x": x.to(torch.bfloat16).to(device), "q_weight": wq.to(device), "kv_weight": wkv.to(device),
