@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Digest of an ``ncu --csv --page raw`` file: one line per profiled launch (what bounds it).
 
-Columns: kernel, grid x block, registers, duration (us, no launch overhead), DRAM bytes read (KB),
+Columns: kernel, grid x block, registers, duration (us, no launch overhead), DRAM bytes read + written (KB),
 DRAM throughput (% of peak), SM throughput (%), achieved / theoretical occupancy (%), and the three
 largest warp-stall reasons in cycles per issued instruction (``smsp__average_warps_issue_stalled_*``).
 Usage: python3 scripts/gpu/ncu_digest.py ncu.csv
@@ -33,14 +33,10 @@ def digest(text: str) -> list[str]:
         if not r.get("ID", "").strip().isdigit():
             continue
         name = r.get("Kernel Name", "?")[:34]
-        dur = _num(r.get("gpu__time_duration.sum", ""))
-        if units.get("gpu__time_duration.sum", "").strip() == "nsecond":
-            dur /= 1000.0
-        elif units.get("gpu__time_duration.sum", "").strip() == "msecond":
-            dur *= 1000.0
-        dram = _num(r.get("dram__bytes_read.sum", ""))
-        du = units.get("dram__bytes_read.sum", "").strip()
-        dram *= {"byte": 1e-3, "Kbyte": 1.0, "Mbyte": 1e3, "Gbyte": 1e6}.get(du, 1e-3)
+        dur = _num(r.get("gpu__time_duration.sum", "")) * {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0,
+                                                          "ms": 1e3, "msecond": 1e3}.get(
+            units.get("gpu__time_duration.sum", "ns").strip(), 1e-3)
+        dram = _num(r.get("dram__bytes.sum.per_second", "")) * dur * 1e-9   # byte/s x us -> KB
         stalls = sorted(((_num(v), k[len(STALL):].replace("_per_issue_active.ratio", ""))
                          for k, v in r.items() if k.startswith(STALL) and k.endswith("_per_issue_active.ratio")
                          and "not_issued" not in k), reverse=True)[:3]
@@ -48,7 +44,7 @@ def digest(text: str) -> list[str]:
         occ = (f"{_num(r.get('sm__warps_active.avg.pct_of_peak_sustained_active', '')):.0f}/"
                f"{_num(r.get('sm__maximum_warps_per_active_cycle_pct', '')):.0f}")
         out.append(f"{name:34s} {grid:>14s} {r.get('launch__registers_per_thread', '?'):>4s} {dur:7.2f} {dram:8.0f} "
-                   f"{_num(r.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', '')):5.1f} "
+                   f"{_num(r.get('gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed', '')):5.1f} "
                    f"{_num(r.get('sm__throughput.avg.pct_of_peak_sustained_elapsed', '')):5.1f} {occ:>9s}  "
                    + ", ".join(f"{k} {v:.1f}" for v, k in stalls))
     return out
