@@ -1322,8 +1322,12 @@ SEAM_ROWS = {
 _SEAM1 = {"SEAM1_BLOCK_D": 64, "SEAM1_WARPS": 4, "SEAM1_LAUNCHES": 1, "SEAM1_PART_ELEMS": 2048}
 SEAM1_ROWS = {
     "seam1_d64": {},                          # 64 programs at D=4096: one launch on Ada's 128 SMs too
-    "seam1_d32": {"SEAM1_BLOCK_D": 32},       # 128 programs: half the fn bytes per program, one launch on 128 SMs
-    "seam1x2_d64": {"SEAM1_LAUNCHES": 2},     # the same math in two launches: what the counter sync costs
+    # 128 programs: half the fn bytes per program, one launch on 128 SMs; 64-row partial loads (128: a 4 B
+    # spill at T=1 with x2 on sm_89 / sm_90)
+    "seam1_d32": {"SEAM1_BLOCK_D": 32, "SEAM1_PART_ELEMS": 1024},
+    # the seam1_d64 math in two launches (what the counter sync costs); 64-row partial loads: 2048 spills
+    # 4-8 B in its phase-2 kernel at T=2/4 (sm_89 / sm_90), so its partial sums group differently at T >= 2
+    "seam1x2_d64": {"SEAM1_LAUNCHES": 2, "SEAM1_PART_ELEMS": 1024},
 }
 CONFIGS = {
     "sm_89": {
