@@ -969,6 +969,12 @@ EINSUM_LABELS = ("decode", "prefill")
 DECODE_MAX_T = 64
 
 
+# the rows the pickers can return on a GPU (the compile report builds only these for sm_120): the rope
+# and einsum rows by size, the o_proj decode default and the parts
+GPU_DEFAULTS = {a: tuple(dict.fromkeys(("rope_small", "rope_large", "decode", "prefill", "unfused", DECODE_DEFAULT[a])))
+                for a in CONFIGS}
+
+
 def auto_split_k(T, G, N, K, BM, BN, BK, device) -> int:
     """Power-of-two split of the k-steps so that about 2 programs per SM stream the weight, keeping
     at least 2 k-steps per program and the fp32 partials under 1/8 of the weight bytes."""

@@ -146,6 +146,8 @@ def test_defaults_bad_configs_and_empty():
         assert all(t[lab]["path"] == "unfused3" for lab in LABELS)
         assert t["unfused3"]["wo_b_fp8"]["BLOCK_N"] == 64
     assert set(K.DECODE_DEFAULT.values()) <= set(K.OPROJ_LABELS)
+    for a, t in K.CONFIGS.items():   # the compile report's sm_120 rows: what the pickers can return
+        assert K.DECODE_DEFAULT[a] in K.GPU_DEFAULTS[a] and set(K.GPU_DEFAULTS[a]) <= set(t)
 
 
 def test_bench_config_filter(monkeypatch):
@@ -161,3 +163,22 @@ def test_bench_config_filter(monkeypatch):
     monkeypatch.setenv("DS4LAB_OPROJ_BENCH_CONFIGS", "fused_s8")
     with pytest.raises(ValueError, match="DS4LAB_OPROJ_BENCH_CONFIGS"):
         s.config_for("sm_89", shape)
+
+
+@pytest.mark.parametrize("arch,cap", [("sm_89", (8, 9)), ("sm_90", (9, 0))])
+def test_gpu_defaults_are_what_the_pickers_return(monkeypatch, arch, cap):
+    """``GPU_DEFAULTS`` (the rows the compile report builds for sm_120) == the labels the o_proj pickers
+    return on a GPU of that table over sizes that cross every threshold (plus the o_proj spec's
+    ``prefill`` row, the parts above FUSED_MAX_T)."""
+    from ds4lab_kernels import _arch
+    monkeypatch.setattr(_arch, "target", lambda device: None if device.type != "cuda" else (10 * cap[0] + cap[1],
+                                                                                           _arch.SMEM_LIMIT[arch]))
+    monkeypatch.setitem(_arch._SMS, 0, 128)
+    dev = torch.device("cuda", 0)
+    table = K.CONFIGS[arch]
+    cfgs = ([K._pick_rope_config(n, dev) for n in (16, 1024, 1025, 10**5)]
+            + [K.pick_einsum_config(t, dev) for t in (1, K.DECODE_MAX_T, K.DECODE_MAX_T + 1)]
+            + [K.pick_o_proj_config(t, dev) for t in (1, K.FUSED_MAX_T)])
+    got = {next(lb for lb, c in table.items() if c is cfg) for cfg in cfgs}
+    assert K.pick_o_proj_config(K.FUSED_MAX_T + 1, dev) == {"path": "unfused"}
+    assert got | {"unfused"} == set(K.GPU_DEFAULTS[arch]), got
