@@ -20,6 +20,8 @@ Two paths, both deterministic (no atomics; fixed-order reductions):
   overflow and keeps 3 more mantissa bits than bf16: a bf16 h costs ~2e-3 RMS relative error);
   the down kernel (fp16 x nibbles) scales by the routing weight; a reduce sums the top-k.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -403,13 +405,97 @@ def _mma_group(acc, a_row_ptr, a_stride, prow_a, mvalid, k0, p, DT: tl.constexpr
     return acc
 
 
+# int4 -> bf16/fp16, two words per asm instance (``pack=2``: element e0 in the low half of each
+# output register, e1 in the high half): prmt gathers nibbles 0-3 (4-7) of both words into one
+# register's halves, then per nibble j one shift + one lop3 ``(r >> 4j) & 0x000F000F | BIAS`` gives
+# the packed pair ``BIAS + q`` exactly (bf16 0x4300 = 128, fp16 0x6400 = 1024, q in the low mantissa
+# bits) and one packed fma ``x * 1 - (BIAS + 8)`` gives ``q - 8`` exactly: 24 instructions per 16
+# nibbles (the fp32 path: ~4.3 per nibble: shift, bfe, or, fadd, half a cvt pack).
+_DEQ_ASM = """{{
+.reg .b32 lo, hi, t, one, neg;
+mov.b32 one, {one};
+mov.b32 neg, {neg};
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+lop3.b32 t, lo, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $0, t, one, neg;
+shr.u32 t, lo, 4;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $1, t, one, neg;
+shr.u32 t, lo, 8;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $2, t, one, neg;
+shr.u32 t, lo, 12;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $3, t, one, neg;
+lop3.b32 t, hi, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $4, t, one, neg;
+shr.u32 t, hi, 4;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $5, t, one, neg;
+shr.u32 t, hi, 8;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $6, t, one, neg;
+shr.u32 t, hi, 12;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $7, t, one, neg;
+}}"""
+# bf16: 128 + q (0x4300 | q), minus 136 (0xC308); fp16: 1024 + q (0x6400 | q), minus 1032 (0xE408)
+DEQ_ASM_BF16 = tl.constexpr(_DEQ_ASM.format(ty="bf16", bias="0x43004300", one="0x3F803F80", neg="0xC308C308"))
+DEQ_ASM_FP16 = tl.constexpr(_DEQ_ASM.format(ty="f16", bias="0x64006400", one="0x3C003C00", neg="0xE408E408"))
+
+
+@triton.jit
+def _nib8(p, DT: tl.constexpr, ASM: tl.constexpr):
+    """All 8 nibbles of each word as ``q - 8`` in ``DT`` (bf16/fp16, exact): a tuple of 8 tensors
+    shaped like ``p``. ``ASM``: packed PTX (:data:`DEQ_ASM_BF16`), else the 2^23 bit trick in fp32
+    (the interpreter, which runs no PTX)."""
+    if ASM:
+        if DT == tl.bfloat16:
+            return tl.inline_asm_elementwise(DEQ_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [p],
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(DEQ_ASM_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [p],
+                                             dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+    else:
+        return (_nib16(p, 0, DT), _nib16(p, 1, DT), _nib16(p, 2, DT), _nib16(p, 3, DT),
+                _nib16(p, 4, DT), _nib16(p, 5, DT), _nib16(p, 6, DT), _nib16(p, 7, DT))
+
+
+@triton.jit
+def _mma_group_q(acc, a_row_ptr, a_stride, prow_a, mvalid, k0, p, DT: tl.constexpr, ASM: tl.constexpr,
+                 APERM: tl.constexpr = 0):
+    """:func:`_mma_group` with the 8 nibble planes of ``p`` dequantized by :func:`_nib8`.
+    ``APERM``: the A rows are stored in plane order (:func:`_plane_col`), so plane j's 16 columns
+    are contiguous (32 B per row: cp.async-pipelinable) instead of a stride-8 gather."""
+    c = tl.arange(0, 16)
+    b = _nib8(p, DT, ASM)
+    for j in tl.static_range(8):
+        if APERM:
+            col = k0 + j * 16 + c
+        else:
+            col = k0 + c * 8 + j
+        a = tl.load(a_row_ptr + prow_a[:, None] * a_stride + col[None, :], mask=mvalid[:, None],
+                    other=0.0).to(DT)
+        acc = tl.dot(a, b[j], acc)
+    return acc
+
+
+@triton.jit
+def _plane_col(n):
+    """Column of element ``n`` of a 128-grouped row stored in plane order: within each group,
+    element ``8c + j`` (word c, nibble j of the weight it multiplies) at ``16j + c``."""
+    return (n // 128) * 128 + (n % 8) * 16 + (n % 128) // 8
+
+
 @triton.jit
 def _dec_mma_w13_kernel(
     x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr,
     P, I, E, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp, stride_ps, stride_pp,
     K: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr = 0, ASM: tl.constexpr = 0,
+    HPERM: tl.constexpr = 0,
 ):
     """Grid ``(pairs, inter / BLOCK_N, SPLIT)``.
     One program (a leader, see ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N gate
@@ -443,15 +529,23 @@ def _dec_mma_w13_kernel(
             su = tl.load(s_ptr + us_off + g * stride_sk).to(tl.float32)
             zg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             zu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            zg = _mma_group(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, BLOCK_M)
-            zu = _mma_group(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, BLOCK_M)
+            if DEQ:
+                zg = _mma_group_q(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, ASM)
+                zu = _mma_group_q(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, ASM)
+            else:
+                zg = _mma_group(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, BLOCK_M)
+                zu = _mma_group(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, BLOCK_M)
             acc_g += zg * sg[None, :]
             acc_u += zu * su[None, :]
         p64 = prow.to(tl.int64)
         smask = mvalid[:, None] & (n < I)[None, :]
+        if HPERM:  # h in plane order: the w2 kernel's A loads are contiguous
+            hcol = _plane_col(n)
+        else:
+            hcol = n
         if SPLIT == 1:
             h = _swiglu(acc_g, acc_u, limit)
-            tl.store(h_ptr + p64[:, None] * stride_hp + n[None, :], h.to(tl.float16), mask=smask)
+            tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
         else:
             base = part_ptr + p64[:, None] * stride_pp + n[None, :]
             tl.store(base + split * stride_ps, acc_g, mask=smask)
@@ -465,7 +559,7 @@ def _dec_mma_w13_kernel(
                     gs += tl.load(base + s * stride_ps, mask=smask, other=0.0, cache_modifier=".cg")
                     us += tl.load(base + s * stride_ps + I, mask=smask, other=0.0, cache_modifier=".cg")
                 h = _swiglu(gs, us, limit)
-                tl.store(h_ptr + p64[:, None] * stride_hp + n[None, :], h.to(tl.float16), mask=smask)
+                tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
                 tl.atomic_xchg(cnt_ptr + pair0 * tl.num_programs(1) + nb, 0, sem="relaxed", scope="gpu")
 
 
@@ -476,6 +570,7 @@ def _dec_mma_w2_kernel(
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_yp, stride_ot,
     IK: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    DEQ: tl.constexpr = 0, ASM: tl.constexpr = 0, HPERM: tl.constexpr = 0,
 ):
     """Grid ``(pairs, hidden / BLOCK_N)``.
     One program (a leader, ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N columns: y[pair_m, n] =
@@ -500,7 +595,10 @@ def _dec_mma_w2_kernel(
             p = tl.load(w_ptr + w_off + g * 16)
             s = tl.load(s_ptr + s_off + g * stride_sk).to(tl.float32)
             z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            z = _mma_group(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, BLOCK_M)
+            if DEQ:
+                z = _mma_group_q(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, ASM, HPERM)
+            else:
+                z = _mma_group(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, BLOCK_M)
             acc += z * s[None, :]
         tl.store(y_ptr + p64[:, None] * stride_yp + n[None, :], acc, mask=mvalid[:, None] & nmask[None, :])
     tl.debug_barrier()
@@ -692,6 +790,10 @@ def _decode_h(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
     return out
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 _COUNTERS: dict = {}
 COUNTER_SLOTS = 1 << 16
 
@@ -745,18 +847,28 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
     elif cnt.dtype != torch.int32 or cnt.numel() < P * nb1 + nb2:
         raise ValueError(f"workspace['counters']: expected zeroed int32 with >= {P * nb1 + nb2} elements")
     cnt13, cnt2 = cnt, cnt[P * nb1:]
-    PB = max(128, triton.next_power_of_2(P))  # one specialisation for every decode batch
+    # PB: the id vector _expert_rows scans. 128: one specialisation for every decode batch; "pb":
+    # "tight" (mmaq_*): next_pow2(pairs) >= 16 (4 specialisations; at T=1 a [16, 16] scan instead of
+    # [16, 128], the prologue every program runs before its first weight load)
+    PB = max(16 if cfg.get("pb") == "tight" else 128, triton.next_power_of_2(P))
+    # "deq": "asm" (candidates mmaq_*): packed PTX dequant; the interpreter runs no PTX and takes the
+    # same values from the fp32 bit trick (exact either way)
+    deq = 1 if cfg.get("deq") == "asm" else 0
+    asm = deq and not _interpreting()
+    # "hperm": 1: h stored in plane order (_plane_col; the w2 A operand contiguous); needs deq
+    hperm = 1 if (deq and cfg.get("hperm")) else 0
     _dec_mma_w13_kernel[(P, nb1, splits)](
         x, w13p, w13s, ids, h, part, cnt13, P, I, E, float(limit),
         x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
         h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
-        K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN,
+        K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
     _dec_mma_w2_kernel[(P, nb2)](
         h, w2p, w2s, ids, tw, y, out, cnt2, T, P, D, E,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2),
         y.stride(0), out.stride(0),
-        IK=I, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN2, BLOCK_T=cfg.get("BLOCK_T", 16),
+        IK=I, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN2, BLOCK_T=cfg.get("BLOCK_T", 16), DEQ=deq, ASM=asm,
+        HPERM=hperm,
         num_warps=cfg["num_warps2"], num_stages=cfg.get("num_stages", 2))
     return out
 
@@ -860,6 +972,17 @@ _DECODE = {
                   "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
     "mma_n32s1": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4,
                   "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    # candidates (issue 20, moe5): the mma variant with the packed PTX dequant ("deq": "asm")
+    "mmaq_n32s4": {"path": "decode", "variant": "mma", "deq": "asm", "BLOCK_N": 32, "SPLIT_K": 4, "num_warps": 4,
+                   "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64s2": {"path": "decode", "variant": "mma", "deq": "asm", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4,
+                   "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n32s8": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "BLOCK_N": 32,
+                   "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n32s4h": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "BLOCK_N": 32,
+                    "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64s2h": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "BLOCK_N": 64,
+                    "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
     "mma_n32s8w2": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 2,
                     "BLOCK_N2": 32, "num_warps2": 2, "num_stages": 4},
 }
