@@ -490,12 +490,12 @@ def _plane_col(n):
 
 @triton.jit
 def _dec_mma_w13_kernel(
-    x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr, xs_ptr,
     P, I, E, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp, stride_ps, stride_pp,
     K: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr = 0, ASM: tl.constexpr = 0,
-    HPERM: tl.constexpr = 0,
+    HPERM: tl.constexpr = 0, XPERM: tl.constexpr = 0,
 ):
     """Grid ``(pairs, inter / BLOCK_N, SPLIT)``.
     One program (a leader, see ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N gate
@@ -505,7 +505,13 @@ def _dec_mma_w13_kernel(
     bf16 nibbles, fp32 accumulation, scale per 128-group in fp32). SPLIT == 1: h = swiglu(gate, up)
     stored fp16 ``h[pair, n]``. SPLIT > 1: fp32 partials ``part[split, pair, :]``, then a ticket
     (atomic counter per (leader, column block)); the last of the SPLIT programs sums the partials
-    in split order (deterministic), applies the SwiGLU, stores h and resets the counter to 0."""
+    in split order (deterministic), applies the SwiGLU, stores h and resets the counter to 0.
+
+    XPERM (needs DEQ): the program first copies its x rows' K split into ``xs [tokens, K]`` in plane
+    order (:func:`_plane_col`) and reads the A operand from there (contiguous 32 B rows, pipelined
+    like the weights) instead of 8 stride-8 gathers per group. Every program touching a token
+    writes the same values (a benign race: identical bytes); each reads only what its own threads
+    wrote before its barrier."""
     pair0 = tl.program_id(0)
     nb = tl.program_id(1)
     split = tl.program_id(2)
@@ -522,6 +528,21 @@ def _dec_mma_w13_kernel(
         tok = (prow // TOPK).to(tl.int64)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if XPERM:
+            # one contiguous load + a permuted store per valid row (the valid rows are a prefix of the
+            # tile: at decode sizes usually 1 of 16)
+            kq = split * KS + tl.arange(0, KS)
+            pc = _plane_col(kq)
+            m_ar = tl.arange(0, BLOCK_M)
+            for m in range(tl.sum(mvalid.to(tl.int32), axis=0)):
+                t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
+                tl.store(xs_ptr + t_m * K + pc, tl.load(x_ptr + t_m * stride_xt + kq))
+            tl.debug_barrier()
+            a_ptr = xs_ptr
+            a_stride = K
+        else:
+            a_ptr = x_ptr
+            a_stride = stride_xt
         for g in range(split * (KS // 128), (split + 1) * (KS // 128)):
             pg = tl.load(w_ptr + g_off + g * 16)
             pu = tl.load(w_ptr + u_off + g * 16)
@@ -530,8 +551,8 @@ def _dec_mma_w13_kernel(
             zg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             zu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             if DEQ:
-                zg = _mma_group_q(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, ASM)
-                zu = _mma_group_q(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, ASM)
+                zg = _mma_group_q(zg, a_ptr, a_stride, tok, mvalid, g * 128, pg, tl.bfloat16, ASM, XPERM)
+                zu = _mma_group_q(zu, a_ptr, a_stride, tok, mvalid, g * 128, pu, tl.bfloat16, ASM, XPERM)
             else:
                 zg = _mma_group(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, BLOCK_M)
                 zu = _mma_group(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, BLOCK_M)
@@ -848,20 +869,23 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
         raise ValueError(f"workspace['counters']: expected zeroed int32 with >= {P * nb1 + nb2} elements")
     cnt13, cnt2 = cnt, cnt[P * nb1:]
     # PB: the id vector _expert_rows scans. 128: one specialisation for every decode batch; "pb":
-    # "tight" (mmaq_*): next_pow2(pairs) >= 16 (4 specialisations; at T=1 a [16, 16] scan instead of
-    # [16, 128], the prologue every program runs before its first weight load)
-    PB = max(16 if cfg.get("pb") == "tight" else 128, triton.next_power_of_2(P))
+    # "tight" (mmaq_*x): 16 up to 16 pairs (T <= 2: a [16, 16] scan instead of [16, 128], the prologue
+    # every program runs before its first weight load), 128 above (2 specialisations)
+    PB = 16 if (cfg.get("pb") == "tight" and P <= 16) else max(128, triton.next_power_of_2(P))
     # "deq": "asm" (candidates mmaq_*): packed PTX dequant; the interpreter runs no PTX and takes the
     # same values from the fp32 bit trick (exact either way)
     deq = 1 if cfg.get("deq") == "asm" else 0
     asm = deq and not _interpreting()
     # "hperm": 1: h stored in plane order (_plane_col; the w2 A operand contiguous); needs deq
     hperm = 1 if (deq and cfg.get("hperm")) else 0
+    # "xperm": 1: x copied per program into xs in plane order (the w13 A operand contiguous); needs deq
+    xperm = 1 if (deq and cfg.get("xperm")) else 0
+    xs = buf("xs", (T, D), torch.bfloat16) if xperm else x
     _dec_mma_w13_kernel[(P, nb1, splits)](
-        x, w13p, w13s, ids, h, part, cnt13, P, I, E, float(limit),
+        x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit),
         x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
         h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
-        K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm,
+        K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm, XPERM=xperm,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
     _dec_mma_w2_kernel[(P, nb2)](
         h, w2p, w2s, ids, tw, y, out, cnt2, T, P, D, E,
@@ -972,17 +996,22 @@ _DECODE = {
                   "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
     "mma_n32s1": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4,
                   "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
-    # candidates (issue 20, moe5): the mma variant with the packed PTX dequant ("deq": "asm")
+    # candidates (issue 20, moe5; NOTES "W4A16 MoE decode bandwidth (issue 20, moe5)"): the mma variant
+    # with the packed PTX dequant ("deq": "asm"); "x" rows add the tight id scan ("pb"), h stored in plane
+    # order ("hperm": the w2 A operand contiguous) and x copied in plane order ("xperm": the w13 A operand
+    # contiguous), so both A operands are cp.async-pipelined instead of 8 gathers + layout conversions
     "mmaq_n32s4": {"path": "decode", "variant": "mma", "deq": "asm", "BLOCK_N": 32, "SPLIT_K": 4, "num_warps": 4,
                    "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
     "mmaq_n64s2": {"path": "decode", "variant": "mma", "deq": "asm", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4,
                    "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
-    "mmaq_n32s8": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "BLOCK_N": 32,
-                   "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
-    "mmaq_n32s4h": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "BLOCK_N": 32,
-                    "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
-    "mmaq_n64s2h": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "BLOCK_N": 64,
-                    "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n32s4x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 32, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n32s8x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64s2x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64s4x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
     "mma_n32s8w2": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 2,
                     "BLOCK_N2": 32, "num_warps2": 2, "num_stages": 4},
 }

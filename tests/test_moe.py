@@ -20,8 +20,8 @@ PRE = {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N
 MMA = {"path": "decode", "variant": "mma", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 128,
        "num_warps2": 4}
 # the same with the packed PTX dequant (on the interpreter: the fp32 bit trick, same values), the tight
-# id scan and h stored in plane order (the part the interpreter proves: the w13 store and w2 load agree)
-MMAQ = dict(MMA, deq="asm", pb="tight", hperm=1, SPLIT_K=2, BLOCK_N=32, BLOCK_N2=64)
+# id scan, h and x stored in plane order (what the interpreter proves: the permuted stores and loads agree)
+MMAQ = dict(MMA, deq="asm", pb="tight", hperm=1, xperm=1, SPLIT_K=2, BLOCK_N=32, BLOCK_N2=64)
 PATHS = {"decode": DEC, "decode_split": DEC_SPLIT, "prefill": PRE, "mma": MMA, "mmaq": MMAQ}
 
 
