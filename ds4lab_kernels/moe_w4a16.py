@@ -968,34 +968,25 @@ def _prefill(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
 # prefill: BLOCK_M x BLOCK_N bf16 tl.dot tiles, BLOCK_K = 64/128 (one scale group per K step);
 #   shared memory per stage (BM*BK*2 + BK/8*BN*4*2) is small: the B operand is 1/4 the bf16 bytes.
 # decode rows: the same values in both tables
+# one row per older decode variant (neither is a default since H200 run 5; the rows measured losing at
+# every T were removed by moe5: decode_wide, decode_n8, decode_2d, decode_2d_w8, mma_n16s8, mma_n32s1,
+# their numbers are in NOTES "W4A16 MoE decode bandwidth (issue 20, moe5)")
 _DECODE = {
+    # the FMA GEMV variant (the sm_89 default until run 5)
     "decode": {"path": "decode", "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 4,
                "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
-    "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
-                    "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
-    "decode_n8": {"path": "decode", "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 8, "num_warps": 2,
-                  "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 2},
-    # candidates (H200 run 4; not picked by default on sm_89, decode_2d_n8 is sm_90's default):
     # decode variant "h" (unpack 2d: words kept in their 2-D load layout, nibbles via the 2^23 bit
     # trick instead of I2F, gate+up+SwiGLU in one program over the whole K, w2 reads h instead of
-    # re-summing split partials per program)
-    "decode_2d": {"path": "decode", "unpack": "2d", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4,
-                  "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
+    # re-summing split partials per program; the sm_90 default from run 4 to run 5)
     "decode_2d_n8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4,
                      "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
-    "decode_2d_w8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8,
-                     "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 8, "num_stages": 4},
     # candidates (issue 20, H200 run 5): decode variant "mma" (pairs grouped by expert in-kernel,
     # BLOCK_M 16, nibbles -> bf16/fp16 in registers, tl.dot; split-K + SwiGLU by the last program
     # of each tile; w2 + weighted top-k sum by the last program per column block; 2 launches)
     "mma_n32s4": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 4, "num_warps": 4,
                   "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
-    "mma_n16s8": {"path": "decode", "variant": "mma", "BLOCK_N": 16, "SPLIT_K": 8, "num_warps": 2,
-                  "BLOCK_N2": 16, "num_warps2": 2, "num_stages": 3},
     "mma_n64s2": {"path": "decode", "variant": "mma", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4,
                   "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
-    "mma_n32s1": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4,
-                  "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
     # candidates (issue 20, moe5; NOTES "W4A16 MoE decode bandwidth (issue 20, moe5)"): the mma variant
     # with the packed PTX dequant ("deq": "asm"); "x" rows add the tight id scan ("pb"), h stored in plane
     # order ("hperm": the w2 A operand contiguous) and x copied in plane order ("xperm": the w13 A operand
@@ -1010,8 +1001,8 @@ _DECODE = {
                     "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
     "mmaq_n64s2x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                     "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
-    "mmaq_n64s4x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                    "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n32s2x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
     "mma_n32s8w2": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 2,
                     "BLOCK_N2": 32, "num_warps2": 2, "num_stages": 4},
 }
