@@ -19,6 +19,15 @@ Two paths, both deterministic (no atomics; fixed-order reductions):
   fused after gate_up, stored as fp16 (the clamp bounds |h| <= 10 * silu(10) < 100, so fp16 cannot
   overflow and keeps 3 more mantissa bits than bf16: a bf16 h costs ~2e-3 RMS relative error);
   the down kernel (fp16 x nibbles) scales by the routing weight; a reduce sums the top-k.
+
+Decode variant "mma" (the GPU default, rows ``mma_*``): pairs grouped by expert in-kernel, nibbles
+dequantized in registers straight into the tensor-core operand layout, split-K by last-arriver
+tickets, 2 launches. Its options (rows ``mmaq_*``, issue 20 moe5): ``"deq": "asm"`` dequantizes two
+words per packed PTX block (lop3 + ``fma.rn.bf16x2``/``f16x2``, exact; :data:`DEQ_ASM_BF16`);
+``"hperm"`` / ``"xperm"`` keep h / a copy of x in plane order (within each 128-group element
+``8c + j`` at ``16j + c``) so the A operand of each nibble plane is contiguous and cp.async-pipelined;
+``"pb": "tight"`` scans 16 ids instead of 128 up to 16 pairs. Same operands, same dot order: the
+results are bit-equal to the ``mma_*`` row of the same tiles.
 """
 import os
 
@@ -680,7 +689,9 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
             default: decode for ``num_tokens * topk <= 128`` pairs, prefill above.
         out: optional ``(num_tokens, hidden)`` bfloat16 output.
         workspace: optional dict of preallocated buffers (tests fill them with NaN to prove that
-            padding rows never reach valid rows): decode ``{"part": fp32 (splits, pairs, 2*inter)}``;
+            padding rows never reach valid rows): decode ``{"part": fp32 (splits, pairs, 2*inter)}``
+            (variant "mma" also ``"h"`` fp16 (pairs, inter), ``"y"`` fp32 (pairs, hidden),
+            ``"counters"`` zeroed int32, ``"xs"`` bf16 (tokens, hidden) with ``"xperm"``);
             prefill ``{"h": fp16 (>= pairs, inter), "y": fp32 (pairs, hidden)}``.
 
     Returns:

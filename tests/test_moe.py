@@ -191,6 +191,19 @@ def test_mma_repeated_experts_invalid_ids_and_nan_token():
     assert torch.equal(bad[:3].view(torch.int16), out[:3].view(torch.int16))
 
 
+def test_mmaq_rows_are_bit_equal_to_mma():
+    """The moe5 options change where operands come from (h and x in plane order, a 16-id scan at
+    <= 16 pairs), not the arithmetic: bit-equal to the mma row of the same tiles (15 pairs here: the
+    tight scan; the ragged tests above run 76 pairs)."""
+    x, w, tw, ids = _mma_inputs()
+    ids[1, 2] = -1
+    inp = _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids})
+    base = {k: v for k, v in MMAQ.items() if k not in ("deq", "pb", "hperm", "xperm")}
+    a = K.fused_moe_w4a16(**inp, config=base)
+    b = K.fused_moe_w4a16(**inp, config=MMAQ)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def test_mma_extreme_scales_and_config_errors():
     """Scales near bf16's largest finite (products stay finite in fp32) and a bad tile config."""
     x, w, tw, ids = _mma_inputs(seed=4)
