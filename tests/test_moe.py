@@ -64,7 +64,8 @@ def test_pack_matches_compressed_tensors():
     assert torch.equal(ct.unpack_from_int32(R.pack_int4(q), 4, q.shape), q)
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
+# mmaq: the same ragged inputs run in test_nan_workspace_and_padding_rows_stay_out (plus padding)
+@pytest.mark.parametrize("path", sorted(set(PATHS) - {"mmaq"}))
 def test_ragged_experts_and_untouched_expert_never_read(path):
     w = _weights()
     w["w13_scale"][1] = float("nan")  # expert 1 has no token: its weights must never be read
