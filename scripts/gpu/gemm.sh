@@ -18,9 +18,9 @@
 #   present, made by `make peer-src` and carried as an ignored folder). Without the peer source the
 #   sweep says so in its log and CSV (SKIP rows) and times the rest.
 #   BUILDS="sm89" (default; "sm89 native" adds the sm_90 build, about +70 s), MS=1,4,16,32,
-#   BUILD_TIMEOUT (s, default 110), CHECK_TIMEOUT (s, 45), CONFIGS=label,label (ours and the peer's;
+#   BUILD_TIMEOUT (s, default 95), CHECK_TIMEOUT (s, 40), CONFIGS=label,label (ours and the peer's;
 #   quant+gemm always; default: the list below; CONFIGS=all: every candidate and every peer config),
-#   NO_BASELINES=1 (skip cuBLAS / bf16 dequant). Expected: ~100-140 s in all on the H200.
+#   NO_BASELINES=1 (skip cuBLAS / bf16 dequant). Expected: ~100-140 s in all on the H200 (hard cap 40 + 95 s + the table).
 # Rows -> $OUT/gemm_decode.csv (appended as measured), logs -> $OUT/gemm_*.log, table -> $OUT/gemm_table.txt.
 # Fail-soft: a failing candidate, check or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
@@ -51,14 +51,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 rc=0
 t0=$SECONDS
 # 1. numerics first
-timeout ${CHECK_TIMEOUT:-45} python3 -m ds4lab.harness.gemm_sweep --check ${CONFIGS:+--configs $CONFIGS} > "$OUT/gemm_check.log" 2>&1 \
+timeout ${CHECK_TIMEOUT:-40} python3 -m ds4lab.harness.gemm_sweep --check ${CONFIGS:+--configs $CONFIGS} > "$OUT/gemm_check.log" 2>&1 \
   || { echo "NUMERICS CHECK FAILED or timed out (see gemm_check.log)"; rc=1; }
 grep -E "FAIL|numerics:|Error" "$OUT/gemm_check.log" | tail -12
 echo "check: $((SECONDS - t0)) s"
 # 2. the sweep, one process per build
 for build in $BUILDS; do
   tb=$SECONDS
-  timeout ${BUILD_TIMEOUT:-110} python3 -m ds4lab.harness.gemm_sweep --arch $build --ms "$MS" --out "$OUT" $peer_args \
+  timeout ${BUILD_TIMEOUT:-95} python3 -m ds4lab.harness.gemm_sweep --arch $build --ms "$MS" --out "$OUT" $peer_args \
     > "$OUT/gemm_$build.log" 2>&1 || { echo "SWEEP $build: exit $? (see gemm_$build.log; rows so far are in the CSV)"; rc=1; }
   grep -E "peer:|precompile|FAIL|Traceback|Error|rows ->" "$OUT/gemm_$build.log" | tail -15
   echo "sweep $build: $((SECONDS - tb)) s"
