@@ -34,6 +34,27 @@ BLOCK_K = 128
 
 
 @triton.jit
+def _scale_ptr(row_ptr, kb, stride_k, FMT: tl.constexpr):
+    """Address of k-block ``kb``'s scale (FMT 2: the int32 word holding it) in the row(s) ``row_ptr``."""
+    if FMT == 2:
+        return row_ptr + (kb // 4) * stride_k
+    else:
+        return row_ptr + kb * stride_k
+
+
+@triton.jit
+def _decode_scale(raw, kb, FMT: tl.constexpr):
+    """fp32 scale(s) of k-block(s) ``kb`` from the loaded value(s) ``raw`` (see ``_load_scale``)."""
+    if FMT == 0:
+        s = raw
+    elif FMT == 1:
+        s = ue8m0_to_fp32(raw)
+    else:
+        s = ue8m0_to_fp32((raw >> ((kb % 4) * 8)) & 0xFF)
+    return s
+
+
+@triton.jit
 def _load_scale(ptr, kb, FMT: tl.constexpr):
     """Scale(s) of k-block ``kb``; ``ptr`` already points at column 0 of the row(s).
     FMT 0: float32 (column kb), 1: uint8 UE8M0 (column kb), 2: int32 packed (byte kb%4 of word kb//4).
@@ -48,16 +69,66 @@ def _load_scale(ptr, kb, FMT: tl.constexpr):
     return s
 
 
+@triton.jit
+def _act_load(ptrs, mask, up_off, limit, ACT: tl.constexpr, MASKED: tl.constexpr):
+    """bf16/fp16/fp32 activations at ``ptrs`` as fp32 (``MASKED``: masked, 0 outside). ``ACT`` 1: ``ptrs`` point into the gate half of
+    a fused gate/up row and ``up_off`` elements further is its up half; returns
+    ``bf16(silu(min(g, limit)) * clamp(u, -limit, limit))`` as fp32, the op sequence of
+    ``norm_rope._swiglu_clamp_kernel`` (so the fused prologue is bit-identical to that kernel's output)."""
+    if ACT == 1:
+        if MASKED:
+            g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(ptrs + up_off, mask=mask, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(ptrs).to(tl.float32)
+            u = tl.load(ptrs + up_off).to(tl.float32)
+        g = tl.where(g > limit, limit, g)
+        u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+        x = (g * tl.sigmoid(g) * u).to(tl.bfloat16).to(tl.float32)
+    elif MASKED:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(ptrs).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store_tile(acc, d_ptr, offs_m, offs_n, M, N, stride_dm, ws_ptr, cnt_ptr, tile_id, pid_k,
+                BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    """bf16 store of the fp32 ``acc [BM, BN]`` (rows ``offs_m``, cols ``offs_n``, masked to M x N).
+    ``SPLIT``: split-K in one launch. The program stores its partial to slot ``ws[tile_id, pid_k]``,
+    then bumps the tile's arrival counter (acq_rel, gpu scope); the program that arrives last sums
+    the ``num_programs(1)`` slots in split order (bitwise deterministic), writes bf16 D and resets
+    the counter to 0 for the next launch (no second kernel, no host sync)."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    d_ptrs = d_ptr + offs_m.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
+    if SPLIT:
+        n_split = tl.num_programs(1)
+        tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        slot0 = ws_ptr + tile_id.to(tl.int64) * n_split * (BM * BN)
+        tl.store(slot0 + pid_k * (BM * BN) + tile, acc, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partial is written before the arrival is published
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_split - 1:
+            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(0, n_split):
+                tot += tl.load(slot0 + s * (BM * BN) + tile, cache_modifier=".cg")
+            tl.store(d_ptrs, tot.to(tl.bfloat16), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(d_ptrs, acc.to(tl.bfloat16), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_nt_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, d_ptr, ws_ptr, cnt_ptr,
     M, N, K,
     stride_am, stride_bn, stride_dm,
     stride_sam, stride_sak, stride_sbn, stride_sbk,
-    kb_per_split, eps,
+    kb_per_split, eps, limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_BF16: tl.constexpr, SPLIT: tl.constexpr,
-    A_ROWS: tl.constexpr,
+    A_ROWS: tl.constexpr, ACT: tl.constexpr = 0, SCALE_PF: tl.constexpr = 0,
 ):
     """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split)``: output tiles in GROUP_M order x k splits.
     One program: a BLOCK_M x BLOCK_N tile of D over its split's k-blocks.
@@ -67,7 +138,11 @@ def _fp8_gemm_nt_kernel(
     ``SPLIT`` (split-K in one launch): each program stores its fp32 partial tile to its slot
     ``ws[tile, pid_k]``, then bumps the tile's arrival counter (acq_rel, gpu scope); the program that
     arrives last sums the ``split`` slots in split order (bitwise deterministic), writes bf16 D and
-    resets the counter to 0 for the next launch (no second kernel, no host sync)."""
+    resets the counter to 0 for the next launch (no second kernel, no host sync).
+    ``ACT`` 1 (with ``A_BF16``): ``a_ptr`` is the shared expert's gate/up output ``(M, 2K)`` and A is
+    its clamped SwiGLU (``_act_load``), quantized as above. ``SCALE_PF``: each k-block's scales are
+    loaded one iteration ahead (off the critical path; the loads are 1-4 B, below cp.async's 4 B
+    granule for uint8, so the pipeliner leaves them synchronous in the loop)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -95,7 +170,7 @@ def _fp8_gemm_nt_kernel(
         # one real row (M=1); its next k-block is prefetched into registers one iteration ahead
         # (1 bf16 per thread is too narrow for the pipeliner's cp.async)
         a_ptrs = a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am + (kb_lo * BLOCK_K + offs_k)[None, :]
-        x_next = tl.load(a_ptrs, mask=(kb_lo < kb_hi), other=0.0)
+        x_next = _act_load(a_ptrs, (kb_lo < kb_hi), K, limit, ACT, True)
     else:
         a_ptrs = a_ptr + rows_a[:, None] * stride_am + (kb_lo * BLOCK_K + offs_k)[None, :]
     b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (kb_lo * BLOCK_K + offs_k)[None, :]
@@ -106,6 +181,10 @@ def _fp8_gemm_nt_kernel(
     else:
         sb_row = sb_ptr + (rows_b // 128) * stride_sbn
 
+    if SCALE_PF:
+        sb_next = tl.load(_scale_ptr(sb_row, kb_lo, stride_sbk, B_FMT), mask=(kb_lo < kb_hi), other=0)
+        if not A_BF16:
+            sa_next = tl.load(_scale_ptr(sa_row, kb_lo, stride_sak, A_FMT), mask=(kb_lo < kb_hi), other=0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
         b = tl.load(b_ptrs)
@@ -113,21 +192,27 @@ def _fp8_gemm_nt_kernel(
             # the 1x128 group quant of fp8_quant (bit-identical helper), scale through its UE8M0
             # byte and back
             if A_ROWS == 1:
-                xr = x_next.to(tl.float32)
-                x_next = tl.load(a_ptrs + BLOCK_K, mask=(kb + 1 < kb_hi), other=0.0)
+                xr = x_next
+                x_next = _act_load(a_ptrs + BLOCK_K, (kb + 1 < kb_hi), K, limit, ACT, True)
                 a, sa = quant_rows_e4m3_pow2(xr, eps)  # one row, not BLOCK_M copies of it
                 a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
                 sa = tl.broadcast_to(sa, (BLOCK_M,))
             else:
-                a, sa = quant_rows_e4m3_pow2(tl.load(a_ptrs).to(tl.float32), eps)
+                a, sa = quant_rows_e4m3_pow2(_act_load(a_ptrs, None, K, limit, ACT, False), eps)
             sa = ue8m0_to_fp32(fp32_pow2_to_ue8m0(sa))
         else:
             a = tl.load(a_ptrs)
-            if A_FMT == 2:
+            if SCALE_PF:
+                sa = _decode_scale(sa_next, kb, A_FMT)
+                sa_next = tl.load(_scale_ptr(sa_row, kb + 1, stride_sak, A_FMT), mask=(kb + 1 < kb_hi), other=0)
+            elif A_FMT == 2:
                 sa = _load_scale(sa_row + (kb // 4) * stride_sak, kb, A_FMT)
             else:
                 sa = _load_scale(sa_row + kb * stride_sak, kb, A_FMT)
-        if B_FMT == 2:
+        if SCALE_PF:
+            sb = _decode_scale(sb_next, kb, B_FMT)
+            sb_next = tl.load(_scale_ptr(sb_row, kb + 1, stride_sbk, B_FMT), mask=(kb + 1 < kb_hi), other=0)
+        elif B_FMT == 2:
             sb = _load_scale(sb_row + (kb // 4) * stride_sbk, kb, B_FMT)
         else:
             sb = _load_scale(sb_row + kb * stride_sbk, kb, B_FMT)
@@ -139,23 +224,73 @@ def _fp8_gemm_nt_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    d_ptrs = d_ptr + offs_m.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
-    if SPLIT:
-        n_split = tl.num_programs(1)
-        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        slot0 = ws_ptr + pid.to(tl.int64) * n_split * (BLOCK_M * BLOCK_N)
-        tl.store(slot0 + pid_k * (BLOCK_M * BLOCK_N) + tile, acc, cache_modifier=".cg")
-        tl.debug_barrier()  # every thread's partial is written before the arrival is published
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_split - 1:
-            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, n_split):
-                tot += tl.load(slot0 + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-            tl.store(d_ptrs, tot.to(tl.bfloat16), mask=mask)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
-    else:
-        tl.store(d_ptrs, acc.to(tl.bfloat16), mask=mask)
+    _store_tile(acc, d_ptr, offs_m, offs_n, M, N, stride_dm, ws_ptr, cnt_ptr, pid, pid_k, BLOCK_M, BLOCK_N, SPLIT)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, d_ptr, ws_ptr, cnt_ptr,
+    M, N, K,
+    stride_am, stride_bn, stride_dm,
+    stride_sam, stride_sak, stride_sbn, stride_sbk,
+    kb_per_split, eps, limit,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KTILE: tl.constexpr,
+    A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_BF16: tl.constexpr, SPLIT: tl.constexpr,
+    ACT: tl.constexpr = 0,
+):
+    """Decode GEMV (M <= 4): grid ``(cdiv(M, ROWS) * cdiv(N, BLOCK_N), split)``. One program: ``ROWS``
+    rows x ``BLOCK_N`` columns of D over its split's k-blocks, in chunks of ``KTILE`` columns (one
+    chunk when the split fits: the launcher sizes ``KTILE``).
+
+    No tensor cores, no shared-memory staging: each chunk of the weight, ``[BLOCK_N, KTILE]`` e4m3,
+    is ONE register load (16 B per thread per instruction, every byte of the chunk in flight at
+    once), and so are its scales (a vector load per chunk, not a scalar per k-block) and the
+    activation row. Per 128-group the two scales are folded into the activation
+    (``a_eff = q * (sA * sB)``, ``BLOCK_N`` divides 128 so one weight block row), and
+    ``D[m, n] = sum_k a_eff[m, k] * B[n, k]`` accumulates in fp32 on CUDA cores (every fp8 product is
+    exact in fp32; a different summation order than the MMA path, within the same numerics budget).
+    ``A_BF16`` / ``ACT``: the activation row is quantized here per 1x128 group (UE8M0), bit for bit
+    as ``per_token_group_quant_fp8`` / after the clamped SwiGLU (``_act_load``). ``SPLIT``: split-K
+    in the same launch (``_store_tile``)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    G_T: tl.constexpr = KTILE // 128
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_b = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_r = pid_m * ROWS + tl.arange(0, ROWS)
+    n_kb = K // 128
+    kb_lo = pid_k * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, n_kb)
+    sb_row = sb_ptr + ((pid_n * BLOCK_N) // 128) * stride_sbn
+    kcol = tl.arange(0, KTILE)
+    kg = tl.arange(0, G_T)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(kb_lo * 128, kb_hi * 128, KTILE):
+        cols = k0 + kcol
+        cmask = cols < kb_hi * 128
+        kbs = k0 // 128 + kg
+        gmask = kbs < kb_hi
+        w = tl.load(b_ptr + rows_b[:, None] * stride_bn + cols[None, :], mask=cmask[None, :], other=0.0)
+        sb = _decode_scale(tl.load(_scale_ptr(sb_row, kbs, stride_sbk, B_FMT), mask=gmask, other=0), kbs, B_FMT)
+        sb = tl.where(gmask, sb, 0.0)
+        wf = w.to(tl.float32)
+        for r in tl.static_range(ROWS):
+            m = tl.minimum(pid_m * ROWS + r, M - 1).to(tl.int64)
+            if A_BF16:
+                x = _act_load(a_ptr + m * stride_am + cols, cmask, K, limit, ACT, True)
+                q, sa = quant_rows_e4m3_pow2(tl.reshape(x, (G_T, 128)), eps)
+                sa = ue8m0_to_fp32(fp32_pow2_to_ue8m0(sa))
+            else:
+                q = tl.reshape(tl.load(a_ptr + m * stride_am + cols, mask=cmask, other=0.0), (G_T, 128))
+                sa = _decode_scale(tl.load(_scale_ptr(sa_ptr + m * stride_sam, kbs, stride_sak, A_FMT),
+                                           mask=gmask, other=0), kbs, A_FMT)
+            a_eff = tl.reshape(q.to(tl.float32) * (sa * sb)[:, None], (KTILE,))
+            part = tl.sum(wf * a_eff[None, :], axis=1)
+            acc = tl.where((tl.arange(0, ROWS) == r)[:, None], acc + part[None, :], acc)
+    _store_tile(acc, d_ptr, offs_r, offs_n, M, N, stride_dm, ws_ptr, cnt_ptr, pid, pid_k, ROWS, BLOCK_N, SPLIT)
 
 
 # ---- launcher ----------------------------------------------------------------------------------
@@ -266,11 +401,15 @@ def splitk_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def _launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out, cfg, a_bf16: bool, eps: float) -> None:
-    M, K = a.shape
-    N = b.shape[0]
+def _launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out, cfg, a_bf16: bool, eps: float, act: int = 0,
+            limit: float = 0.0) -> None:
+    M = a.shape[0]
+    N, K = b.shape  # ``a`` is (M, 2K) with act=1 (gate | up)
     G = K // BLOCK_K
     BM, BN = _check_config(cfg)
+    gemv = cfg.get("KIND") == "gemv"
+    if gemv:
+        BN = gemv_block_n(cfg, M, N, a.device)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     split = _split_k(cfg, tiles, G, a.device)
     kb_per = triton.cdiv(G, split)
@@ -282,12 +421,39 @@ def _launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out, cfg, a_bf16: bool, eps: f
         ws = cnt = out  # unused
     sa = a if a_scale is None else a_scale
     sa_strides = (0, 0) if a_scale is None else (a_scale.stride(0), a_scale.stride(1))
+    args = (a, b, sa, b_scale, out, ws, cnt, M, N, K, a.stride(0), b.stride(0), out.stride(0),
+            *sa_strides, b_scale.stride(0), b_scale.stride(1), kb_per, eps, float(limit))
+    if gemv:
+        _fp8_gemv_kernel[(tiles, split)](
+            *args, ROWS=BM, BLOCK_N=BN, KTILE=gemv_ktile(cfg, BN, kb_per), A_FMT=a_fmt, B_FMT=b_fmt,
+            A_BF16=a_bf16, SPLIT=split > 1, ACT=act, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return
     _fp8_gemm_nt_kernel[(tiles, split)](
-        a, b, sa, b_scale, out, ws, cnt, M, N, K, a.stride(0), b.stride(0), out.stride(0),
-        *sa_strides, b_scale.stride(0), b_scale.stride(1), kb_per, eps,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK_K, GROUP_M=cfg.get("GROUP_M", 1), A_FMT=a_fmt, B_FMT=b_fmt,
-        A_BF16=a_bf16, SPLIT=split > 1, A_ROWS=_a_rows(a, BM) if a_bf16 else BM,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        *args, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK_K, GROUP_M=cfg.get("GROUP_M", 1), A_FMT=a_fmt, B_FMT=b_fmt,
+        A_BF16=a_bf16, SPLIT=split > 1, A_ROWS=_a_rows(a, BM) if a_bf16 else BM, ACT=act,
+        SCALE_PF=int(cfg.get("SCALE_PREFETCH", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def gemv_block_n(cfg: dict, M: int, N: int, device) -> int:
+    """A GEMV config's ``BLOCK_N``: its int, or for ``"auto"`` the widest power of two in [4, 32]
+    that still gives ``PROGS_PER_SM`` (default 4) programs per SM; at least 4 (a 16-B vector of each
+    of 4 rows per thread pair)."""
+    bn = cfg["BLOCK_N"]
+    if bn != "auto":
+        return int(bn)
+    want = int(cfg.get("PROGS_PER_SM", 4)) * num_sms(device)
+    bn = 32
+    while bn > 4 and triton.cdiv(M, int(cfg["BLOCK_M"])) * triton.cdiv(N, bn) < want:
+        bn //= 2
+    return bn
+
+
+def gemv_ktile(cfg: dict, BN: int, kb_per: int) -> int:
+    """A GEMV program's chunk width: its whole split (``kb_per`` k-blocks, rounded up to a power of
+    two, masked) when ``BLOCK_N x KTILE`` fp8 fits ``TILE_BYTES`` (default 16 KiB: 128 B per thread
+    at 4 warps, all in flight at once), else the widest power of two that does (>= 128)."""
+    cap = max(128, 1 << (int(cfg.get("TILE_BYTES", 16384)) // BN).bit_length() - 1)
+    return min(triton.next_power_of_2(kb_per * BLOCK_K), cap)
 
 
 def _a_rows(x: torch.Tensor, BM: int) -> int:
@@ -304,9 +470,13 @@ def _a_rows(x: torch.Tensor, BM: int) -> int:
 FUSED_MAX_M = 32
 
 
+ACTS = (None, "swiglu_clamp")
+
+
 def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                           out: torch.Tensor | None = None, config: dict | None = None,
-                          eps: float = 1e-10, fused: bool | None = None) -> torch.Tensor:
+                          eps: float = 1e-10, fused: bool | None = None, act: str | None = None,
+                          act_limit: float | None = None) -> torch.Tensor:
     """Block-FP8 linear from bf16 activations: ``per_token_group_quant_fp8(x, 128, "ue8m0")`` then
     :func:`fp8_gemm_nt`, with the activation quant fused into the GEMM's prologue for decode.
 
@@ -316,20 +486,26 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     ``s = ceil_pow2(max(amax, eps) / 448)``, ``q = rne_e4m3(clamp(x / s))``, then
     ``D = sum_kb dot(q, W) * s * weight_scale``. The fused path (``num_tokens <= FUSED_MAX_M``, one
     launch) gives D bit-identical to the two-launch path at the same ``config``.
+    ``act="swiglu_clamp"``: ``x`` is the shared expert's fused gate/up output and the linear's input
+    is its clamped SwiGLU, ``bf16(silu(min(g, L)) * clamp(u, -L, L))`` (``norm_rope.swiglu_clamp``,
+    vLLM 0.32 DeepSeek-V4 ``swiglu_limit``), computed in the fused prologue (one launch for
+    activation + quant + GEMM) or by ``swiglu_clamp`` first on the two-launch path; bit-identical.
 
     Args:
         x: ``(num_tokens, K)`` bfloat16 (or float16 / float32, as the quant takes) activations,
-            ``x.stride(1) == 1``; ``K`` a multiple of 128.
+            ``x.stride(1) == 1``; ``K`` a multiple of 128. With ``act``: ``(num_tokens, 2K)``
+            bfloat16, gate ``[:, :K]`` then up ``[:, K:]``.
         weight: ``(N, K)`` float8_e4m3fn, ``weight.stride(1) == 1``.
         weight_scale: per 128x128 block, any encoding :func:`fp8_gemm_nt` takes for ``b_scale``.
         out: optional ``(num_tokens, N)`` bfloat16 output with ``out.stride(1) == 1``.
-        config: a row of ``CONFIGS[arch]``; default :func:`pick_config` by ``num_tokens``, except
-            that ``17 <= num_tokens <= FUSED_MAX_M`` takes the ``"decode"`` row (fused) instead of
-            ``"small"`` (64-row tiles, two launches).
+        config: a row of ``CONFIGS[arch]`` (an MMA row, or a ``KIND="gemv"`` row); default
+            :func:`pick_config` by ``num_tokens``, except that ``17 <= num_tokens <= FUSED_MAX_M``
+            takes the ``"decode"`` row (fused) instead of ``"small"`` (64-row tiles, two launches).
         eps: the quant's amax floor (a positive normal float32), as in ``per_token_group_quant_fp8``.
         fused: force the fused (True) or two-launch (False) path; None: fused iff
             ``num_tokens <= FUSED_MAX_M`` and the config's ``BLOCK_M <= FUSED_MAX_M`` (the small /
             mid / prefill tiles with a bf16 A tile exceed sm_89's shared memory or spill).
+        act: None, or ``"swiglu_clamp"`` (needs ``act_limit``, a positive float: ``swiglu_limit``).
 
     Returns:
         ``(num_tokens, N)`` bfloat16. A row group holding NaN or ±inf gets a NaN scale (its UE8M0
@@ -338,9 +514,22 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     Raises:
         TypeError / ValueError: as :func:`fp8_gemm_nt` (naming ``x``, ``weight``, ``weight_scale``,
         ``out``, ``config``) and ``per_token_group_quant_fp8`` (``eps``); ``fused=True`` with a
-        config whose ``BLOCK_M > FUSED_MAX_M`` (ValueError naming ``config``).
+        config whose ``BLOCK_M > FUSED_MAX_M`` (ValueError naming ``config``); an unknown ``act``, a
+        missing or non-positive ``act_limit``, or ``x`` not ``(num_tokens, 2K)`` bf16 with ``act``.
     """
-    M, N, K = _check_operands("x", x, (torch.bfloat16, torch.float16, torch.float32), "weight", weight)
+    if act not in ACTS:
+        raise ValueError(f"act={act!r}: expected one of {ACTS}")
+    if act is not None:
+        check.tensor("x", x, (torch.bfloat16,), 2)
+        if x.shape[1] % 2:
+            raise ValueError(f"x: act={act!r} needs (num_tokens, 2K) gate | up, got shape {tuple(x.shape)}")
+        if act_limit is None:
+            raise ValueError(f"act_limit: act={act!r} needs the clamp limit (swiglu_limit)")
+        act_limit = check.fp32_scalar("act_limit", act_limit, positive=True)
+        xg = x[:, : x.shape[1] // 2]   # the gate half: the GEMM operand's shape for the checks
+    else:
+        xg = x
+    M, N, K = _check_operands("x", xg, (torch.bfloat16, torch.float16, torch.float32), "weight", weight)
     weight_scale, b_fmt = _check_scale("weight_scale", weight_scale, triton.cdiv(N, 128), K // BLOCK_K, x)
     eps = check.fp32_scalar("eps", eps, positive=True)
     require_fp8("x", x.device, "w8a8_block_fp8_linear")
@@ -359,8 +548,12 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         raise ValueError(f"config={cfg!r}: the fused quant needs BLOCK_M <= {FUSED_MAX_M} (a bf16 A tile of "
                          f"BLOCK_M x 128 per stage next to the fp8 one); pass fused=None or a decode config")
     if fused:
-        _launch(x, None, 0, weight, weight_scale, b_fmt, out, cfg, True, eps)
+        _launch(x, None, 0, weight, weight_scale, b_fmt, out, cfg, True, eps, act=1 if act else 0,
+                limit=act_limit or 0.0)
         return out
+    if act is not None:
+        from .norm_rope import swiglu_clamp
+        x = swiglu_clamp(x, act_limit)
     from .fp8_quant import per_token_group_quant_fp8
     q, s = per_token_group_quant_fp8(x, BLOCK_K, scale_fmt="ue8m0", eps=eps)
     _launch(q, s, 1, weight, weight_scale, b_fmt, out, cfg, False, eps)
@@ -386,13 +579,28 @@ def _check_operands(a_name: str, a: torch.Tensor, a_dtypes, b_name: str, b: torc
 
 
 def _check_config(cfg: dict) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of a config row (a GEMV row's ``BLOCK_N`` may be ``"auto"``: returned as
+    4, resolved per shape by :func:`gemv_block_n`); ValueError naming ``config`` otherwise."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config={cfg!r}: expected a dict (a row of CONFIGS)")
+    gemv = cfg.get("KIND", "mma") == "gemv"
+    if cfg.get("KIND", "mma") not in ("mma", "gemv"):
+        raise ValueError(f"config={cfg!r}: KIND must be 'mma' or 'gemv'")
     try:
-        BM, BN = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"])
+        BM = int(cfg["BLOCK_M"])
+        BN = 4 if gemv and cfg["BLOCK_N"] == "auto" else int(cfg["BLOCK_N"])
         int(cfg["num_warps"]), int(cfg["num_stages"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"config={cfg!r}: needs integer BLOCK_M, BLOCK_N, num_warps, num_stages ({e})") from None
-    pow2 = lambda v: v >= 16 and v & (v - 1) == 0
-    if not (pow2(BM) and pow2(BN)) or BN > 256:
+    pow2 = lambda v, lo: v >= lo and v & (v - 1) == 0
+    if gemv:
+        if not (BM in (1, 2, 4) and pow2(BN, 4) and BN <= 128):
+            raise ValueError(f"config={cfg!r}: a GEMV row needs BLOCK_M (rows per program) 1, 2 or 4 and "
+                             f"BLOCK_N a power of two in [4, 128] (or 'auto')")
+        tb = cfg.get("TILE_BYTES", 16384)
+        if not isinstance(tb, int) or tb < 512:
+            raise ValueError(f"config={cfg!r}: TILE_BYTES must be an int >= 512")
+    elif not (pow2(BM, 16) and pow2(BN, 16)) or BN > 256:
         raise ValueError(f"config={cfg!r}: BLOCK_M and BLOCK_N must be powers of two >= 16 (BLOCK_N <= 256)")
     if cfg.get("BLOCK_K", BLOCK_K) != BLOCK_K:
         raise ValueError(f"config={cfg!r}: BLOCK_K must be {BLOCK_K} (one scale per k-block)")
@@ -404,15 +612,16 @@ def _check_config(cfg: dict) -> tuple[int, int]:
 
 def _split_k(cfg: dict, tiles: int, kblocks: int, device: torch.device) -> int:
     """``SPLIT_K='auto'``: split only when the output tiles cannot fill one wave of SMs; aim at
-    ``SPLIT_PER_SM`` (default 2) programs per SM, keeping at least 2 k-blocks per split (so the
-    pipeline has work)."""
+    ``SPLIT_PER_SM`` (default 2) programs per SM, keeping at least ``SPLIT_MIN_KB`` (default 2)
+    k-blocks per split (so the pipeline has work and the split-K tail is paid for)."""
     s = cfg.get("SPLIT_K", "auto")
     if s != "auto":
         return max(1, min(int(s), kblocks))
     sms = num_sms(device)
     if tiles >= sms:
         return 1
-    return max(1, min(triton.cdiv(int(cfg.get("SPLIT_PER_SM", 2)) * sms, tiles), kblocks // 2))
+    min_kb = int(cfg.get("SPLIT_MIN_KB", 2))
+    return max(1, min(triton.cdiv(int(cfg.get("SPLIT_PER_SM", 2)) * sms, tiles), kblocks // min_kb))
 
 
 # ---- config table ------------------------------------------------------------------------------
@@ -420,12 +629,22 @@ def _split_k(cfg: dict, tiles: int, kblocks: int, device: torch.device) -> int:
 # quant). sm_89: <= 101,376 B per block, i.e. 3 stages of 128x128 (96 KiB) at most.
 # decode: 16x32 tiles stream the weight from every SM (N/32 programs; split-K when that is < #SMs);
 # small: 64x64; mid: 64x128; prefill: 128x128 with GROUP_M=8.
-# decode_*: decode candidates (issue 20) timed by scripts/gpu/gemm.sh at the TP=4 shapes, M <= 32:
-# wider tiles (fewer programs, more bytes in flight each), 2 warps, a split target of 4 programs per
-# SM, and 32-row tiles for 17 <= M <= 32 (one row tile instead of two). pick_config does not return
-# them until a timed run of their own build says so (DECODE_CANDIDATES; NOTES.md).
+# decode_*: decode candidates (issue 20) timed by scripts/gpu/gemm.sh at the TP=4 shapes, M <= 32;
+# pick_config does not return them until a timed run of their own build says so (DECODE_CANDIDATES;
+# NOTES.md "FP8 GEMM decode (issue 20, gemm5)"). decode_16x64 / 16x128 / 32x32: wider tiles (won
+# wo_b/wq_b at M <= 4, the fused M=32 rows, the plain M=32 rows). gemm5 candidates, sm_89 table only:
+# gemv*: the CUDA-core GEMV (M <= 4; every byte of a program's weight chunk in flight at once, vector
+# scale loads, no split at the TP=4 shapes); decode_pf / decode_64pf / decode_32x32_pf: the MMA
+# kernel with the scales prefetched one k-block ahead, deeper pipelines (the peer's 16x32 / 16x64
+# winners at 4+ stages) and no split below 4 k-blocks per split (shared_down: the split-K tail
+# cost more than the second program per SM bought). Removed after the session-4 H200 runs (losing
+# everywhere; numbers in NOTES.md): decode_16x32_w2, decode_16x32_k4, decode_32x64.
 def _d(bm, bn, w, s, **kw):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 1, "SPLIT_K": "auto", "num_warps": w, "num_stages": s, **kw}
+
+
+def _gemv(rows, bn="auto", w=4, **kw):
+    return {"KIND": "gemv", "BLOCK_M": rows, "BLOCK_N": bn, "SPLIT_K": "auto", "num_warps": w, "num_stages": 1, **kw}
 
 
 CONFIGS = {
@@ -434,39 +653,43 @@ CONFIGS = {
         "small": {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 1, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 4},
         "mid": {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 4},
         "prefill": {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "SPLIT_K": "auto", "num_warps": 8, "num_stages": 4},
-        "decode_16x32_w2": _d(16, 32, 2, 4),
-        "decode_16x32_k4": _d(16, 32, 4, 4, SPLIT_PER_SM=4),
         "decode_16x64": _d(16, 64, 4, 4),
         "decode_16x128": _d(16, 128, 4, 3),
         "decode_32x32": _d(32, 32, 4, 4),
-        "decode_32x64": _d(32, 64, 4, 4),
+        "decode_pf": _d(16, 32, 4, 6, SCALE_PREFETCH=1, SPLIT_MIN_KB=4),
+        "decode_64pf": _d(16, 64, 4, 5, SCALE_PREFETCH=1, SPLIT_MIN_KB=4),
+        "decode_32x32_pf": _d(32, 32, 4, 5, SCALE_PREFETCH=1, SPLIT_MIN_KB=4),
+        "gemv": _gemv(1, PROGS_PER_SM=4),
+        "gemv_p8": _gemv(1, PROGS_PER_SM=8, TILE_BYTES=8192),
+        "gemv_r4": _gemv(4, PROGS_PER_SM=4, TILE_BYTES=8192),
+        "gemv_w8": _gemv(1, w=8, PROGS_PER_SM=2, TILE_BYTES=32768),
     },
     "sm_90": {
         "decode": _d(16, 32, 4, 6),
         "small": {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 1, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 5},
         "mid": {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "SPLIT_K": "auto", "num_warps": 4, "num_stages": 5},
         "prefill": {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "SPLIT_K": "auto", "num_warps": 8, "num_stages": 4},
-        "decode_16x32_w2": _d(16, 32, 2, 6),
-        "decode_16x32_k4": _d(16, 32, 4, 6, SPLIT_PER_SM=4),
         "decode_16x64": _d(16, 64, 4, 5),
         "decode_16x128": _d(16, 128, 4, 4),
         "decode_32x32": _d(32, 32, 4, 5),
-        "decode_32x64": _d(32, 64, 4, 5),
     },
 }
 
-# the decode labels a benchmark times at num_tokens <= 16 and at 16 < num_tokens <= 32
-DECODE_CANDIDATES = {16: ("decode", "decode_16x32_w2", "decode_16x32_k4", "decode_16x64", "decode_16x128"),
-                     32: ("decode", "decode_16x64", "decode_16x128", "decode_32x32", "decode_32x64")}
+# the decode labels a benchmark times at num_tokens <= 4, <= 16 and <= 32 (rows missing from an
+# architecture's table are skipped there)
+DECODE_CANDIDATES = {4: ("decode", "decode_16x64", "decode_pf", "decode_64pf", "gemv", "gemv_p8", "gemv_r4", "gemv_w8"),
+                     16: ("decode", "decode_16x64", "decode_16x128", "decode_pf", "decode_64pf"),
+                     32: ("decode", "decode_16x64", "decode_16x128", "decode_32x32", "decode_32x32_pf")}
 # the rows pick_config can return on a GPU (the compile report builds these for sm_120)
 GPU_DEFAULTS = {"sm_89": ("decode", "small", "mid", "prefill"), "sm_90": ("decode", "small", "mid", "prefill")}
 
 
-def decode_candidates(M: int) -> tuple[str, ...]:
-    """Config labels worth timing at ``num_tokens = M`` (decode, M <= 32); () above."""
+def decode_candidates(M: int, arch: str | None = None) -> tuple[str, ...]:
+    """Config labels worth timing at ``num_tokens = M`` (decode, M <= 32; () above); with ``arch``
+    only those in ``CONFIGS[arch]``."""
     for hi, labels in DECODE_CANDIDATES.items():
         if M <= hi:
-            return labels
+            return tuple(lb for lb in labels if arch is None or lb in CONFIGS[arch])
     return ()
 
 

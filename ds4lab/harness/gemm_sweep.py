@@ -37,6 +37,10 @@ import time
 __all__ = ["sweep", "best_rows", "comparison", "main", "FIELDS"]
 
 CSV_NAME = "gemm_decode.csv"
+# ops whose input is the clamped SwiGLU of the previous linear (moe.shared_act): the sweep also times
+# the SwiGLU-prologue launcher (``act="swiglu_clamp"``) against the activation kernel + linear
+ACT_OPS = ("shared_down",)
+SWIGLU_LIMIT = 10.0
 
 
 def _fields():
@@ -51,10 +55,16 @@ class _Set:
     """One input set: the linear's bf16 x + weight, its fp8 operands, the peer's fp32-scale operands."""
 
     def __init__(self, shape, seed, dev):
+        import torch
+
         from ds4lab.harness.specs import fp8_gemm as S
         self.lin = S.make_linear_inputs(shape, "random", seed, dev)
         self.gemm = S.gemm_inputs(self.lin)
         self.peer = S.peer_operands(self.gemm)
+        if shape.get("op") in ACT_OPS:
+            # the shared expert's gate/up output (T, 2I): the input of the SwiGLU-prologue candidates
+            g = torch.Generator(device=dev).manual_seed(seed + 7)
+            self.gu = (torch.randn(shape["M"], 2 * shape["K"], generator=g, device=dev) * 4).to(torch.bfloat16)
 
 
 def _candidates(shape, arch, peer, configs=None):
@@ -63,7 +73,7 @@ def _candidates(shape, arch, peer, configs=None):
     from ds4lab.harness.specs import fp8_gemm as S
     from ds4lab_kernels import fp8_gemm as G
     out = []
-    for label in G.decode_candidates(shape["M"]):
+    for label in G.decode_candidates(shape["M"], arch):
         if configs and label not in configs:
             continue
         cfg = G.CONFIGS[arch][label]
@@ -71,6 +81,19 @@ def _candidates(shape, arch, peer, configs=None):
             s.lin["x"], s.lin["weight"], s.lin["weight_scale"], config=c))))
         out.append(("ds4lab", label, cfg, lambda s, c=cfg: (lambda: G.fp8_gemm_nt(
             s.gemm["a"], s.gemm["a_scale"], s.gemm["b"], s.gemm["b_scale"], config=c))))
+    if shape.get("op") in ACT_OPS:
+        from ds4lab_kernels.norm_rope import swiglu_clamp
+        L = SWIGLU_LIMIT
+        for label in G.decode_candidates(shape["M"], arch):
+            if configs and label not in configs:
+                continue
+            cfg = G.CONFIGS[arch][label]
+            out.append(("ds4lab_fused+act", label, cfg, lambda s, c=cfg: (lambda: G.w8a8_block_fp8_linear(
+                s.gu, s.lin["weight"], s.lin["weight_scale"], config=c, act="swiglu_clamp", act_limit=L))))
+        # today's step at M=1: swiglu_clamp launch + the fused linear at the default config
+        cfg = G.CONFIGS[arch][G.config_label(shape["M"])]
+        out.append(("ds4lab_act+fused", G.config_label(shape["M"]), cfg, lambda s, c=cfg: (
+            lambda: G.w8a8_block_fp8_linear(swiglu_clamp(s.gu, L), s.lin["weight"], s.lin["weight_scale"], config=c))))
     cfg = G.CONFIGS[arch][G.config_label(shape["M"])]
     out.append(("ds4lab_quant+gemm", G.config_label(shape["M"]), cfg, lambda s, c=cfg: (
         lambda: G.w8a8_block_fp8_linear(s.lin["x"], s.lin["weight"], s.lin["weight_scale"], config=c,
@@ -187,6 +210,11 @@ def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, repla
                   "n_sets": len(sets), "note": "",
                   "repro": f"python3 -m ds4lab.harness.gemm_sweep --arch {build} --shape '{key}'"}
         want = S.R.fp8_gemm_nt(**first.gemm)
+        if shape.get("op") in ACT_OPS:
+            from ds4lab_kernels.norm_rope import swiglu_clamp
+            act_in = {**first.lin, "x": swiglu_clamp(first.gu, SWIGLU_LIMIT)}
+            act_gemm = S.gemm_inputs(act_in)
+            want_act = S.R.fp8_gemm_nt(**act_gemm)
         plain_out = {}
         if peer is None:
             emit({**common, "impl": S.PEER, "status": "SKIP", "numerics": f"peer not loaded: {peer_err}"[:300]})
@@ -194,7 +222,8 @@ def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, repla
             row = {**common, "impl": impl, "config_label": label, "config": json.dumps(cfg)}
             try:
                 got = make(first)()
-                reps = S.check(got, want, first.gemm)
+                act = impl in ("ds4lab_fused+act", "ds4lab_act+fused")
+                reps = S.check(got, want_act, act_gemm) if act else S.check(got, want, first.gemm)
                 ok, row["numerics"] = all(reps), "; ".join(r.summary() for r in reps)
                 if impl == "ds4lab":
                     plain_out[label] = got
@@ -206,6 +235,14 @@ def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, repla
                     ex = compare_exact(got, two, "fused vs quant+gemm")
                     ok = ok and bool(ex)
                     row["note"] = "bit-identical to quant+gemm" if ex else ex.summary()
+                if impl == "ds4lab_fused+act":
+                    # bit-identical to swiglu_clamp + quant + fp8_gemm_nt at the same config
+                    from ds4lab_kernels import fp8_gemm as G
+                    two = G.w8a8_block_fp8_linear(first.gu, first.lin["weight"], first.lin["weight_scale"],
+                                                  config=cfg, fused=False, act="swiglu_clamp", act_limit=SWIGLU_LIMIT)
+                    ex = compare_exact(got, two, "fused+act vs swiglu+quant+gemm")
+                    ok = ok and bool(ex)
+                    row["note"] = "bit-identical to swiglu+quant+gemm" if ex else ex.summary()
             except Exception as e:  # noqa: BLE001 - one failing candidate must not stop the rest
                 ok, row["numerics"] = False, f"{type(e).__name__}: {e}"[:300]
             if not ok:
@@ -244,7 +281,7 @@ def sweep(shapes, build="native", peer_src=None, log=print, csv_path=None, repla
 def best_rows(rows: list[dict]) -> list[dict]:
     """``<impl>(best)`` for the swept implementations of one shape: the OK row with the lowest p50."""
     out = []
-    for impl in ("ds4lab_fused", "ds4lab", "vllm_triton_block_fp8"):
+    for impl in ("ds4lab_fused", "ds4lab", "ds4lab_fused+act", "vllm_triton_block_fp8"):
         ok = [r for r in rows if r["impl"] == impl and r.get("status") == "OK" and r.get("p50_us") not in (None, "")]
         if not ok:
             continue
@@ -299,39 +336,102 @@ def comparison(rows: list[dict]) -> list[dict]:
                "quant+gemm_us": two and float(two["p50_us"]),
                "peer_best_us": p and float(p["p50_us"]), "peer_cfg": p and p["config_label"],
                "peer/ours": round(float(p["p50_us"]) / float(f["p50_us"]), 2) if f and p else None}
+        # shared_down: SwiGLU in the prologue (one launch) vs swiglu_clamp + the linear (two)
+        fa, af, cb = d.get("ds4lab_fused+act(best)"), d.get("ds4lab_act+fused"), d.get("cublas_fp8_tensorwise")
+        row["act_fused_us"] = fa and float(fa["p50_us"])
+        row["act_cfg"] = fa and fa["config_label"]
+        row["act+linear_us"] = af and float(af["p50_us"])
+        row["cublas_tw_us"] = cb and float(cb["p50_us"])
         del dflt
         out.append(row)
     return out
 
 
-def check_registry(log=print) -> int:
+def check_registry(log=print, configs=None) -> int:
     """Numerics first: both registry specs (``fp8_gemm_nt``, ``w8a8_block_fp8_linear``) at every test
-    shape x case with the default config, against the torch reference. Returns the failure count."""
+    shape x case against the torch reference, with the default config and each of ``configs`` (our
+    labels in the table; the fused launcher takes the rows with ``BLOCK_M <= FUSED_MAX_M``); the
+    linear also with ``act="swiglu_clamp"`` (bit-identical to swiglu_clamp + quant + GEMM). Returns
+    the failure count."""
     import torch
 
+    from ds4lab.harness.numerics import compare_exact
     from ds4lab.harness.registry import get
+    from ds4lab_kernels import fp8_gemm as G
+    from ds4lab_kernels._arch import arch_of
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    table = G.CONFIGS[arch_of(torch.device(dev))]
+    labels = [None] + sorted(lb for lb in (configs or ()) if lb in table)
     fails = n = 0
     specs = [get(name) for name in ("fp8_gemm_nt", "w8a8_block_fp8_linear")]
+
+    def usable(spec, lb):
+        return lb is None or spec.name == "fp8_gemm_nt" or table[lb]["BLOCK_M"] <= G.FUSED_MAX_M
     if dev == "cuda":
-        sets = [(sp, sp.make_inputs(sh, sp.cases[0], 1, dev)) for sp in specs for sh in sp.test_shapes]
-        _precompile([lambda sp=sp, i=i: sp.launcher_fn()(**i) for sp, i in sets], log)
+        sets = [(sp, lb, sp.make_inputs(sh, sp.cases[0], 1, dev)) for sp in specs for sh in sp.test_shapes
+                for lb in labels if usable(sp, lb)]
+        _precompile([lambda sp=sp, lb=lb, i=i: sp.launcher_fn()(**i, config=lb and table[lb]) for sp, lb, i in sets],
+                    log)
     for spec in specs:
         name = spec.name
-        for shape in spec.test_shapes:
-            for case in spec.cases:
+        for lb in labels:
+            if not usable(spec, lb):
+                continue
+            cfg = lb and table[lb]
+            for shape in spec.test_shapes:
+                for case in spec.cases:
+                    n += 1
+                    try:
+                        inputs = spec.make_inputs(shape, case, 1, dev)
+                        reps = spec.check(spec.launcher_fn()(**inputs, config=cfg), spec.reference_fn()(**inputs),
+                                          inputs)
+                        ok, why = all(reps), "; ".join(r.summary() for r in reps if not r)
+                    except Exception as e:  # noqa: BLE001
+                        ok, why = False, f"{type(e).__name__}: {e}"
+                    if not ok:
+                        fails += 1
+                        log(f"FAIL {name} [{lb or 'default'}] {shape} {case}: {why[:300]}")
+            if name == "w8a8_block_fp8_linear":
                 n += 1
                 try:
-                    inputs = spec.make_inputs(shape, case, 1, dev)
-                    reps = spec.check(spec.launcher_fn()(**inputs), spec.reference_fn()(**inputs), inputs)
-                    ok, why = all(reps), "; ".join(r.summary() for r in reps if not r)
+                    ok, why = _check_act(spec, cfg, dev)
                 except Exception as e:  # noqa: BLE001
                     ok, why = False, f"{type(e).__name__}: {e}"
                 if not ok:
                     fails += 1
-                    log(f"FAIL {name} {shape} {case}: {why[:300]}")
-    log(f"numerics: {n - fails}/{n} PASS ({dev})")
+                    log(f"FAIL {name} act=swiglu_clamp [{lb or 'default'}]: {why[:300]}")
+    log(f"numerics: {n - fails}/{n} PASS ({dev}; configs: default{''.join(', ' + lb for lb in labels if lb)})")
     return fails
+
+
+def _check_act(spec, cfg, dev) -> tuple[bool, str]:
+    """The SwiGLU-prologue launcher at M = 1 and 3 on gate/up rows holding values beyond the clamp,
+    NaN and inf: bit-identical to swiglu_clamp + quant + GEMM (``fused=False``), and within the bf16
+    budget of the reference GEMM of that activation."""
+    import torch
+
+    from ds4lab.harness.numerics import compare_exact
+    from ds4lab.harness.specs import fp8_gemm as S
+    from ds4lab_kernels import fp8_gemm as G
+    from ds4lab_kernels.norm_rope import swiglu_clamp
+    for M in (1, 3):
+        w = S.make_linear_inputs({"M": M, "N": 199, "K": 384, "b_fmt": "ue8m0"}, "random", 5, dev)
+        g = torch.Generator(device=dev).manual_seed(11 + M)
+        gu = torch.randn(M, 768, generator=g, device=dev) * 8
+        gu[0, 3] = float("nan") if M > 1 else 50.0
+        gu[M - 1, 500] = float("-inf")
+        gu = gu.to(torch.bfloat16)
+        kw = dict(config=cfg, act="swiglu_clamp", act_limit=SWIGLU_LIMIT)
+        got = G.w8a8_block_fp8_linear(gu, w["weight"], w["weight_scale"], fused=True if cfg else None, **kw)
+        two = G.w8a8_block_fp8_linear(gu, w["weight"], w["weight_scale"], fused=False, **kw)
+        ex = compare_exact(got, two, f"act M={M}")
+        if not ex:
+            return False, ex.summary()
+        inp = {"x": swiglu_clamp(gu, SWIGLU_LIMIT), "weight": w["weight"], "weight_scale": w["weight_scale"]}
+        reps = S.check_linear(got, S.R.w8a8_block_fp8_linear(**inp), inp)
+        if not all(reps):
+            return False, "; ".join(r.summary() for r in reps if not r)
+    return True, ""
 
 
 def _read(path):
@@ -378,7 +478,7 @@ def main(argv=None) -> int:
         from ds4lab import interp
         interp.install()
     if a.check:
-        return 1 if check_registry() else 0
+        return 1 if check_registry(configs={c for c in a.configs.split(",") if c}) else 0
     from ds4lab.geometry import DEFAULT_CONFIG
     from ds4lab.harness.specs import fp8_gemm as S
     if a.shape:

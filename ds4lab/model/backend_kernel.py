@@ -9,6 +9,8 @@ op (Backend method)         kind                                                
 ==========================  =============================================================  ========
 linear, FP8 weight, T=1     ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
 linear, FP8 weight, T>1     ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
+shared down (SwiGLU input)  ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused swiglu_clamp + quant)`` up to
+                            ``FUSE_SHARED_ACT_MAX_M`` tokens (0: off), else swiglu_clamp + the linear     1
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
   (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
@@ -64,12 +66,20 @@ GATE_FUSED_MAX_T = 4
 #: are within +-1 us either way (fused 5.9-9.8, pair 6.9-9.7), so the pair stays there.
 FUSE_ACT_QUANT_MAX_M = 1
 
+#: the shared expert's clamped SwiGLU in the down projection's prologue
+#: (``w8a8_block_fp8_linear(act="swiglu_clamp")``: activation + quant + GEMM in one launch, bit-identical
+#: to swiglu_clamp + the linear) up to ``min(this, FUSE_ACT_QUANT_MAX_M)`` tokens. 0 (off) until the H200
+#: rows say so: scripts/gpu/gemm.sh times ``ds4lab_fused+act`` against ``ds4lab_act+fused`` at shared_down
+#: (NOTES.md "FP8 GEMM decode (issue 20, gemm5)"); set it to 1 if the fused row is lower at M=1.
+FUSE_SHARED_ACT_MAX_M = 0
+
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
 DECODE_MAX_T = 64
 
 K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
 K_LINEAR_FP8_FUSED = "kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)"
+K_LINEAR_FP8_FUSED_ACT = "kernel:fp8_gemm.w8a8_block_fp8_linear(fused swiglu_clamp + quant)"
 K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
@@ -309,6 +319,15 @@ class KernelBackend(Backend):
     def swiglu(self, gu, limit, name):
         with op_group(name, "kernel:norm_rope.swiglu_clamp"):
             return self.k["nr"].swiglu_clamp(gu.to(BF16), float(limit))
+
+    def linear_swiglu(self, gu, lin: Linear, limit, name, act_name):
+        gu2 = gu.reshape(-1, gu.shape[-1])
+        if not (lin.fp8 and gu2.is_cuda and gu2.shape[0] <= min(FUSE_SHARED_ACT_MAX_M, FUSE_ACT_QUANT_MAX_M)):
+            return super().linear_swiglu(gu, lin, limit, name, act_name)
+        with op_group(name, K_LINEAR_FP8_FUSED_ACT):
+            y = self.k["gemm"].w8a8_block_fp8_linear(gu2.to(BF16).contiguous(), lin.weight, lin.scale, fused=True,
+                                                     act="swiglu_clamp", act_limit=float(limit))
+        return y.reshape(*gu.shape[:-1], -1)
 
     def add(self, a, b, name):
         with op_group(name, "torch:add"):

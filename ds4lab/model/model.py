@@ -189,8 +189,7 @@ class RankModel:
                             L["tid2eid"])
         r = o.experts(x, L["experts"], w, e, cfg.swiglu_limit)
         gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
-        h = o.swiglu(gu, cfg.swiglu_limit, "moe.shared_act")
-        s = o.linear(h, L["shared_w2"], "moe.shared_w2")
+        s = o.linear_swiglu(gu, L["shared_w2"], cfg.swiglu_limit, "moe.shared_w2", "moe.shared_act")
         return r, s   # routed + shared: their bf16-rounded sum is the mHC post's x + x2 (no add launch)
 
     def _block(self, i, L, resid, ids, pos, req, C, maps, next_n=None, pre=None, nxt=None):

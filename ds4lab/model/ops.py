@@ -244,6 +244,11 @@ class Backend:
         """``gu (T, 2I)`` -> ``bf16(silu(min(g, L)) * clamp(u, -L, L))``."""
         raise NotImplementedError
 
+    def linear_swiglu(self, gu, lin: Linear, limit, name, act_name):
+        """``linear(swiglu(gu, limit, act_name), lin, name)``: the shared expert's down projection of
+        its clamped SwiGLU. A backend may fuse the two (the kernel backend's one-launch path)."""
+        return self.linear(self.swiglu(gu, limit, act_name), lin, name)
+
     def add(self, a, b, name):
         """``bf16(a + b)``."""
         raise NotImplementedError

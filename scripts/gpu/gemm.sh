@@ -2,20 +2,25 @@
 # Decode FP8 GEMM on the H200 (issue 20, "FP8 GEMM, decode"), from a plain copy of the tree with the
 # image's own python3 (torch 2.11, triton 3.6.0; no vLLM, nothing to install):
 #   1. numerics: fp8_gemm_nt and w8a8_block_fp8_linear (fused 1x128 quant) at every registry test
-#      shape x adversarial case, against the torch reference (native build);
-#   2. for each build (native, then sm_89 assembled for the H200), each in its own process:
-#      `python3 -m ds4lab.harness.gemm_sweep` at the TP=4 shapes, M in {1,4,8,16,32}: ours (every
-#      decode candidate config, fused-quant and plain, plus the old quant+gemm pair), vLLM's Triton
-#      block-FP8 GEMM at its default and a decode sweep, cuBLAS tensorwise / bf16 dequant as
-#      labelled reference points; every candidate is checked before it is timed (CUDA graph, cold L2);
+#      shape x adversarial case, against the torch reference, at the default configs and every
+#      config in CONFIGS, plus the SwiGLU-prologue launcher on NaN / inf / beyond-clamp gate-up rows;
+#   2. for each build (default sm89 only: the sm_89 build assembled for the H200), one process:
+#      `python3 -m ds4lab.harness.gemm_sweep` at the TP=4 shapes, M in {1,4,16,32}: ours (the current
+#      defaults and the gemm5 candidates: the CUDA-core GEMV rows gemv / gemv_p8 / gemv_r4 / gemv_w8 at
+#      M <= 4, the scale-prefetch MMA rows decode_pf / decode_64pf / decode_32x32_pf; fused-quant and
+#      plain), the old quant+gemm pair, for shared_down also the SwiGLU-prologue launcher
+#      (ds4lab_fused+act) against swiglu_clamp + the linear (ds4lab_act+fused, today's step),
+#      vLLM's Triton block-FP8 GEMM at the three configs that won anywhere in the session-4 7-config
+#      sweeps (16x32_w4_s4, 16x32_w2_s5, 16x64_w4_s4), cuBLAS tensorwise / bf16 dequant as labelled
+#      reference points; every candidate is checked before it is timed (CUDA graph, cold L2);
 #   3. the table last: ours best vs peer best, ratio, per build / shape / M.
 # Usage: OUT=DIR bash scripts/gpu/gemm.sh [--peer-src DIR]     (or PEER_SRC=DIR; default: ./.peer if
 #   present, made by `make peer-src` and carried as an ignored folder). Without the peer source the
 #   sweep says so in its log and CSV (SKIP rows) and times the rest.
-#   BUILDS="native sm89" (default), MS=1,4,8,16,32, BUILD_TIMEOUT (s, default 45), CHECK_TIMEOUT (s, 25),
-#   CONFIGS=label,label (only these configs, ours and the peer's; quant+gemm always), NO_BASELINES=1
-#   (skip cuBLAS / bf16 dequant). Short final run (~40-60 s for both builds):
-#   MS=1,16 CONFIGS=decode,decode_16x64,decode_16x128,16x32_w4_s4,16x64_w4_s4,16x32_w2_s5 NO_BASELINES=1
+#   BUILDS="sm89" (default; "sm89 native" adds the sm_90 build, about +70 s), MS=1,4,16,32,
+#   BUILD_TIMEOUT (s, default 95), CHECK_TIMEOUT (s, 40), CONFIGS=label,label (ours and the peer's;
+#   quant+gemm always; default: the list below; CONFIGS=all: every candidate and every peer config),
+#   NO_BASELINES=1 (skip cuBLAS / bf16 dequant). Expected: ~100-140 s in all on the H200 (hard cap 40 + 95 s + the table).
 # Rows -> $OUT/gemm_decode.csv (appended as measured), logs -> $OUT/gemm_*.log, table -> $OUT/gemm_table.txt.
 # Fail-soft: a failing candidate, check or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
@@ -34,24 +39,26 @@ cd "$(dirname "$0")/../.."
 if [ -z "$PEER_SRC" ] && [ -d .peer/vllm ]; then PEER_SRC=.peer; fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-BUILDS=${BUILDS:-native sm89}
-MS=${MS:-1,4,8,16,32}
+BUILDS=${BUILDS:-sm89}
+MS=${MS:-1,4,16,32}
+DEFAULT_CONFIGS=decode,decode_16x64,decode_16x128,decode_32x32,decode_pf,decode_64pf,decode_32x32_pf,gemv,gemv_p8,gemv_r4,gemv_w8,16x32_w4_s4,16x32_w2_s5,16x64_w4_s4
+CONFIGS=${CONFIGS:-$DEFAULT_CONFIGS}
 peer_args=""; [ -n "$PEER_SRC" ] && peer_args="--peer-src $PEER_SRC"
-[ -n "${CONFIGS:-}" ] && peer_args="$peer_args --configs $CONFIGS"
+[ "$CONFIGS" != all ] && peer_args="$peer_args --configs $CONFIGS"
 [ -n "${NO_BASELINES:-}" ] && peer_args="$peer_args --no-baselines"
 echo "peer source: ${PEER_SRC:-<installed vllm, if any>}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
 rc=0
 t0=$SECONDS
 # 1. numerics first
-timeout ${CHECK_TIMEOUT:-25} python3 -m ds4lab.harness.gemm_sweep --check > "$OUT/gemm_check.log" 2>&1 \
+timeout ${CHECK_TIMEOUT:-40} python3 -m ds4lab.harness.gemm_sweep --check ${CONFIGS:+--configs $CONFIGS} > "$OUT/gemm_check.log" 2>&1 \
   || { echo "NUMERICS CHECK FAILED or timed out (see gemm_check.log)"; rc=1; }
 grep -E "FAIL|numerics:|Error" "$OUT/gemm_check.log" | tail -12
 echo "check: $((SECONDS - t0)) s"
 # 2. the sweep, one process per build
 for build in $BUILDS; do
   tb=$SECONDS
-  timeout ${BUILD_TIMEOUT:-45} python3 -m ds4lab.harness.gemm_sweep --arch $build --ms "$MS" --out "$OUT" $peer_args \
+  timeout ${BUILD_TIMEOUT:-95} python3 -m ds4lab.harness.gemm_sweep --arch $build --ms "$MS" --out "$OUT" $peer_args \
     > "$OUT/gemm_$build.log" 2>&1 || { echo "SWEEP $build: exit $? (see gemm_$build.log; rows so far are in the CSV)"; rc=1; }
   grep -E "peer:|precompile|FAIL|Traceback|Error|rows ->" "$OUT/gemm_$build.log" | tail -15
   echo "sweep $build: $((SECONDS - tb)) s"

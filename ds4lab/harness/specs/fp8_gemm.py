@@ -141,7 +141,7 @@ def _config_for(arch: str, shape: dict) -> list[str]:
     from ds4lab_kernels.fp8_gemm import CONFIGS, config_label, decode_candidates
     if shape.get("all_configs"):
         return list(CONFIGS[arch])
-    return list(dict.fromkeys([config_label(shape["M"]), *decode_candidates(shape["M"])]))
+    return list(dict.fromkeys([config_label(shape["M"]), *decode_candidates(shape["M"], arch)]))
 
 
 def _dequant(inputs):
@@ -340,7 +340,7 @@ def _linear_config_for(arch: str, shape: dict) -> list[str]:
     from ds4lab_kernels.fp8_gemm import CONFIGS, FUSED_MAX_M, decode_candidates
     if shape.get("all_configs"):
         return [lb for lb, c in CONFIGS[arch].items() if c["BLOCK_M"] <= FUSED_MAX_M]
-    return list(decode_candidates(shape["M"])) or _config_for(arch, shape)
+    return list(decode_candidates(shape["M"], arch)) or _config_for(arch, shape)
 
 
 register(KernelSpec(
