@@ -444,7 +444,7 @@ CONFIGS = {"sm_89": dict(_TABLE), "sm_90": {k: dict(v) for k, v in _TABLE.items(
 # the decode candidates the bench times at T <= 16 (scripts/gpu/route.sh --gate). Dropped after the
 # session-4 H200 call (NOTES.md, gate4b): e64k32 (18.6 / 20.1 us at T=1 / 16) and e16k16 (12.8 / 14.0),
 # slower than e32k16t4 (10.4) at T <= 2 and e32k16w8 (11.2) at T=16 in both builds.
-DECODE_CANDIDATES = ("e32k16", "e32k16t4", "e32k16w8", "r2w4", "r2w2", "r1w2", "r4w8", "r1w1")
+DECODE_CANDIDATES = ("e32k16t4", "e32k16w8", "r2w4", "r2w2", "r1w2", "r4w8", "r1w1")
 #: rows path candidates: only timed where T <= their BLOCK_T (4)
 ROWS_CANDIDATES = tuple(lb for lb in DECODE_CANDIDATES if _TABLE[lb].get("ROWS"))
 #: pick_config's decode rows: ``[(max T, label)]`` in order (measured: e32k16t4 10.4 vs e32k16 12.7 us

@@ -16,7 +16,7 @@
 # numerics of the default and of every rows-path candidate (gate5), then every candidate and the
 # torch.mm(bf16 -> fp32) + sqrtsoftplus_topk pair timed at TP=4, T in {1, 2, 4, 16}; sm89 also with
 # the step's timer (CUPTI kernel durations, with and without an L2 + TLB thrash; T in {1, 2}). The
-# kernels of both builds compile first (one process per build x candidate, 18 in parallel).
+# kernels of both builds compile first (one process per build x candidate, 17 in parallel).
 #   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~50-65 s (timeouts cap it at 90 s).
 # Rows: $OUT/bench.csv, $OUT/gate_fast_<build>.csv (numerics), $OUT/gate_steplike_sm89.csv.
 set -u
@@ -33,7 +33,8 @@ if [ "${1:-}" = "--gate" ]; then
   # no timing runs meanwhile), then numerics + timing per build from the warm caches
   pids=()
   for build in sm89 native; do
-    for cfg in default $(python3 -c 'from ds4lab_kernels.moe_gate import DECODE_CANDIDATES as C; print(*C)'); do
+    extra=""; [ "$build" = sm89 ] && extra=e32k16   # timed step-like only (gate_fast.STEPLIKE_EXTRA)
+    for cfg in default $extra $(python3 -c 'from ds4lab_kernels.moe_gate import DECODE_CANDIDATES as C; print(*C)'); do
       timeout 25 python3 scripts/gpu/gate_fast.py --arch "$build" --out "$OUT" --warm-only --config "$cfg" \
         > "$OUT/gate_warm_${build}_${cfg}.log" 2>&1 &
       pids+=($!)

@@ -97,7 +97,9 @@ def _config_for(arch, shape):
         return ["prefill"]
     if shape["T"] <= 4:   # the rows path (no split-K) next to the split default at T <= 4
         return list(ROWS_CANDIDATES) + ["e32k16t4"]
-    return [lb for lb in DECODE_CANDIDATES if lb not in ROWS_CANDIDATES] if shape["T"] <= 16 else ["t32e32k8", "e32k16"]
+    if shape["T"] <= 16:   # e32k16 (the session-4 default) lost to both at T = 1, 2, 16: timed only step-like
+        return [lb for lb in DECODE_CANDIDATES if lb not in ROWS_CANDIDATES]
+    return ["t32e32k8", "e32k16"]
 
 
 def _glue(inputs):
