@@ -201,6 +201,13 @@ def _gate_rows_kernel(
     emask = erow < E
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
+    cols = tl.arange(0, E_P2)
+    cmask = cols < E
+    # the router's correction bias, read by every program at the start (1 KiB): its DRAM latency
+    # overlaps the weight stream instead of sitting on the last arriver's tail (cold in a real step)
+    bias_v = tl.zeros([E_P2], dtype=tl.float32)
+    if HAS_BIAS:
+        bias_v = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     lg_tile = tl.zeros([BLOCK_T, EPP], dtype=tl.float32)
     tsel = tl.arange(0, BLOCK_T)
     for k0 in range(0, K, BLOCK_K):
@@ -220,30 +227,29 @@ def _gate_rows_kernel(
     ticket = tl.atomic_add(c, 1, sem="acq_rel", scope="gpu")
     if ticket == n_pe - 1:
         tl.atomic_xchg(c, 0, sem="relaxed")   # nobody else touches it in this launch: zeroed for the next
-        cols = tl.arange(0, E_P2)
-        cmask = cols < E
         lg = tl.load(lg_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                      other=0.0, cache_modifier=".cg")
         if HASH:
             route_tile(lg, rows, rmask, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, E, vocab, stride_tv,
                        scaling, TOPK, TOPK_P2, E_P2, HAS_BIAS, HASH)
         else:
-            _topk_payload(lg, rows, rmask, bias_ptr, w_ptr, ids_ptr, E, scaling, TOPK, TOPK_P2, E_P2, HAS_BIAS)
+            _topk_payload(lg, rows, rmask, bias_v, w_ptr, ids_ptr, E, scaling, TOPK, TOPK_P2, E_P2, HAS_BIAS)
 
 
 @triton.jit
-def _topk_payload(lg, rows, rmask, bias_ptr, w_ptr, ids_ptr, E, scaling, TOPK: tl.constexpr,
+def _topk_payload(lg, rows, rmask, bias_v, w_ptr, ids_ptr, E, scaling, TOPK: tl.constexpr,
                   TOPK_P2: tl.constexpr, E_P2: tl.constexpr, HAS_BIAS: tl.constexpr):
     """:func:`_topk_keys`'s selection (the same int64 keys: ties to the lowest id, NaN after every
     number, -0 as +0) where each pick's max reduction also carries the picked entry's score, so the
-    weights need no second load; renormalised as ``route_tile``."""
+    weights need no second load; renormalised as ``route_tile``. ``bias_v``: the ``[E_P2]`` fp32
+    correction bias already in registers (0 past ``E``)."""
     cols = tl.arange(0, E_P2)
     cmask = cols < E
     slots = tl.arange(0, TOPK_P2)
     s = _sqrt_softplus(lg)
     sel = s
     if HAS_BIAS:
-        sel = s + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        sel = s + bias_v[None, :]
     bits = sel.to(tl.int32, bitcast=True)
     bits = tl.where(sel == 0.0, 0, bits)                       # -0 ranks as +0 (they tie)
     k32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # signed order == float order
