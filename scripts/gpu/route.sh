@@ -17,7 +17,7 @@
 # torch.mm(bf16 -> fp32) + sqrtsoftplus_topk pair timed at TP=4, T in {1, 2, 4, 16}; sm89 also with
 # the step's timer (CUPTI kernel durations, with and without an L2 + TLB thrash; T in {1, 2}). The
 # kernels of both builds compile first (one process per build x candidate, 17 in parallel).
-#   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~50-65 s (timeouts cap it at 90 s).
+#   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~60-80 s (timeouts 25 + 40 + 22: at most 87 s).
 # Rows: $OUT/bench.csv, $OUT/gate_fast_<build>.csv (numerics), $OUT/gate_steplike_sm89.csv.
 set -u
 : "${OUT:?set OUT to an output folder}"
