@@ -430,15 +430,20 @@ CONFIGS = {
 }
 
 # Defaults per build: ``(max_heads, max_tokens, label)`` rows, the first whose bounds hold wins (None:
-# any). Rows from timed runs only: sm_89 h16n16 (H200 sm_89 build, run 4); sm_90 h16n32s2 / h32n32 are
-# the spill-free rows that replaced the timed h16n32 without a timing (issue 20: stale). The H200 sweep
-# `OUT=DIR bash scripts/gpu/attn.sh` times every row in both builds and
+# any). Rows from timed runs of their own build only (H200, CUDA graph, cold L2, TP=4 rank, 16 heads;
+# `DS4LAB_BENCH_SHAPES=targets|batched python3 -m ds4lab.harness.bench sparse_mla_decode --tp 4 --arch
+# sm89|native`, session 5 rows in results/issue20/s5/):
+# - sm_89 T=1: h16n16m1 12.27 / 9.79 / 14.70 us (C4A, C128A 8K, C128A 128K) vs h16n16 15.77 / 13.66 / 18.31;
+#   T > 1 h16n16 (run 4). The 64-head (TP=1) T=1 rows of h16n16m1 are not timed on this build: h16n16 there.
+# - sm_90 T <= 2 (16 heads): h16n16m1 (T=1 12.2 / 9.7 us; T=2 12.40 / 9.93 vs h16n16 15.86 / 13.64,
+#   h16n32s2 37.4 / 36.5); 64 heads T=1 h16n16m1 14.9 us (issue 20, session 4); T > 2 (16 heads): h16n16
+#   (T=16 26.9 / 14.8 us, T=32 38.8, C128A-128K T=32 65.6, vs h16n32s2 72.8 / 37.3 / 105.4 / 171.8 and h32n32
+#   53.1 / 28.7 / 79.1 / 130.1); more heads at T > 1: h32n32 (run 4; the 64-head T > 1 rows not re-timed).
+# The H200 sweep `OUT=DIR bash scripts/gpu/attn.sh` times every T=1 row in both builds and
 # `python scripts/gpu/attn_pick.py DIR/bench.csv` prints the replacement lines from the winners.
 DEFAULTS = {
-    "sm_89": ((None, None, "h16n16"),),
-    # T=1: h16n16m1 from the H200 native run (issue 20): TP4 C4A 12.2 us, C128A 9.7 us, TP1 14.9 / 10.1 us
-    # (h16n32s2 37.0 / 36.1 us, h32n32 28.1 / 27.2); T > 1 rows not re-timed this run
-    "sm_90": ((None, 1, "h16n16m1"), (16, None, "h16n32s2"), (None, None, "h32n32")),
+    "sm_89": ((16, 1, "h16n16m1"), (None, None, "h16n16")),
+    "sm_90": ((16, 2, "h16n16m1"), (None, 1, "h16n16m1"), (16, None, "h16n16"), (None, None, "h32n32")),
 }
 
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);

@@ -34,3 +34,19 @@ def test_topics_refuses_more_than_one_device_call(tmp_path):
     r = subprocess.run(["bash", "scripts/gpu/topics.sh"], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "OUT": str(tmp_path), "TOPICS": "gemm moe mhc route"})
     assert r.returncode == 2 and "split TOPICS over several calls" in r.stderr
+
+
+def test_ncu_digest_reads_a_real_ncu_raw_csv():
+    """The digest of a real `ncu --csv --page raw` file (H200, session 5: the decode kernels at T=1)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ncu_digest", ROOT / "scripts" / "gpu" / "ncu_digest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lines = mod.digest((ROOT / "results" / "issue20" / "s5" / "ncu_sm89_before.csv").read_text())
+    w13 = next(ln for ln in lines if ln.startswith("_dec_mma_w13_kernel"))
+    f = w13.split()
+    assert f[1] == "384x128" and f[2] == "72"          # grid x block, registers
+    assert float(f[3]) == 18.56                         # us (ncu gives ns)
+    assert 12000 < float(f[4]) < 14000 and float(f[5]) == 14.6   # DRAM KB read+written, % of peak
+    assert "long_scoreboard" in w13
+    assert mod.digest("no csv here") == ["no ncu rows (did the profiled calls run? see the .err file)"]

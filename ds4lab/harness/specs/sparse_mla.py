@@ -138,18 +138,23 @@ def check(out, ref, inputs) -> list:
 
 
 def decode_bench_shapes(cfg, tp: int) -> list[dict]:
-    """T=1 (issue 20's <= 8 us target: C4A, C128A at 8K and 128K context) and the batched rows.
-    ``DS4LAB_BENCH_SHAPES=targets`` keeps the T=1 rows only (scripts/gpu/attn.sh)."""
+    """T=1 (issue 20's <= 8 us target: C4A, C128A at 8K and 128K context) and the batched rows
+    (the step's T = 2, 16, 32). ``DS4LAB_BENCH_SHAPES=targets`` keeps the T=1 rows only
+    (scripts/gpu/attn.sh), ``=batched`` the T > 1 rows only (re-timing the T > 1 defaults)."""
     op = op_shapes(cfg, tp)["sparse_mla"].dims
     H, W, K = op["H"], op["window"], op["topk"]
     t1 = [{"T": 1, "H": H, "W": W, "Kc": K, "comp_bs": 64},
           {"T": 1, "H": H, "W": W, "Kc": 64, "comp_bs": 2},        # C128A at 8K context (the step's)
           {"T": 1, "H": H, "W": W, "Kc": 1024, "comp_bs": 2}]      # C128A at 128K context
-    if os.environ.get("DS4LAB_BENCH_SHAPES") == "targets":
+    which = os.environ.get("DS4LAB_BENCH_SHAPES")
+    if which == "targets":
         return t1
-    shapes = t1 + [{"T": t, "H": H, "W": W, "Kc": K, "comp_bs": 64} for t in ((32, 128) if tp == 1 else (32,))]
-    shapes.append({"T": 32, "H": H, "W": W, "Kc": 1024, "comp_bs": 2})   # C128A at 128K context
-    return shapes
+    # the step's T > 1 calls: MTP verify (2 tokens), batch 16, batch 16 with MTP (32)
+    ts = (2, 16, 32, 128) if tp == 1 else (2, 16, 32)
+    batched = [{"T": t, "H": H, "W": W, "Kc": K, "comp_bs": 64} for t in ts]
+    batched += [{"T": t, "H": H, "W": W, "Kc": 64, "comp_bs": 2} for t in (2, 16)]   # C128A at 8K context
+    batched.append({"T": 32, "H": H, "W": W, "Kc": 1024, "comp_bs": 2})            # C128A at 128K context
+    return batched if which == "batched" else t1 + batched
 
 
 def prefill_bench_shapes(cfg, tp: int) -> list[dict]:
@@ -169,7 +174,7 @@ def _config_for(arch, shape):
     if not (shape.get("H", 0) >= 64 and t >= 4):
         labels = [lb for lb in labels if lb not in CANDIDATES]
     if t > 4:
-        labels = [lb for lb in labels if lb not in T1_CANDIDATES and not (arch == "sm_90" and lb == "h16n16")]
+        labels = [lb for lb in labels if lb not in T1_CANDIDATES]
     return labels
 
 

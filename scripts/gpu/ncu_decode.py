@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Hardware counters of the decode step's largest kernels (issue 20), for Nsight Compute.
+
+Runs each named kernel at one registry bench shape with its default config (what the step picks):
+three warm-up calls, then ONE call inside ``cudaProfilerStart/Stop``, so
+``ncu --profile-from-start off`` captures exactly that call's launches. Meant to run under
+``scripts/gpu/ncu_decode.sh``; alone it is a smoke test of the cases.
+
+Usage: python3 scripts/gpu/ncu_decode.py --arch sm89|native [CASE ...]
+  CASE: ``kernel[:key=value,...]`` picks the first bench shape (TP=4 rank) whose keys match, e.g.
+  ``fused_moe_w4a16:T=1``. Default: the T=1 set below.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+DEFAULT_CASES = (
+    "fused_moe_w4a16:T=1", "fused_moe_w4a16:T=16", "mhc_fused_post_pre:T=1", "gate_sqrtsoftplus_topk:T=1",
+    "w8a8_block_fp8_linear:op=wq_b,M=1", "w8a8_block_fp8_linear:op=shared_down,M=1",
+    "fp8_gemm_nt:op=wq_b,M=16", "sparse_mla_decode:T=1", "o_proj:T=1",
+)
+
+
+def _parse(case: str) -> tuple[str, dict]:
+    name, _, rest = case.partition(":")
+    want = {}
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition("=")
+        want[k] = int(v) if v.lstrip("-").isdigit() else v
+    return name, want
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="sm89", choices=["native", "sm89"])
+    p.add_argument("cases", nargs="*", default=list(DEFAULT_CASES))
+    a = p.parse_args(argv)
+    from ds4lab.harness.bench import _setup_build
+    _setup_build(a.arch)
+    import torch
+    from ds4lab.geometry import DEFAULT_CONFIG
+    from ds4lab.harness import registry
+    dev = torch.device("cuda")
+    cudart = torch.cuda.cudart()
+    rc = 0
+    for case in a.cases:
+        name, want = _parse(case)
+        spec = registry.get(name)
+        shapes = [s for s in spec.bench_shapes(DEFAULT_CONFIG, 4) if all(s.get(k) == v for k, v in want.items())]
+        if not shapes:
+            print(f"{case}: no bench shape matches", flush=True)
+            rc = 1
+            continue
+        shape = shapes[0]
+        fn = spec.launcher_fn()
+        inputs = spec.make_inputs(shape, spec.cases[0], 0, dev)
+        try:
+            for _ in range(3):
+                fn(**inputs)
+            torch.cuda.synchronize()
+            cudart.cudaProfilerStart()
+            fn(**inputs)
+            torch.cuda.synchronize()
+            cudart.cudaProfilerStop()
+            print(f"PROFILED {name} {shape}", flush=True)
+        except Exception as e:   # one failing case must not stop the rest
+            print(f"{case}: {type(e).__name__}: {e}", flush=True)
+            rc = 1
+        del inputs
+        torch.cuda.empty_cache()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
