@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of
-from .moe_routing import _sqrt_softplus, check_routing_args, route_tile
+from .moe_routing import _sqrt_softplus, check_routing_args, route_tile, slot_sum
 
 
 @triton.jit(do_not_specialize=["T"])   # one build serves every token count (decode: 1, 2, 16, 32)
@@ -167,8 +167,109 @@ def _topk_keys(lg, lg_ptr, rows, rmask, bias_ptr, w_ptr, ids_ptr, E, scaling, TO
     out_off = rows.to(tl.int64)[:, None] * TOPK + slots[None, :]
     lgs = tl.load(lg_ptr + rows.to(tl.int64)[:, None] * E + sel_ids, mask=omask, other=0.0, cache_modifier=".cg")
     w = tl.where(omask, _sqrt_softplus(lgs), 0.0)
-    tot = tl.sum(w, axis=1)
+    tot = slot_sum(w, TOPK)
     w = w / tl.where(tot > 0, tot, 1.0)[:, None] * scaling
+    tl.store(w_ptr + out_off, w, mask=omask)
+    tl.store(ids_ptr + out_off, sel_ids, mask=omask)
+
+
+@triton.jit
+def _keep_max_key(k1, v1, k2, v2):
+    """Combine of the top-k pick: the larger int64 key and its payload (keys are distinct)."""
+    take1 = k1 > k2
+    return tl.where(take1, k1, k2), tl.where(take1, v1, v2)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_rows_kernel(
+    x_ptr, wg_ptr, lg_ptr, cnt_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr,
+    T, E, K, vocab, stride_xt, stride_we, stride_tv, scaling,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_T: tl.constexpr, EPP: tl.constexpr,
+    BLOCK_K: tl.constexpr, E_P2: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+):
+    """Grid ``(cdiv(E, EPP), cdiv(T, BLOCK_T))``.
+    One program: ``EPP`` experts' FULL gate rows (no split-K) against ``BLOCK_T`` tokens, the dot
+    products as fp32 multiply + tree sum (bf16 x bf16 products are exact in fp32, so FMA
+    contraction cannot change a bit), the ``[BLOCK_T, EPP]`` logits stored; the last program of
+    the token block to arrive (ONE counter, ``cnt[pid_t]``) routes the block from the stored
+    logits with one ``[BLOCK_T, E_P2]`` tile: one max reduction per pick carrying the pick's score
+    as payload (no gather reload)."""
+    pid_e = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    n_pe = tl.num_programs(0)
+    erow = pid_e * EPP + tl.arange(0, EPP)
+    emask = erow < E
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    cols = tl.arange(0, E_P2)
+    cmask = cols < E
+    # the router's correction bias, read by every program at the start (1 KiB): its DRAM latency
+    # overlaps the weight stream instead of sitting on the last arriver's tail (cold in a real step)
+    bias_v = tl.zeros([E_P2], dtype=tl.float32)
+    if HAS_BIAS:
+        bias_v = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    lg_tile = tl.zeros([BLOCK_T, EPP], dtype=tl.float32)
+    tsel = tl.arange(0, BLOCK_T)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < K
+        w = tl.load(wg_ptr + erow.to(tl.int64)[:, None] * stride_we + kk[None, :],
+                    mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        for t in tl.static_range(BLOCK_T):
+            row = pid_t * BLOCK_T + t
+            xt = tl.load(x_ptr + row.to(tl.int64) * stride_xt + kk, mask=kmask & (row < T), other=0.0)
+            part = tl.sum(w * xt.to(tl.float32)[None, :], axis=1)            # [EPP]
+            lg_tile = tl.where(tsel[:, None] == t, lg_tile + part[None, :], lg_tile)   # K-step order
+    tl.store(lg_ptr + rows.to(tl.int64)[:, None] * E + erow[None, :], lg_tile,
+             mask=rmask[:, None] & emask[None, :])
+    tl.debug_barrier()   # every thread's logit stores happen before the ticket (release)
+    c = cnt_ptr + pid_t
+    ticket = tl.atomic_add(c, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_pe - 1:
+        tl.atomic_xchg(c, 0, sem="relaxed")   # nobody else touches it in this launch: zeroed for the next
+        lg = tl.load(lg_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                     other=0.0, cache_modifier=".cg")
+        if HASH:
+            route_tile(lg, rows, rmask, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, E, vocab, stride_tv,
+                       scaling, TOPK, TOPK_P2, E_P2, HAS_BIAS, HASH)
+        else:
+            _topk_payload(lg, rows, rmask, bias_v, w_ptr, ids_ptr, E, scaling, TOPK, TOPK_P2, E_P2, HAS_BIAS)
+
+
+@triton.jit
+def _topk_payload(lg, rows, rmask, bias_v, w_ptr, ids_ptr, E, scaling, TOPK: tl.constexpr,
+                  TOPK_P2: tl.constexpr, E_P2: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """:func:`_topk_keys`'s selection (the same int64 keys: ties to the lowest id, NaN after every
+    number, -0 as +0) where each pick's max reduction also carries the picked entry's score, so the
+    weights need no second load; renormalised as ``route_tile``. ``bias_v``: the ``[E_P2]`` fp32
+    correction bias already in registers (0 past ``E``)."""
+    cols = tl.arange(0, E_P2)
+    cmask = cols < E
+    slots = tl.arange(0, TOPK_P2)
+    s = _sqrt_softplus(lg)
+    sel = s
+    if HAS_BIAS:
+        sel = s + bias_v[None, :]
+    bits = sel.to(tl.int32, bitcast=True)
+    bits = tl.where(sel == 0.0, 0, bits)                       # -0 ranks as +0 (they tie)
+    k32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # signed order == float order
+    k32 = tl.where(sel != sel, -2147483647, k32)               # NaN: below -inf (0x807fffff)
+    key = k32.to(tl.int64) * 1024 + (1023 - cols)[None, :]
+    SENT: tl.constexpr = -4611686018427387904                  # taken / outside: below every key
+    key = tl.where(rmask[:, None] & cmask[None, :], key, SENT)
+    sel_ids = tl.zeros([lg.shape[0], TOPK_P2], dtype=tl.int32)
+    w = tl.zeros([lg.shape[0], TOPK_P2], dtype=tl.float32)
+    tot = tl.zeros([lg.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        kmax, sj = tl.reduce((key, s), 1, _keep_max_key)
+        eid = (1023 - (kmax & 1023)).to(tl.int32)
+        key = tl.where(cols[None, :] == eid[:, None], SENT, key)
+        sel_ids = tl.where(slots[None, :] == j, eid[:, None], sel_ids)
+        w = tl.where(slots[None, :] == j, sj[:, None], w)
+        tot = tot + sj                                         # slot order, as slot_sum
+    omask = rmask[:, None] & (slots[None, :] < TOPK)
+    w = w / tl.where(tot > 0, tot, 1.0)[:, None] * scaling
+    out_off = rows.to(tl.int64)[:, None] * TOPK + slots[None, :]
     tl.store(w_ptr + out_off, w, mask=omask)
     tl.store(ids_ptr + out_off, sel_ids, mask=omask)
 
@@ -241,6 +342,8 @@ def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tenso
                                 e_score_correction_bias)
     b = e_score_correction_bias
     cfg = config or pick_config(T, dev)
+    if cfg.get("ROWS"):
+        return _launch_rows(hidden_states, gate_weight, b, topk, scaling, input_ids, tid2eid, hashed, arrivals, cfg)
     BT, BE, BK, SK = cfg["BLOCK_T"], cfg["BLOCK_E"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     BE = min(BE, max(16, triton.next_power_of_2(E)))
     n_tb = triton.cdiv(T, BT)
@@ -257,10 +360,7 @@ def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tenso
     if arrivals is None:
         arrivals = _arrivals(dev, n_cnt) if not one_part else logits
     else:
-        check.tensor("arrivals", arrivals, torch.int32, ndim=1)
-        check.same_device("hidden_states", hidden_states, arrivals=arrivals)
-        if arrivals.numel() < n_cnt or arrivals.stride(0) != 1:
-            raise ValueError(f"arrivals: needs >= {n_cnt} contiguous entries, got shape {tuple(arrivals.shape)}")
+        _check_arrivals(hidden_states, arrivals, n_cnt)
     part = logits if SK == 1 else torch.empty((SK, T, E), dtype=torch.float32, device=dev)
     dummy = logits
     _gate_topk_kernel[(n_eb, SK, n_tb)](
@@ -272,6 +372,43 @@ def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tenso
         E_P2=triton.next_power_of_2(E), TAIL_T=min(cfg["TAIL_T"], BT),
         RED_T=min(cfg.get("RED_T", BT), BT), ONE_PART=one_part, HAS_BIAS=b is not None,
         HASH=hashed, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return w, ids, logits
+
+
+def _check_arrivals(hidden_states, arrivals, n_cnt):
+    check.tensor("arrivals", arrivals, torch.int32, ndim=1)
+    check.same_device("hidden_states", hidden_states, arrivals=arrivals)
+    if arrivals.numel() < n_cnt or arrivals.stride(0) != 1:
+        raise ValueError(f"arrivals: needs >= {n_cnt} contiguous entries, got shape {tuple(arrivals.shape)}")
+
+
+def _launch_rows(x, W, b, topk, scaling, input_ids, tid2eid, hashed, arrivals, cfg):
+    """The ``ROWS`` path (decode, T <= BLOCK_T): ``cdiv(E, EPP)`` programs of full gate rows, one
+    arrival counter per token block (``cdiv(T, BLOCK_T)`` entries of ``arrivals``)."""
+    T, K = x.shape
+    E = W.shape[0]
+    dev = x.device
+    BT = min(cfg["BLOCK_T"], triton.next_power_of_2(max(T, 1)))
+    EPP = min(cfg["EPP"], triton.next_power_of_2(E))
+    BK = min(cfg["BLOCK_K"], triton.next_power_of_2(K))
+    n_tb = triton.cdiv(T, BT)
+    w = torch.empty((T, topk), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, topk), dtype=torch.int32, device=dev)
+    logits = torch.empty((T, E), dtype=torch.float32, device=dev)
+    if arrivals is None:
+        arrivals = _arrivals(dev, n_tb)
+    else:
+        _check_arrivals(x, arrivals, n_tb)
+    if not T:
+        return w, ids, logits
+    dummy = logits
+    _gate_rows_kernel[(triton.cdiv(E, EPP), n_tb)](
+        x, W, logits, arrivals, b if b is not None else dummy, input_ids if hashed else dummy,
+        tid2eid if hashed else dummy, w, ids, T, E, K, tid2eid.shape[0] if hashed else 0, x.stride(0), W.stride(0),
+        tid2eid.stride(0) if hashed else 0, scaling,
+        TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), BLOCK_T=BT, EPP=EPP, BLOCK_K=BK,
+        E_P2=triton.next_power_of_2(E), HAS_BIAS=b is not None, HASH=hashed,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return w, ids, logits
 
 
@@ -287,12 +424,19 @@ def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tenso
 # (e32k16: 16*256*2 + 32*256*2 = 24 KiB; prefill: 64*64*2 + 128*64*2 = 24 KiB x 3) plus the
 # tail's reduction scratch.
 _D = {"BLOCK_T": 16, "TAIL_T": 16, "RED_T": 16, "num_warps": 4, "num_stages": 1}
+# ROWS (T <= 4, gate5): no split-K, EPP full gate rows per program (EPP * 8 KiB), one arrival
+# level; BLOCK_T is the most tokens one program takes (the launcher sizes it to T: 1, 2 or 4).
+# Registers: EPP * BLOCK_K / (32 * num_warps) fp32 weights per thread (r2w4: 64) + one token's x.
+_R = {"ROWS": True, "BLOCK_T": 4, "BLOCK_K": 4096, "num_stages": 1}
 _TABLE = {
     "e32k16": {**_D, "BLOCK_E": 32, "BLOCK_K": 256, "SPLIT_K": 16},                     # 128 programs, 16 KiB
     "e32k16t4": {**_D, "BLOCK_E": 32, "BLOCK_K": 256, "SPLIT_K": 16, "TAIL_T": 4, "RED_T": 4},
-    "e16k16": {**_D, "BLOCK_E": 16, "BLOCK_K": 256, "SPLIT_K": 16},                     # 256 programs, 8 KiB
-    "e64k32": {**_D, "BLOCK_E": 64, "BLOCK_K": 128, "SPLIT_K": 32},                     # 128 programs, 16 KiB
     "e32k16w8": {**_D, "BLOCK_E": 32, "BLOCK_K": 256, "SPLIT_K": 16, "num_warps": 8},
+    "r2w4": {**_R, "EPP": 2, "num_warps": 4},      # 128 programs, 16 KiB each
+    "r2w2": {**_R, "EPP": 2, "num_warps": 2},      # the same at 2 warps: a shorter router tail
+    "r1w2": {**_R, "EPP": 1, "num_warps": 2},      # 256 programs, 8 KiB each
+    "r4w8": {**_R, "EPP": 4, "num_warps": 8},      # 64 programs, 32 KiB each: fewer arrivals
+    "r1w1": {**_R, "EPP": 1, "num_warps": 1},      # 256 programs of one warp: the router never leaves the warp
     "t32e32k8": {"BLOCK_T": 32, "BLOCK_E": 32, "BLOCK_K": 128, "SPLIT_K": 8, "TAIL_T": 16, "RED_T": 16,
                  "num_warps": 4, "num_stages": 2},
     "prefill": {"BLOCK_T": 64, "BLOCK_E": 128, "BLOCK_K": 64, "SPLIT_K": 1, "TAIL_T": 8, "RED_T": 8, "num_warps": 8,
@@ -303,16 +447,24 @@ _TABLE = {
 }
 CONFIGS = {"sm_89": dict(_TABLE), "sm_90": {k: dict(v) for k, v in _TABLE.items()}}
 
-# the decode candidates the bench times at T <= 16 (scripts/gpu/route.sh --gate)
-DECODE_CANDIDATES = ("e32k16", "e32k16t4", "e16k16", "e64k32", "e32k16w8")
+# the decode candidates the bench times at T <= 16 (scripts/gpu/route.sh --gate). Dropped after the
+# session-4 H200 call (NOTES.md, gate4b): e64k32 (18.6 / 20.1 us at T=1 / 16) and e16k16 (12.8 / 14.0),
+# slower than e32k16t4 (10.4) at T <= 2 and e32k16w8 (11.2) at T=16 in both builds.
+DECODE_CANDIDATES = ("e32k16t4", "e32k16w8", "r2w4", "r2w2", "r1w2", "r4w8", "r1w1")
+#: rows path candidates: only timed where T <= their BLOCK_T (4)
+ROWS_CANDIDATES = tuple(lb for lb in DECODE_CANDIDATES if _TABLE[lb].get("ROWS"))
+#: pick_config's decode rows: ``[(max T, label)]`` in order (measured: e32k16t4 10.4 vs e32k16 12.7 us
+#: at T = 1, 2; e32k16w8 11.2 vs e32k16 13.8 at T=16, both builds; NOTES.md gate5)
+DECODE_DEFAULTS = {"sm_89": [(4, "e32k16t4"), (16, "e32k16w8")], "sm_90": [(4, "e32k16t4"), (16, "e32k16w8")]}
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes)
-GPU_DEFAULTS = {"sm_89": ("e32k16", "t32e32k8", "prefill"), "sm_90": ("e32k16", "t32e32k8", "prefill")}
+GPU_DEFAULTS = {a: tuple(lb for _, lb in DECODE_DEFAULTS[a]) + ("t32e32k8", "prefill") for a in DECODE_DEFAULTS}
 
 
 def pick_config(T: int, device: torch.device) -> dict:
     table = CONFIGS[arch_of(device)]
     if device.type != "cuda":
         return table["interp"]
-    if T <= 16:
-        return table["e32k16"]
+    for max_t, label in DECODE_DEFAULTS[arch_of(device)]:
+        if T <= max_t:
+            return table[label]
     return table["t32e32k8"] if T <= 64 else table["prefill"]

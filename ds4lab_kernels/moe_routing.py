@@ -3,8 +3,8 @@
 Semantics: vLLM ``fused_moe/router/dsv4_topk.py`` (``_dsv4_topk_kernel``, "noaux_tc": the
 correction bias steers the selection only) and, for the first ``num_hash_layers`` layers, the hash
 router (``topk_hash_softplus_sqrt`` / ``hash_topk_cpu``): ids ``tid2eid[input_ids]``, weights the
-scores of those experts. Weights are renormalised to sum 1 and multiplied by
-``routed_scaling_factor`` (1.5).
+scores of those experts. Weights are renormalised to sum 1 (the sum taken in slot order,
+:func:`slot_sum`) and multiplied by ``routed_scaling_factor`` (1.5).
 """
 import torch
 import triton
@@ -25,6 +25,17 @@ def _sqrt_softplus(x):
     l1p = tl.where(u == 1.0, z, tl.log(u) * (z / (u - 1.0)))
     sp = tl.where(x > 0, x, 0.0) + l1p
     return tl.sqrt_rn(sp)
+
+
+@triton.jit
+def slot_sum(w, TOPK: tl.constexpr):
+    """``w [rows, TOPK_P2]`` -> ``w[:, 0] + w[:, 1] + ... + w[:, TOPK-1]`` in that order (a fixed
+    sum order whatever the register layout, so every router kernel renormalises to the same bits)."""
+    slots = tl.arange(0, w.shape[1])
+    tot = tl.sum(tl.where(slots[None, :] == 0, w, 0.0), axis=1)
+    for j in tl.static_range(1, TOPK):
+        tot = tot + tl.sum(tl.where(slots[None, :] == j, w, 0.0), axis=1)
+    return tot
 
 
 @triton.jit
@@ -74,7 +85,7 @@ def route_tile(lg, rows, rmask, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_pt
             avail = avail & (~hit)
             w = tl.where(slots[None, :] == j, wj[:, None], w)
             sel_ids = tl.where(slots[None, :] == j, eid[:, None], sel_ids)
-    tot = tl.sum(w, axis=1)
+    tot = slot_sum(w, TOPK)
     w = w / tl.where(tot > 0, tot, 1.0)[:, None] * scaling
     tl.store(w_ptr + out_off, w, mask=omask)
     tl.store(ids_ptr + out_off, sel_ids, mask=omask)

@@ -179,3 +179,124 @@ def test_packed_key_selection_equals_route_tile_on_adversarial_logits(cfg):
         assert torch.equal(w, w2)
         if b is None:
             assert ids.cpu()[1].tolist() == list(range(6))
+
+
+# ---- the rows path (gate5): full gate rows per program, one arrival level -------------------------
+ROWS = {**K.CONFIGS["sm_89"]["r2w4"], "BLOCK_K": 128}   # 2 experts per program, a K loop of 128 (D=320: 3 steps)
+ROWS1 = {**K.CONFIGS["sm_89"]["r1w1"], "BLOCK_K": 512}  # 1 expert per program, one K step
+
+
+@pytest.mark.parametrize("T,case", [(t, c) for t in (1, 2) for c in SG.GATE_CASES] + [(5, "random"), (5, "hash")])
+def test_rows_path_routes_exactly_as_the_router_kernel(T, case):
+    """ids and weights bit-equal (NaN where NaN) to ``sqrtsoftplus_topk`` on the kernel's own logits,
+    logits within the budget of the float64 product, the registry check passing, counters zeroed."""
+    inp = _inputs(T=T, E=32, D=320, case=case, seed=T)   # T=5: two token blocks of 4
+    out = K.gate_sqrtsoftplus_topk(**inp, config=ROWS)
+    assert all(SG.check_gate(out, R.gate_sqrtsoftplus_topk(**inp), inp))
+    w, ids, lg = out
+    kw = {k: inp[k] for k in ("input_ids", "tid2eid") if k in inp}
+    w2, ids2 = sqrtsoftplus_topk(lg, inp["e_score_correction_bias"], 6, 1.5, **kw)
+    assert torch.equal(ids, ids2)
+    assert torch.equal(w.nan_to_num(-1.0), w2.nan_to_num(-1.0))
+    assert (K._ARRIVALS[(torch.device(DEVICE).type, None)] == 0).all()
+
+
+def test_rows_path_logits_match_split_path_and_torch():
+    inp = _inputs(T=2, E=32, D=320)
+    x, W = inp["hidden_states"], inp["gate_weight"]
+    mag = x.double().abs() @ W.double().abs().T
+    old = torch.nn.functional.linear(x.float(), W.float())
+    for cfg in (ROWS, ROWS1):
+        w, ids, lg = K.gate_sqrtsoftplus_topk(**inp, config=cfg)
+        assert ((lg.double() - old.double()).abs() <= SG.LOGIT_RTOL * mag).all()
+        a = K.gate_sqrtsoftplus_topk(**inp, config=cfg)
+        assert all(torch.equal(p, q) for p, q in zip((w, ids, lg), a))   # deterministic bits
+    b = K.gate_sqrtsoftplus_topk(**inp, config=SPLIT)
+    assert torch.equal(b[1], ids)
+
+
+def test_rows_path_arrivals_buffer():
+    inp = _inputs(T=5, E=32, D=128)
+    # one counter per token block of 4: 2
+    with pytest.raises(ValueError, match="arrivals: needs >= 2"):
+        K.gate_sqrtsoftplus_topk(**inp, arrivals=torch.zeros(1, dtype=torch.int32, device=DEVICE), config=ROWS)
+    cnt = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    a = K.gate_sqrtsoftplus_topk(**inp, config=ROWS)
+    for _ in range(2):
+        b = K.gate_sqrtsoftplus_topk(**inp, arrivals=cnt, config=ROWS)
+        assert int(cnt.abs().sum()) == 0 and torch.equal(a[1], b[1])
+
+
+def test_rows_payload_selection_equals_route_tile_on_adversarial_logits():
+    """The rows path's pick (int64 key + the score as payload) on the planted logits of
+    test_packed_key_selection_equals_route_tile_on_adversarial_logits (ties, all-zero scores, huge
+    logits, tied bias), T=2 per launch (the decode tile)."""
+    E = 64
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-2, 3, (6, E), generator=g).float()
+    x[1] = -3.0e38
+    x[2, ::3] = 3.0e38
+    x[3] = 0.0
+    x[4, 10:] = -3.0e38
+    W = torch.eye(E, dtype=torch.bfloat16, device=DEVICE)
+    bias = (torch.arange(E) % 3 * 0.25 - 0.25).to(DEVICE)
+    for b in (None, bias):
+        for r0 in range(0, 6, 2):
+            xs = x[r0:r0 + 2].to(torch.bfloat16).to(DEVICE)
+            w, ids, lg = K.gate_sqrtsoftplus_topk(xs, W, b, 6, 1.5, config=ROWS)
+            assert torch.equal(lg.cpu(), x[r0:r0 + 2].bfloat16().float())
+            w2, ids2 = sqrtsoftplus_topk(lg, b, 6, 1.5)
+            assert torch.equal(ids, ids2), (r0, ids.cpu(), ids2.cpu())
+            assert torch.equal(w, w2)
+            if b is None and r0 == 0:
+                assert ids.cpu()[1].tolist() == list(range(6))
+
+
+def test_rows_exact_ties_pick_lowest_ids():
+    inp = _inputs(T=2, E=32, D=64)
+    inp["gate_weight"] = torch.zeros_like(inp["gate_weight"])    # every logit 0: all scores equal
+    inp["e_score_correction_bias"] = torch.zeros(32, device=DEVICE)
+    w, ids, _ = K.gate_sqrtsoftplus_topk(**inp, config=ROWS)
+    assert ids.cpu().tolist() == [list(range(6))] * 2
+    assert torch.allclose(w.cpu(), torch.full((2, 6), 0.25))
+
+
+def test_pick_config_decode_rows(monkeypatch):
+    from ds4lab_kernels import _arch
+    monkeypatch.setattr(_arch, "target", lambda device: None if device.type != "cuda" else (89, _arch.SMEM_LIMIT["sm_89"]))
+    dev = torch.device("cuda", 0)
+    table = K.CONFIGS["sm_89"]
+    assert [next(lb for lb, c in table.items() if c is K.pick_config(t, dev)) for t in (1, 2, 4, 5, 16, 17)] == \
+        ["e32k16t4"] * 3 + ["e32k16w8"] * 2 + ["t32e32k8"]
+    assert set(K.ROWS_CANDIDATES) <= set(K.DECODE_CANDIDATES)
+    assert not {"e64k32", "e16k16"} & set(table)   # measured losing (NOTES.md gate4b/gate5)
+
+
+AOT_PROBE = r"""
+import json
+from ds4lab.harness import aot
+from ds4lab.harness.registry import get
+from ds4lab_kernels.moe_gate import ROWS_CANDIDATES
+spec = get("gate_sqrtsoftplus_topk")
+print(json.dumps({lb: [r.to_dict() for r in aot.compile_spec(spec, "sm_89", lb, {"T": 1, "E": 256, "D": 4096, "topk": 6})]
+                  for lb in ROWS_CANDIDATES}))
+"""
+
+
+def test_rows_candidates_compile_for_sm89_at_one_token():
+    """The rows path at BLOCK_T=1 (the compile report builds BLOCK_T=4, its T=4 AOT shape): every
+    candidate assembles for sm_89 (ptxas, no interpreter) with 0 spills within 101,376 B."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", AOT_PROBE], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(out) == set(K.ROWS_CANDIDATES)
+    for lb, rows in out.items():
+        assert rows and all(r["ok"] for r in rows), (lb, [r["why"] for r in rows])
+        assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["shared"] <= 101_376 for r in rows), (lb, rows)

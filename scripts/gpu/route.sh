@@ -12,10 +12,13 @@
 # Expected: ~50-60 s (per build: numerics ~10-15 s, bench ~15-20 s; timeouts 20 + 25 s cap it at ~95 s).
 # Fail-soft: a failing check or build is reported, the rest still runs; exit 1 if anything failed.
 #
-# --gate: the fused gate alone, short (scripts/gpu/gate_fast.py): sm89 numerics + every candidate
-# and the torch.mm(bf16 -> fp32) + sqrtsoftplus_topk baseline at TP=4, T in {1, 2, 16} (the
-# kernels of both builds compile first, 12 processes in parallel), then the same for native.
-#   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~35-45 s (timeouts cap it at 90 s).
+# --gate: the fused gate alone, short (scripts/gpu/gate_fast.py): per build (sm89, then native)
+# numerics of the default and of every rows-path candidate (gate5), then every candidate and the
+# torch.mm(bf16 -> fp32) + sqrtsoftplus_topk pair timed at TP=4, T in {1, 2, 4, 16}; sm89 also with
+# the step's timer (CUPTI kernel durations, with and without an L2 + TLB thrash; T in {1, 2}). The
+# kernels of both builds compile first (one process per build x candidate, 17 in parallel).
+#   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~60-80 s (timeouts 25 + 40 + 22: at most 87 s).
+# Rows: $OUT/bench.csv, $OUT/gate_fast_<build>.csv (numerics), $OUT/gate_steplike_sm89.csv.
 set -u
 : "${OUT:?set OUT to an output folder}"
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
@@ -30,22 +33,25 @@ if [ "${1:-}" = "--gate" ]; then
   # no timing runs meanwhile), then numerics + timing per build from the warm caches
   pids=()
   for build in sm89 native; do
-    for cfg in default $(python3 -c 'from ds4lab_kernels.moe_gate import DECODE_CANDIDATES as C; print(*C)'); do
-      timeout 30 python3 scripts/gpu/gate_fast.py --arch "$build" --out "$OUT" --warm-only --config "$cfg" \
+    extra=""; [ "$build" = sm89 ] && extra=e32k16   # timed step-like only (gate_fast.STEPLIKE_EXTRA)
+    for cfg in default $extra $(python3 -c 'from ds4lab_kernels.moe_gate import DECODE_CANDIDATES as C; print(*C)'); do
+      timeout 25 python3 scripts/gpu/gate_fast.py --arch "$build" --out "$OUT" --warm-only --config "$cfg" \
         > "$OUT/gate_warm_${build}_${cfg}.log" 2>&1 &
       pids+=($!)
     done
   done
   for p in "${pids[@]}"; do wait "$p" || echo "warm-up pid $p: exit $? (that build compiles inline)"; done
   echo "compiled: $((SECONDS - t0)) s"
-  timeout 30 python3 scripts/gpu/gate_fast.py --arch sm89 --out "$OUT" > "$OUT/gate_fast_sm89.log" 2>&1 \
+  timeout 40 python3 scripts/gpu/gate_fast.py --arch sm89 --steplike --out "$OUT" > "$OUT/gate_fast_sm89.log" 2>&1 \
     || { echo "gate_fast --arch sm89: exit $?"; rc=1; }
-  timeout 30 python3 scripts/gpu/gate_fast.py --arch native --out "$OUT" > "$OUT/gate_fast_native.log" 2>&1 \
+  timeout 22 python3 scripts/gpu/gate_fast.py --arch native --out "$OUT" > "$OUT/gate_fast_native.log" 2>&1 \
     || { echo "gate_fast --arch native: exit $?"; rc=1; }
   for build in sm89 native; do
-    echo "== $build: numerics =="; grep -c '^PASS' "$OUT/gate_fast_${build}.log"; grep '^FAIL' "$OUT/gate_fast_${build}.log" | head -8
+    echo "== $build: numerics =="; echo "PASS rows: $(grep -c '^PASS' "$OUT/gate_fast_${build}.log")"
+    grep '^FAIL' "$OUT/gate_fast_${build}.log" | head -8
     tail -1 "$OUT/gate_fast_${build}.log"
   done
+  sed -n '/^step-like timer/,/^sm89: numerics/p' "$OUT/gate_fast_sm89.log" | grep -v '^sm89: numerics' 
 else
 for build in native sm89; do
   timeout 20 python3 scripts/gpu/route_check.py --arch "$build" --out "$OUT" > "$OUT/route_check_${build}.log" 2>&1 \

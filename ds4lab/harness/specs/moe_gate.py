@@ -11,7 +11,7 @@ from ds4lab.harness.registry import KernelSpec, kernel_configs, register
 from ds4lab.harness.specs.moe import check_route, hash_case
 
 GATE_CASES = ("random", "ties", "nonfinite", "hash")
-DECODE_T = (1, 2, 16, 32)
+DECODE_T = (1, 2, 4, 16, 32)
 #: logits budget: |out - ref| <= LOGIT_RTOL * sum_k |x_k w_k| (fp32 accumulation of exact bf16 x bf16
 #: products; worst-case pairwise-ish summation error is a few 2^-24 of that sum, 2^-17 leaves margin
 #: and still fails any wrong term, which moves a logit by O(its sum))
@@ -90,12 +90,17 @@ def _bench(cfg, tp):
 
 def _config_for(arch, shape):
     """Bench shapes (the real D) time the path's candidates; test / AOT shapes build every row."""
-    from ds4lab_kernels.moe_gate import CONFIGS, DECODE_CANDIDATES
-    if shape.get("D", 0) < 4096:
-        return list(CONFIGS[arch])
+    from ds4lab_kernels.moe_gate import CONFIGS, DECODE_CANDIDATES, ROWS_CANDIDATES
+    if shape.get("D", 0) < 4096:   # every row; of the rows path one (r2w4): the interpreter runs its
+        # EPP / warp variants the same way and one program at a time (r1w1 took 21 s here; tests/test_moe_gate.py)
+        return [lb for lb in CONFIGS[arch] if lb not in ROWS_CANDIDATES or lb == "r2w4"]
     if shape["T"] > 64:
         return ["prefill"]
-    return list(DECODE_CANDIDATES) if shape["T"] <= 16 else ["t32e32k8", "e32k16"]
+    if shape["T"] <= 4:   # the rows path (no split-K) next to the split default at T <= 4
+        return list(ROWS_CANDIDATES) + ["e32k16t4"]
+    if shape["T"] <= 16:   # e32k16 (the session-4 default) lost to both at T = 1, 2, 16: timed only step-like
+        return [lb for lb in DECODE_CANDIDATES if lb not in ROWS_CANDIDATES]
+    return ["t32e32k8", "e32k16"]
 
 
 def _glue(inputs):
@@ -142,6 +147,8 @@ register(KernelSpec(
     config_for=_config_for,
     baselines={"torch_glue(linear_fp32+route)": _glue, "cublas_out_fp32+route": _cublas_out_fp32},
     bound="memory",
-    aot_shape=[{"T": 16, "E": 256, "D": 4096, "topk": 6}, {"T": 4096, "E": 256, "D": 4096, "topk": 6}],
+    # T=4: the rows path at its widest token tile (BLOCK_T 4); T=16: the split-K decode rows
+    aot_shape=[{"T": 4, "E": 256, "D": 4096, "topk": 6}, {"T": 16, "E": 256, "D": 4096, "topk": 6},
+               {"T": 4096, "E": 256, "D": 4096, "topk": 6}],
     sm89_mma={"_gate_topk_kernel": "HMMA"},
 ))
