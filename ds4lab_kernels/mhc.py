@@ -298,6 +298,73 @@ def _softmax4(a, b, c, d, eps):
 
 
 @triton.jit
+def _cols4(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps):
+    """One Sinkhorn column pass of a 4x4 tile held as 16 per-thread values ``c{i}{j}``: ``c / (sum_i c + eps)``."""
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
+
+
+@triton.jit
+def _sinkhorn_rows(c_row, logits, hh, tmask, eps, n_iters):
+    """Sinkhorn of each token's 4x4 comb logits, written to ``c_row[t] + 0..15`` (fp32, row-major [i, j]).
+
+    ``logits`` ``[BLOCK_M, 16]`` goes out to ``c_row`` and comes back one entry per register (16 per-thread
+    values: no shuffles, no CTA barriers inside the 2 x n_iters passes): softmax over each row + eps, a
+    column pass, then ``n_iters - 1`` (row pass, column pass), each ``x / (sum + eps)``."""
+    tl.store(c_row[:, None] + hh[None, :], logits, mask=tmask[:, None])
+    tl.debug_barrier()  # the logits come back one entry per register: no cross-thread sums below
+    c00 = tl.load(c_row + 0, mask=tmask, other=0.0)
+    c01 = tl.load(c_row + 1, mask=tmask, other=0.0)
+    c02 = tl.load(c_row + 2, mask=tmask, other=0.0)
+    c03 = tl.load(c_row + 3, mask=tmask, other=0.0)
+    c10 = tl.load(c_row + 4, mask=tmask, other=0.0)
+    c11 = tl.load(c_row + 5, mask=tmask, other=0.0)
+    c12 = tl.load(c_row + 6, mask=tmask, other=0.0)
+    c13 = tl.load(c_row + 7, mask=tmask, other=0.0)
+    c20 = tl.load(c_row + 8, mask=tmask, other=0.0)
+    c21 = tl.load(c_row + 9, mask=tmask, other=0.0)
+    c22 = tl.load(c_row + 10, mask=tmask, other=0.0)
+    c23 = tl.load(c_row + 11, mask=tmask, other=0.0)
+    c30 = tl.load(c_row + 12, mask=tmask, other=0.0)
+    c31 = tl.load(c_row + 13, mask=tmask, other=0.0)
+    c32 = tl.load(c_row + 14, mask=tmask, other=0.0)
+    c33 = tl.load(c_row + 15, mask=tmask, other=0.0)
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, eps)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, eps)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, eps)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, eps)
+    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33 = _cols4(
+        c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps)
+    for _ in range(1, n_iters):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)   # row pass
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33 = _cols4(
+            c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps)
+    tl.debug_barrier()  # every thread has read the logits before any overwrites them
+    tl.store(c_row + 0, c00, mask=tmask)
+    tl.store(c_row + 1, c01, mask=tmask)
+    tl.store(c_row + 2, c02, mask=tmask)
+    tl.store(c_row + 3, c03, mask=tmask)
+    tl.store(c_row + 4, c10, mask=tmask)
+    tl.store(c_row + 5, c11, mask=tmask)
+    tl.store(c_row + 6, c12, mask=tmask)
+    tl.store(c_row + 7, c13, mask=tmask)
+    tl.store(c_row + 8, c20, mask=tmask)
+    tl.store(c_row + 9, c21, mask=tmask)
+    tl.store(c_row + 10, c22, mask=tmask)
+    tl.store(c_row + 11, c23, mask=tmask)
+    tl.store(c_row + 12, c30, mask=tmask)
+    tl.store(c_row + 13, c31, mask=tmask)
+    tl.store(c_row + 14, c32, mask=tmask)
+    tl.store(c_row + 15, c33, mask=tmask)
+
+
+@triton.jit
 def _mhc_seam_kernel(
     x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
     fn_ptr, scale_ptr, base_ptr, w_ptr, mix_part_ptr, gram_part_ptr, sync_ptr,
@@ -452,59 +519,184 @@ def _mhc_seam_kernel(
             post = tl.sigmoid(post_acc * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC_ + h)[None, :])
             tl.store(post_ptr + rm64[:, None] * HC_ + h[None, :], post * post_mult, mask=tmask[:, None])
             logits = comb_acc * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC_ + hh)[None, :]
-            c_row = comb_ptr + rm64 * HH
-            tl.store(c_row[:, None] + hh[None, :], logits, mask=tmask[:, None])
-            tl.debug_barrier()  # the logits come back one entry per register: no cross-thread sums below
-            c00 = tl.load(c_row + 0, mask=tmask, other=0.0)
-            c01 = tl.load(c_row + 1, mask=tmask, other=0.0)
-            c02 = tl.load(c_row + 2, mask=tmask, other=0.0)
-            c03 = tl.load(c_row + 3, mask=tmask, other=0.0)
-            c10 = tl.load(c_row + 4, mask=tmask, other=0.0)
-            c11 = tl.load(c_row + 5, mask=tmask, other=0.0)
-            c12 = tl.load(c_row + 6, mask=tmask, other=0.0)
-            c13 = tl.load(c_row + 7, mask=tmask, other=0.0)
-            c20 = tl.load(c_row + 8, mask=tmask, other=0.0)
-            c21 = tl.load(c_row + 9, mask=tmask, other=0.0)
-            c22 = tl.load(c_row + 10, mask=tmask, other=0.0)
-            c23 = tl.load(c_row + 11, mask=tmask, other=0.0)
-            c30 = tl.load(c_row + 12, mask=tmask, other=0.0)
-            c31 = tl.load(c_row + 13, mask=tmask, other=0.0)
-            c32 = tl.load(c_row + 14, mask=tmask, other=0.0)
-            c33 = tl.load(c_row + 15, mask=tmask, other=0.0)
-            c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, sk_eps)
-            c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, sk_eps)
-            c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, sk_eps)
-            c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, sk_eps)
-            c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, sk_eps)
-            c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, sk_eps)
-            c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, sk_eps)
-            c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, sk_eps)
-            for _ in range(1, n_iters):
-                c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, sk_eps)
-                c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, sk_eps)
-                c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, sk_eps)
-                c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, sk_eps)
-                c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, sk_eps)
-                c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, sk_eps)
-                c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, sk_eps)
-                c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, sk_eps)
-            tl.debug_barrier()  # every thread has read the logits before any overwrites them
-            tl.store(c_row + 0, c00, mask=tmask)
-            tl.store(c_row + 1, c01, mask=tmask)
-            tl.store(c_row + 2, c02, mask=tmask)
-            tl.store(c_row + 3, c03, mask=tmask)
-            tl.store(c_row + 4, c10, mask=tmask)
-            tl.store(c_row + 5, c11, mask=tmask)
-            tl.store(c_row + 6, c12, mask=tmask)
-            tl.store(c_row + 7, c13, mask=tmask)
-            tl.store(c_row + 8, c20, mask=tmask)
-            tl.store(c_row + 9, c21, mask=tmask)
-            tl.store(c_row + 10, c22, mask=tmask)
-            tl.store(c_row + 11, c23, mask=tmask)
-            tl.store(c_row + 12, c30, mask=tmask)
-            tl.store(c_row + 13, c31, mask=tmask)
-            tl.store(c_row + 14, c32, mask=tmask)
-            tl.store(c_row + 15, c33, mask=tmask)
+            _sinkhorn_rows(comb_ptr + rm64 * HH, logits, hh, tmask, sk_eps, n_iters)
+
+
+@triton.jit
+def _count_sync(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr):
+    """One-level grid sync on one int32 counter (no reset, no generation word): every program adds 1,
+    program 0 adds ``STEP - (n_programs - 1)``, so a launch moves the counter by exactly STEP (a power of
+    two >= n_programs; 2^32 wrap-around keeps ``count % STEP == 0`` between launches, so the buffer is
+    zeroed once and serves any number of launches and graph replays). Only the full sum reaches the next
+    multiple of STEP: that program arrived last and returns at once (True); the others spin (volatile
+    loads) until the counter shows it, then acquire (False). The add is acq_rel: this CTA's stores are
+    released, the others' acquired. Every program of the grid must be resident at once (the launcher
+    keeps the grid <= the SM count)."""
+    tl.debug_barrier()  # the whole CTA's stores precede thread 0's release below
+    inc = tl.where(pid_s == 0, STEP - (n_programs - 1), 1)
+    old = tl.atomic_add(cnt_ptr, inc, sem="acq_rel")
+    target = old - (old & (STEP - 1)) + STEP
+    last = old + inc == target
+    if old + inc != target:
+        cur = tl.load(cnt_ptr, volatile=True)
+        while cur != target:
+            cur = tl.load(cnt_ptr, volatile=True)
+        tl.atomic_add(cnt_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def _mhc_seam1_kernel(
+    x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
+    fn_ptr, scale_ptr, base_ptr, w_ptr, part_ptr, cnt_ptr,
+    post_ptr, comb_ptr, out_ptr,
+    T, D, S, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps,
+    stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh, stride_fn,
+    stride_yt,
+    HC_: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    PART_W: tl.constexpr, STEP: tl.constexpr,
+    HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``; 1-4 token blocks (fp32 FMA mixes).
+    One program (m, s) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` x hidden columns ``[s*BLOCK_D, +BLOCK_D)`` of
+    all 4 streams. The decode seam with one grid-wide dependency (issue 20, ``seam1_*`` rows):
+
+    - every global load first (x, x2, the 4 residual streams, the gate coefficients, the 24 fn rows of
+      the 4 streams' columns as 8 tiles, the norm weight): one DRAM round trip, no load behind a CTA barrier;
+    - the post (bf16 residual out), then the partial mixes as fp32 FMA ``P[t, n, d] = sum_j fn_j[n, d]
+      new_j[t, d]`` summed over d once (pre+post rows, comb rows) and the 4x4 Gram matrix of the new
+      streams in one more sum: 3 reductions (the ``seam_*`` kernel does 14, the fn loads serialised
+      behind them);
+    - one counter (:func:`_count_sync`): the LAST arriver reduces the post/comb partials and runs
+      Sinkhorn (no spin-wait on its path), the others spin on the same counter; every program then
+      reduces the pre/Gram partials (all S rows in one load for BLOCK_S >= S) and collapses its own
+      columns from registers, normalised with ``mean(y^2) = pre^T G pre / D`` as the ``seam_*`` kernel.
+
+    Partial row layout (``PART_W`` fp32): pre 0-3, post 4-7, comb 8-23, Gram 24-39; sums over s run in a
+    fixed order (the same bits whichever program is last). PHASE 0: one launch (GPU). PHASE 1 / 2: phase
+    A / B as two launches (the interpreter, ``SEAM1_LAUNCHES = 2`` rows, grids above the SM count);
+    phase B then re-reads its columns of ``res_out`` and program s = 0 runs Sinkhorn.
+    """
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rt = tl.arange(0, BLOCK_M)
+    rm = pid_m * BLOCK_M + rt
+    tmask = rm < T
+    rm64 = rm.to(tl.int64)
+    h = tl.arange(0, HC_)
+    hh = tl.arange(0, HC_ * HC_)
+    HH: tl.constexpr = HC_ * HC_
+    dd = pid_s * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    m2 = tmask[:, None] & dmask[None, :]
+    o_row = res_out_ptr + rm64[:, None] * stride_ot + dd[None, :]
+    part_row = ((pid_m * S + pid_s) * BLOCK_M + rt).to(tl.int64) * PART_W
+    if HAS_NORM:
+        wn = tl.load(w_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+    if PHASE != 2:
+        ra = tl.arange(0, 2 * HC_)
+        rb = tl.arange(0, HH)
+        wa_row = fn_ptr + ra[:, None] * stride_fn + dd[None, :]                 # pre + post rows [8, BD]
+        wb_row = fn_ptr + (2 * HC_ + rb)[:, None] * stride_fn + dd[None, :]     # comb rows [16, BD]
+        wa0 = tl.load(wa_row, mask=dmask[None, :], other=0.0)
+        wa1 = tl.load(wa_row + D, mask=dmask[None, :], other=0.0)
+        wa2 = tl.load(wa_row + 2 * D, mask=dmask[None, :], other=0.0)
+        wa3 = tl.load(wa_row + 3 * D, mask=dmask[None, :], other=0.0)
+        wb0 = tl.load(wb_row, mask=dmask[None, :], other=0.0)
+        wb1 = tl.load(wb_row + D, mask=dmask[None, :], other=0.0)
+        wb2 = tl.load(wb_row + 2 * D, mask=dmask[None, :], other=0.0)
+        wb3 = tl.load(wb_row + 3 * D, mask=dmask[None, :], other=0.0)
+        x = tl.load(x_ptr + rm64[:, None] * stride_xt + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_X2:
+            x = _add_bf16(x, x2_ptr + rm64[:, None] * stride_x2t + dd[None, :], m2)
+        r_row = res_ptr + rm64[:, None] * stride_rt + dd[None, :]
+        r0 = tl.load(r_row, mask=m2, other=0.0).to(tl.float32)
+        r1 = tl.load(r_row + stride_rh, mask=m2, other=0.0).to(tl.float32)
+        r2 = tl.load(r_row + 2 * stride_rh, mask=m2, other=0.0).to(tl.float32)
+        r3 = tl.load(r_row + 3 * stride_rh, mask=m2, other=0.0).to(tl.float32)
+        n0 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 0)
+        n1 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 1)
+        n2 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 2)
+        n3 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 3)
+        tl.store(o_row, n0, mask=m2)
+        tl.store(o_row + stride_oh, n1, mask=m2)
+        tl.store(o_row + 2 * stride_oh, n2, mask=m2)
+        tl.store(o_row + 3 * stride_oh, n3, mask=m2)
+        f0 = n0.to(tl.float32)[:, None, :]
+        f1 = n1.to(tl.float32)[:, None, :]
+        f2 = n2.to(tl.float32)[:, None, :]
+        f3 = n3.to(tl.float32)[:, None, :]
+        pa = f0 * wa0[None, :, :] + f1 * wa1[None, :, :] + f2 * wa2[None, :, :] + f3 * wa3[None, :, :]
+        pb = f0 * wb0[None, :, :] + f1 * wb1[None, :, :] + f2 * wb2[None, :, :] + f3 * wb3[None, :, :]
+        ia = (rb // HC_)[None, :, None]
+        ib = (rb % HC_)[None, :, None]
+        ga = tl.where(ia == 0, f0, tl.where(ia == 1, f1, tl.where(ia == 2, f2, f3)))
+        gb = tl.where(ib == 0, f0, tl.where(ib == 1, f1, tl.where(ib == 2, f2, f3)))
+        tl.store(part_ptr + part_row[:, None] + ra[None, :], tl.sum(pa, axis=2), mask=tmask[:, None])
+        tl.store(part_ptr + part_row[:, None] + 2 * HC_ + rb[None, :], tl.sum(pb, axis=2), mask=tmask[:, None])
+        tl.store(part_ptr + part_row[:, None] + 6 * HC_ + rb[None, :], tl.sum(ga * gb, axis=2),
+                 mask=tmask[:, None])
+    if PHASE == 0:
+        last = _count_sync(cnt_ptr + pid_m * 32, pid_s, S, STEP)
+    else:
+        last = pid_s == 0
+    if PHASE == 2:
+        n0 = tl.load(o_row, mask=m2, other=0.0)
+        n1 = tl.load(o_row + stride_oh, mask=m2, other=0.0)
+        n2 = tl.load(o_row + 2 * stride_oh, mask=m2, other=0.0)
+        n3 = tl.load(o_row + 3 * stride_oh, mask=m2, other=0.0)
+    if PHASE != 1:
+        if last:  # post gates + Sinkhorn: only the next seam reads them
+            post_acc = tl.zeros((BLOCK_M, HC_), dtype=tl.float32)
+            comb_acc = tl.zeros((BLOCK_M, HH), dtype=tl.float32)
+            sq_acc = tl.zeros((BLOCK_M, HH), dtype=tl.float32)
+            for s0 in range(0, S, BLOCK_S):
+                rs = s0 + tl.arange(0, BLOCK_S)
+                row = ((pid_m * S + rs)[:, None] * BLOCK_M + rt[None, :]).to(tl.int64)
+                lm = ((rs < S)[:, None] & tmask[None, :])[:, :, None]
+                post_acc += _sum_parts(part_ptr, row, lm, HC_, HC_, PART_W)
+                comb_acc += _sum_parts(part_ptr, row, lm, 2 * HC_, HH, PART_W)
+                sq_acc += _sum_parts(part_ptr, row, lm, 6 * HC_, HH, PART_W)
+            sq = tl.sum(tl.where((hh % (HC_ + 1) == 0)[None, :], sq_acc, 0.0), axis=1)
+            rms = tl.math.rsqrt(sq / rms_numel + rms_eps)[:, None]
+            post = tl.sigmoid(post_acc * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC_ + h)[None, :])
+            tl.store(post_ptr + rm64[:, None] * HC_ + h[None, :], post * post_mult, mask=tmask[:, None])
+            logits = comb_acc * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC_ + hh)[None, :]
+            _sinkhorn_rows(comb_ptr + rm64 * HH, logits, hh, tmask, sk_eps, n_iters)
+        pre_acc = tl.zeros((BLOCK_M, HC_), dtype=tl.float32)
+        gram = tl.zeros((BLOCK_M, HH), dtype=tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            rs = s0 + tl.arange(0, BLOCK_S)
+            row = ((pid_m * S + rs)[:, None] * BLOCK_M + rt[None, :]).to(tl.int64)
+            lm = ((rs < S)[:, None] & tmask[None, :])[:, :, None]
+            pre_acc += _sum_parts(part_ptr, row, lm, 0, HC_, PART_W)
+            gram += _sum_parts(part_ptr, row, lm, 6 * HC_, HH, PART_W)
+        sq = tl.sum(tl.where((hh % (HC_ + 1) == 0)[None, :], gram, 0.0), axis=1)      # trace(G)
+        rms = tl.math.rsqrt(sq / rms_numel + rms_eps)[:, None]
+        pre = tl.sigmoid(pre_acc * rms * tl.load(scale_ptr) + tl.load(base_ptr + h)[None, :]) + pre_eps
+        p0 = tl.sum(tl.where(h[None, :] == 0, pre, 0.0), axis=1)
+        p1 = tl.sum(tl.where(h[None, :] == 1, pre, 0.0), axis=1)
+        p2 = tl.sum(tl.where(h[None, :] == 2, pre, 0.0), axis=1)
+        p3 = tl.sum(tl.where(h[None, :] == 3, pre, 0.0), axis=1)
+        y = p0[:, None] * n0.to(tl.float32)
+        y += p1[:, None] * n1.to(tl.float32)
+        y += p2[:, None] * n2.to(tl.float32)
+        y += p3[:, None] * n3.to(tl.float32)
+        yb = y.to(tl.bfloat16)
+        y_row = out_ptr + rm64[:, None] * stride_yt + dd[None, :]
+        if HAS_NORM:
+            ia2 = (hh // HC_)[None, :]
+            ib2 = (hh % HC_)[None, :]
+            pa2 = tl.where(ia2 == 0, p0[:, None], tl.where(ia2 == 1, p1[:, None],
+                           tl.where(ia2 == 2, p2[:, None], p3[:, None])))
+            pb2 = tl.where(ib2 == 0, p0[:, None], tl.where(ib2 == 1, p1[:, None],
+                           tl.where(ib2 == 2, p2[:, None], p3[:, None])))
+            ysq = tl.maximum(tl.sum(gram * pa2 * pb2, axis=1), 0.0)
+            inv = tl.math.rsqrt(ysq / D + norm_eps)
+            tl.store(y_row, (yb.to(tl.float32) * inv[:, None] * wn[None, :]).to(tl.bfloat16), mask=m2)
+        else:
+            tl.store(y_row, yb, mask=m2)
 
 
 # ---- input checks --------------------------------------------------------------------------------
@@ -751,6 +943,71 @@ def _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weigh
     return res_cur, post, comb, out
 
 
+_SYNC1: dict = {}
+SEAM1_STEP = 1024  # the counter step of _count_sync: at most this many column programs per token block
+SEAM1_MAX_T = 4    # seam1 rows: 1-4 token blocks (fp32 FMA mixes); above, the two-pass kernels (`decode`)
+
+
+def _count_buffer(device) -> torch.Tensor:
+    """The seam1 counters (one int32 per token block, 128 bytes apart), zeroed once per device; the
+    protocol of :func:`_count_sync` keeps them valid across launches and graph replays without a reset.
+    Not shared with the ``seam_*`` barrier (a different protocol); the same one-stream rule applies."""
+    key = str(device)
+    buf = _SYNC1.get(key)
+    if buf is None:
+        buf = _SYNC1[key] = torch.zeros(32 * SEAM_MAX_TILES, dtype=torch.int32, device=device)
+    return buf
+
+
+def seam1_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dict:
+    """Launch plan of ``_mhc_seam1_kernel``: token block (1, 2 or 4), column split, launches (1 with the
+    counter sync; 2 on the interpreter, for ``SEAM1_LAUNCHES = 2`` rows, or when the grid exceeds the SM
+    count), partial rows reduced per load. ``compiled`` as :func:`seam_plan`."""
+    if not 1 <= T <= SEAM1_MAX_T:
+        raise ValueError(f"num_tokens={T}: the seam1 kernel serves 1..{SEAM1_MAX_T} tokens")
+    BM = triton.next_power_of_2(T)
+    BD = cfg["SEAM1_BLOCK_D"]
+    S = triton.cdiv(D, BD)
+    launches = cfg.get("SEAM1_LAUNCHES", 1)
+    interp = _interpreting() if compiled is None else not compiled
+    if interp or S > num_sms(device) or S > SEAM1_STEP:
+        launches = 2
+    BS = min(triton.next_power_of_2(S), max(1, cfg["SEAM1_PART_ELEMS"] // (BM * HC * HC)))
+    return {"BLOCK_M": BM, "BLOCK_D": BD, "S": S, "m_tiles": 1, "launches": launches, "BLOCK_S": BS}
+
+
+def _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, pre_eps, sk_eps,
+           post_mult, n_iters, norm_eps, cfg):
+    T, _, D = residual.shape
+    dev = residual.device
+    res_cur = torch.empty_like(residual)
+    out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
+    post = torch.empty((T, HC, 1), dtype=torch.float32, device=dev)
+    comb = torch.empty((T, HC, HC), dtype=torch.float32, device=dev)
+    plan = seam1_plan(T, D, dev, cfg)
+    BM, S = plan["BLOCK_M"], plan["S"]
+    part_w = 64  # pre 0-3, post 4-7, comb 8-23, Gram 24-39 (fp32; 256-byte rows)
+    part = torch.empty((S * BM, part_w), dtype=torch.float32, device=dev)
+    cnt = _count_buffer(dev) if plan["launches"] == 1 else part
+    args = (x, x2 if x2 is not None else x, residual, post_mix, comb_mix, res_cur,
+            fn, hc_scale, hc_base, norm_weight if norm_weight is not None else out, part, cnt,
+            post, comb, out,
+            T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
+            float(norm_eps),
+            x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
+            post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
+            out.stride(0))
+    meta = dict(HC_=HC, BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_W=part_w,
+                STEP=SEAM1_STEP, HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None,
+                num_warps=cfg["SEAM1_WARPS"], num_stages=1)
+    if plan["launches"] == 1:
+        _mhc_seam1_kernel[(1, S)](*args, PHASE=0, **meta)
+    else:
+        _mhc_seam1_kernel[(1, S)](*args, PHASE=1, **meta)
+        _mhc_seam1_kernel[(1, S)](*args, PHASE=2, **meta)
+    return res_cur, post, comb, out
+
+
 def _check_post_inputs(x, residual, post_mix, comb_mix, x2=None):
     T, D = _check_residual("residual", residual)
     check.tensor("x", x, torch.bfloat16, 2)
@@ -983,6 +1240,9 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
                    hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
     _check_precision(precision)
     cfg = config or pick_config(T, residual.device, fused=True)
+    if cfg.get("SEAM1_BLOCK_D") and 1 <= T <= SEAM1_MAX_T:
+        return _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
+                      hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg)
     if cfg.get("SEAM_BLOCK_D") and T <= SEAM_MAX_T:
         return _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
                      hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, precision, cfg)
@@ -1052,9 +1312,22 @@ _DECODE_90 = {**_DECODE_89, "GEMM_STAGES": 3}  # the only decode difference
 _SEAM = {"SEAM_BLOCK_D": 64, "SEAM_DOT_BLOCK_D": 32, "SEAM_WARPS": 4, "SEAM_LAUNCHES": 1, "SEAM_PART_ELEMS": 1024}
 SEAM_ROWS = {
     "seam_d64": {},
-    "seam_d64_w8": {"SEAM_WARPS": 8},         # the 1-4 token FMA product [BM, 32, 64] over 256 threads
     "seam_d32": {"SEAM_BLOCK_D": 32},         # 129 programs: one launch on 129+ SMs (H200 132), else two
-    "seam2_d64": {"SEAM_LAUNCHES": 2},        # barrier-free reference point: the same math in two launches
+}
+# measured and dropped (H200, TP=4, p50 us at T=1/2/4/16, sm89 build; NOTES.md "mHC seam (issue 20, mhc5)"):
+# seam_d64_w8 {"SEAM_WARPS": 8} 14.81/17.73/22.29/27.03, seam2_d64 {"SEAM_LAUNCHES": 2} 13.01/18.86/20.66/35.93
+# SEAM1_*: the one-level seam (_mhc_seam1_kernel, 1-4 tokens; above, the two-pass `decode` kernels):
+#   cdiv(D, SEAM1_BLOCK_D) column programs, SEAM1_WARPS warps each, one counter sync (SEAM1_LAUNCHES 2: the
+#   same kernel as two launches); SEAM1_PART_ELEMS bounds the partial tile one phase-B load brings in.
+_SEAM1 = {"SEAM1_BLOCK_D": 64, "SEAM1_WARPS": 4, "SEAM1_LAUNCHES": 1, "SEAM1_PART_ELEMS": 2048}
+SEAM1_ROWS = {
+    "seam1_d64": {},                          # 64 programs at D=4096: one launch on Ada's 128 SMs too
+    # 128 programs: half the fn bytes per program, one launch on 128 SMs; 64-row partial loads (128: a 4 B
+    # spill at T=1 with x2 on sm_89 / sm_90)
+    "seam1_d32": {"SEAM1_BLOCK_D": 32, "SEAM1_PART_ELEMS": 1024},
+    # the seam1_d64 math in two launches (what the counter sync costs); 64-row partial loads: 2048 spills
+    # 4-8 B in its phase-2 kernel at T=2/4 (sm_89 / sm_90), so its partial sums group differently at T >= 2
+    "seam1x2_d64": {"SEAM1_LAUNCHES": 2, "SEAM1_PART_ELEMS": 1024},
 }
 CONFIGS = {
     "sm_89": {
@@ -1064,10 +1337,9 @@ CONFIGS = {
         # fused pass 1 at 1 CTA/SM (228 regs x 256 threads on sm_90): smaller tiles, more programs in flight
         # fused_m32 / fused_m32_waves8 (sm_90 table) spill 36/28 B on sm_89 (ds4lab aot): not listed here
         "fused_m64k16": {**_PREFILL_89, "POST_BLOCK_M": 64, "POST_BLOCK_K": 16, "POST_WARPS": 4, "WAVES": 4},
-        # pre-norm GEMM at large T: more split-K programs (S = WAVES x SMs / m-tiles)
-        "gemm_waves8": {**_PREFILL_89, "WAVES": 8},
-        "gemm_m32": {**_PREFILL_89, "GEMM_BLOCK_M": 32, "GEMM_STAGES": 4, "WAVES": 4},
+        # gemm_waves8 / gemm_m32 (pre-norm GEMM, T=4096): 124.6 / 155.1 us vs prefill 118.9 (H200 run 4): dropped
         **{k: {**_DECODE_89, **_SEAM, **v} for k, v in SEAM_ROWS.items()},
+        **{k: {**_DECODE_89, **_SEAM1, **v} for k, v in SEAM1_ROWS.items()},
     },
     "sm_90": {
         "decode": _DECODE_90,
@@ -1077,9 +1349,8 @@ CONFIGS = {
         # fused_m32 / fused_m32_waves8 spill 16/8 B on sm_90a too (ds4lab aot): out of the table; their H200
         # run-4 rows stay in results/bench.csv
         "fused_m64k16": {**_PREFILL_90, "POST_BLOCK_M": 64, "POST_BLOCK_K": 16, "POST_WARPS": 4, "WAVES": 4},
-        # pre-norm GEMM at large T: more split-K programs (S = WAVES x SMs / m-tiles)
-        "gemm_waves8": {**_PREFILL_90, "WAVES": 8},
-        "gemm_m32": {**_PREFILL_90, "GEMM_BLOCK_M": 32, "GEMM_STAGES": 4, "WAVES": 4},
+        # gemm_waves8 / gemm_m32 (pre-norm GEMM, T=4096): 124.6 / 155.1 us vs prefill 118.9 (H200 run 4): dropped
         **{k: {**_DECODE_90, **_SEAM, **v} for k, v in SEAM_ROWS.items()},
+        **{k: {**_DECODE_90, **_SEAM1, **v} for k, v in SEAM1_ROWS.items()},
     },
 }

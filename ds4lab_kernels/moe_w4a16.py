@@ -19,7 +19,18 @@ Two paths, both deterministic (no atomics; fixed-order reductions):
   fused after gate_up, stored as fp16 (the clamp bounds |h| <= 10 * silu(10) < 100, so fp16 cannot
   overflow and keeps 3 more mantissa bits than bf16: a bf16 h costs ~2e-3 RMS relative error);
   the down kernel (fp16 x nibbles) scales by the routing weight; a reduce sums the top-k.
+
+Decode variant "mma" (the GPU default, rows ``mma_*``): pairs grouped by expert in-kernel, nibbles
+dequantized in registers straight into the tensor-core operand layout, split-K by last-arriver
+tickets, 2 launches. Its options (rows ``mmaq_*``, issue 20 moe5): ``"deq": "asm"`` dequantizes two
+words per packed PTX block (lop3 + ``fma.rn.bf16x2``/``f16x2``, exact; :data:`DEQ_ASM_BF16`);
+``"hperm"`` / ``"xperm"`` keep h / a copy of x in plane order (within each 128-group element
+``8c + j`` at ``16j + c``) so the A operand of each nibble plane is contiguous and cp.async-pipelined;
+``"pb": "tight"`` scans 16 ids instead of 128 up to 16 pairs. Same operands, same dot order: the
+results are bit-equal to the ``mma_*`` row of the same tiles.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -403,13 +414,97 @@ def _mma_group(acc, a_row_ptr, a_stride, prow_a, mvalid, k0, p, DT: tl.constexpr
     return acc
 
 
+# int4 -> bf16/fp16, two words per asm instance (``pack=2``: element e0 in the low half of each
+# output register, e1 in the high half): prmt gathers nibbles 0-3 (4-7) of both words into one
+# register's halves, then per nibble j one shift + one lop3 ``(r >> 4j) & 0x000F000F | BIAS`` gives
+# the packed pair ``BIAS + q`` exactly (bf16 0x4300 = 128, fp16 0x6400 = 1024, q in the low mantissa
+# bits) and one packed fma ``x * 1 - (BIAS + 8)`` gives ``q - 8`` exactly: 24 instructions per 16
+# nibbles (the fp32 path: ~4.3 per nibble: shift, bfe, or, fadd, half a cvt pack).
+_DEQ_ASM = """{{
+.reg .b32 lo, hi, t, one, neg;
+mov.b32 one, {one};
+mov.b32 neg, {neg};
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+lop3.b32 t, lo, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $0, t, one, neg;
+shr.u32 t, lo, 4;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $1, t, one, neg;
+shr.u32 t, lo, 8;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $2, t, one, neg;
+shr.u32 t, lo, 12;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $3, t, one, neg;
+lop3.b32 t, hi, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $4, t, one, neg;
+shr.u32 t, hi, 4;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $5, t, one, neg;
+shr.u32 t, hi, 8;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $6, t, one, neg;
+shr.u32 t, hi, 12;
+lop3.b32 t, t, 0x000F000F, {bias}, 0xea;
+fma.rn.{ty}x2 $7, t, one, neg;
+}}"""
+# bf16: 128 + q (0x4300 | q), minus 136 (0xC308); fp16: 1024 + q (0x6400 | q), minus 1032 (0xE408)
+DEQ_ASM_BF16 = tl.constexpr(_DEQ_ASM.format(ty="bf16", bias="0x43004300", one="0x3F803F80", neg="0xC308C308"))
+DEQ_ASM_FP16 = tl.constexpr(_DEQ_ASM.format(ty="f16", bias="0x64006400", one="0x3C003C00", neg="0xE408E408"))
+
+
+@triton.jit
+def _nib8(p, DT: tl.constexpr, ASM: tl.constexpr):
+    """All 8 nibbles of each word as ``q - 8`` in ``DT`` (bf16/fp16, exact): a tuple of 8 tensors
+    shaped like ``p``. ``ASM``: packed PTX (:data:`DEQ_ASM_BF16`), else the 2^23 bit trick in fp32
+    (the interpreter, which runs no PTX)."""
+    if ASM:
+        if DT == tl.bfloat16:
+            return tl.inline_asm_elementwise(DEQ_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [p],
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(DEQ_ASM_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [p],
+                                             dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+    else:
+        return (_nib16(p, 0, DT), _nib16(p, 1, DT), _nib16(p, 2, DT), _nib16(p, 3, DT),
+                _nib16(p, 4, DT), _nib16(p, 5, DT), _nib16(p, 6, DT), _nib16(p, 7, DT))
+
+
+@triton.jit
+def _mma_group_q(acc, a_row_ptr, a_stride, prow_a, mvalid, k0, p, DT: tl.constexpr, ASM: tl.constexpr,
+                 APERM: tl.constexpr = 0):
+    """:func:`_mma_group` with the 8 nibble planes of ``p`` dequantized by :func:`_nib8`.
+    ``APERM``: the A rows are stored in plane order (:func:`_plane_col`), so plane j's 16 columns
+    are contiguous (32 B per row: cp.async-pipelinable) instead of a stride-8 gather."""
+    c = tl.arange(0, 16)
+    b = _nib8(p, DT, ASM)
+    for j in tl.static_range(8):
+        if APERM:
+            col = k0 + j * 16 + c
+        else:
+            col = k0 + c * 8 + j
+        a = tl.load(a_row_ptr + prow_a[:, None] * a_stride + col[None, :], mask=mvalid[:, None],
+                    other=0.0).to(DT)
+        acc = tl.dot(a, b[j], acc)
+    return acc
+
+
+@triton.jit
+def _plane_col(n):
+    """Column of element ``n`` of a 128-grouped row stored in plane order: within each group,
+    element ``8c + j`` (word c, nibble j of the weight it multiplies) at ``16j + c``."""
+    return (n // 128) * 128 + (n % 8) * 16 + (n % 128) // 8
+
+
 @triton.jit
 def _dec_mma_w13_kernel(
-    x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr, xs_ptr,
     P, I, E, limit,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp, stride_ps, stride_pp,
     K: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr = 0, ASM: tl.constexpr = 0,
+    HPERM: tl.constexpr = 0, XPERM: tl.constexpr = 0,
 ):
     """Grid ``(pairs, inter / BLOCK_N, SPLIT)``.
     One program (a leader, see ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N gate
@@ -419,7 +514,13 @@ def _dec_mma_w13_kernel(
     bf16 nibbles, fp32 accumulation, scale per 128-group in fp32). SPLIT == 1: h = swiglu(gate, up)
     stored fp16 ``h[pair, n]``. SPLIT > 1: fp32 partials ``part[split, pair, :]``, then a ticket
     (atomic counter per (leader, column block)); the last of the SPLIT programs sums the partials
-    in split order (deterministic), applies the SwiGLU, stores h and resets the counter to 0."""
+    in split order (deterministic), applies the SwiGLU, stores h and resets the counter to 0.
+
+    XPERM (needs DEQ): the program first copies its x rows' K split into ``xs [tokens, K]`` in plane
+    order (:func:`_plane_col`) and reads the A operand from there (contiguous 32 B rows, pipelined
+    like the weights) instead of 8 stride-8 gathers per group. Every program touching a token
+    writes the same values (a benign race: identical bytes); each reads only what its own threads
+    wrote before its barrier."""
     pair0 = tl.program_id(0)
     nb = tl.program_id(1)
     split = tl.program_id(2)
@@ -436,6 +537,21 @@ def _dec_mma_w13_kernel(
         tok = (prow // TOPK).to(tl.int64)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if XPERM:
+            # one contiguous load + a permuted store per valid row (the valid rows are a prefix of the
+            # tile: at decode sizes usually 1 of 16)
+            kq = split * KS + tl.arange(0, KS)
+            pc = _plane_col(kq)
+            m_ar = tl.arange(0, BLOCK_M)
+            for m in range(tl.sum(mvalid.to(tl.int32), axis=0)):
+                t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
+                tl.store(xs_ptr + t_m * K + pc, tl.load(x_ptr + t_m * stride_xt + kq))
+            tl.debug_barrier()
+            a_ptr = xs_ptr
+            a_stride = K
+        else:
+            a_ptr = x_ptr
+            a_stride = stride_xt
         for g in range(split * (KS // 128), (split + 1) * (KS // 128)):
             pg = tl.load(w_ptr + g_off + g * 16)
             pu = tl.load(w_ptr + u_off + g * 16)
@@ -443,15 +559,23 @@ def _dec_mma_w13_kernel(
             su = tl.load(s_ptr + us_off + g * stride_sk).to(tl.float32)
             zg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             zu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            zg = _mma_group(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, BLOCK_M)
-            zu = _mma_group(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, BLOCK_M)
+            if DEQ:
+                zg = _mma_group_q(zg, a_ptr, a_stride, tok, mvalid, g * 128, pg, tl.bfloat16, ASM, XPERM)
+                zu = _mma_group_q(zu, a_ptr, a_stride, tok, mvalid, g * 128, pu, tl.bfloat16, ASM, XPERM)
+            else:
+                zg = _mma_group(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, BLOCK_M)
+                zu = _mma_group(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, BLOCK_M)
             acc_g += zg * sg[None, :]
             acc_u += zu * su[None, :]
         p64 = prow.to(tl.int64)
         smask = mvalid[:, None] & (n < I)[None, :]
+        if HPERM:  # h in plane order: the w2 kernel's A loads are contiguous
+            hcol = _plane_col(n)
+        else:
+            hcol = n
         if SPLIT == 1:
             h = _swiglu(acc_g, acc_u, limit)
-            tl.store(h_ptr + p64[:, None] * stride_hp + n[None, :], h.to(tl.float16), mask=smask)
+            tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
         else:
             base = part_ptr + p64[:, None] * stride_pp + n[None, :]
             tl.store(base + split * stride_ps, acc_g, mask=smask)
@@ -465,7 +589,7 @@ def _dec_mma_w13_kernel(
                     gs += tl.load(base + s * stride_ps, mask=smask, other=0.0, cache_modifier=".cg")
                     us += tl.load(base + s * stride_ps + I, mask=smask, other=0.0, cache_modifier=".cg")
                 h = _swiglu(gs, us, limit)
-                tl.store(h_ptr + p64[:, None] * stride_hp + n[None, :], h.to(tl.float16), mask=smask)
+                tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
                 tl.atomic_xchg(cnt_ptr + pair0 * tl.num_programs(1) + nb, 0, sem="relaxed", scope="gpu")
 
 
@@ -476,6 +600,7 @@ def _dec_mma_w2_kernel(
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_yp, stride_ot,
     IK: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    DEQ: tl.constexpr = 0, ASM: tl.constexpr = 0, HPERM: tl.constexpr = 0,
 ):
     """Grid ``(pairs, hidden / BLOCK_N)``.
     One program (a leader, ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N columns: y[pair_m, n] =
@@ -500,7 +625,10 @@ def _dec_mma_w2_kernel(
             p = tl.load(w_ptr + w_off + g * 16)
             s = tl.load(s_ptr + s_off + g * stride_sk).to(tl.float32)
             z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            z = _mma_group(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, BLOCK_M)
+            if DEQ:
+                z = _mma_group_q(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, ASM, HPERM)
+            else:
+                z = _mma_group(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, BLOCK_M)
             acc += z * s[None, :]
         tl.store(y_ptr + p64[:, None] * stride_yp + n[None, :], acc, mask=mvalid[:, None] & nmask[None, :])
     tl.debug_barrier()
@@ -561,7 +689,9 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
             default: decode for ``num_tokens * topk <= 128`` pairs, prefill above.
         out: optional ``(num_tokens, hidden)`` bfloat16 output.
         workspace: optional dict of preallocated buffers (tests fill them with NaN to prove that
-            padding rows never reach valid rows): decode ``{"part": fp32 (splits, pairs, 2*inter)}``;
+            padding rows never reach valid rows): decode ``{"part": fp32 (splits, pairs, 2*inter)}``
+            (variant "mma" also ``"h"`` fp16 (pairs, inter), ``"y"`` fp32 (pairs, hidden),
+            ``"counters"`` zeroed int32, ``"xs"`` bf16 (tokens, hidden) with ``"xperm"``);
             prefill ``{"h": fp16 (>= pairs, inter), "y": fp32 (pairs, hidden)}``.
 
     Returns:
@@ -692,6 +822,10 @@ def _decode_h(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
     return out
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 _COUNTERS: dict = {}
 COUNTER_SLOTS = 1 << 16
 
@@ -745,18 +879,31 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
     elif cnt.dtype != torch.int32 or cnt.numel() < P * nb1 + nb2:
         raise ValueError(f"workspace['counters']: expected zeroed int32 with >= {P * nb1 + nb2} elements")
     cnt13, cnt2 = cnt, cnt[P * nb1:]
-    PB = max(128, triton.next_power_of_2(P))  # one specialisation for every decode batch
+    # PB: the id vector _expert_rows scans. 128: one specialisation for every decode batch; "pb":
+    # "tight" (mmaq_*x): 16 up to 16 pairs (T <= 2: a [16, 16] scan instead of [16, 128], the prologue
+    # every program runs before its first weight load), 128 above (2 specialisations)
+    PB = 16 if (cfg.get("pb") == "tight" and P <= 16) else max(128, triton.next_power_of_2(P))
+    # "deq": "asm" (candidates mmaq_*): packed PTX dequant; the interpreter runs no PTX and takes the
+    # same values from the fp32 bit trick (exact either way)
+    deq = 1 if cfg.get("deq") == "asm" else 0
+    asm = deq and not _interpreting()
+    # "hperm": 1: h stored in plane order (_plane_col; the w2 A operand contiguous); needs deq
+    hperm = 1 if (deq and cfg.get("hperm")) else 0
+    # "xperm": 1: x copied per program into xs in plane order (the w13 A operand contiguous); needs deq
+    xperm = 1 if (deq and cfg.get("xperm")) else 0
+    xs = buf("xs", (T, D), torch.bfloat16) if xperm else x
     _dec_mma_w13_kernel[(P, nb1, splits)](
-        x, w13p, w13s, ids, h, part, cnt13, P, I, E, float(limit),
+        x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit),
         x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
         h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
-        K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN,
+        K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm, XPERM=xperm,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
     _dec_mma_w2_kernel[(P, nb2)](
         h, w2p, w2s, ids, tw, y, out, cnt2, T, P, D, E,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2),
         y.stride(0), out.stride(0),
-        IK=I, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN2, BLOCK_T=cfg.get("BLOCK_T", 16),
+        IK=I, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN2, BLOCK_T=cfg.get("BLOCK_T", 16), DEQ=deq, ASM=asm,
+        HPERM=hperm,
         num_warps=cfg["num_warps2"], num_stages=cfg.get("num_stages", 2))
     return out
 
@@ -832,34 +979,41 @@ def _prefill(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
 # prefill: BLOCK_M x BLOCK_N bf16 tl.dot tiles, BLOCK_K = 64/128 (one scale group per K step);
 #   shared memory per stage (BM*BK*2 + BK/8*BN*4*2) is small: the B operand is 1/4 the bf16 bytes.
 # decode rows: the same values in both tables
+# one row per older decode variant (neither is a default since H200 run 5; the rows measured losing at
+# every T were removed by moe5: decode_wide, decode_n8, decode_2d, decode_2d_w8, mma_n16s8, mma_n32s1,
+# their numbers are in NOTES "W4A16 MoE decode bandwidth (issue 20, moe5)")
 _DECODE = {
+    # the FMA GEMV variant (the sm_89 default until run 5)
     "decode": {"path": "decode", "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 4,
                "BLOCK_N2": 16, "BLOCK_K2": 256, "num_warps2": 4},
-    "decode_wide": {"path": "decode", "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4,
-                    "BLOCK_N2": 32, "BLOCK_K2": 256, "num_warps2": 4},
-    "decode_n8": {"path": "decode", "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 8, "num_warps": 2,
-                  "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 2},
-    # candidates (H200 run 4; not picked by default on sm_89, decode_2d_n8 is sm_90's default):
     # decode variant "h" (unpack 2d: words kept in their 2-D load layout, nibbles via the 2^23 bit
     # trick instead of I2F, gate+up+SwiGLU in one program over the whole K, w2 reads h instead of
-    # re-summing split partials per program)
-    "decode_2d": {"path": "decode", "unpack": "2d", "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4,
-                  "BLOCK_N2": 8, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
+    # re-summing split partials per program; the sm_90 default from run 4 to run 5)
     "decode_2d_n8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4,
                      "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 4, "num_stages": 3},
-    "decode_2d_w8": {"path": "decode", "unpack": "2d", "BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8,
-                     "BLOCK_N2": 16, "BLOCK_K2": 512, "num_warps2": 8, "num_stages": 4},
     # candidates (issue 20, H200 run 5): decode variant "mma" (pairs grouped by expert in-kernel,
     # BLOCK_M 16, nibbles -> bf16/fp16 in registers, tl.dot; split-K + SwiGLU by the last program
     # of each tile; w2 + weighted top-k sum by the last program per column block; 2 launches)
     "mma_n32s4": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 4, "num_warps": 4,
                   "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
-    "mma_n16s8": {"path": "decode", "variant": "mma", "BLOCK_N": 16, "SPLIT_K": 8, "num_warps": 2,
-                  "BLOCK_N2": 16, "num_warps2": 2, "num_stages": 3},
     "mma_n64s2": {"path": "decode", "variant": "mma", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4,
                   "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
-    "mma_n32s1": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4,
-                  "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    # candidates (issue 20, moe5; NOTES "W4A16 MoE decode bandwidth (issue 20, moe5)"): the mma variant
+    # with the packed PTX dequant ("deq": "asm"); "x" rows add the tight id scan ("pb"), h stored in plane
+    # order ("hperm": the w2 A operand contiguous) and x copied in plane order ("xperm": the w13 A operand
+    # contiguous), so both A operands are cp.async-pipelined instead of 8 gathers + layout conversions
+    "mmaq_n32s4": {"path": "decode", "variant": "mma", "deq": "asm", "BLOCK_N": 32, "SPLIT_K": 4, "num_warps": 4,
+                   "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64s2": {"path": "decode", "variant": "mma", "deq": "asm", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4,
+                   "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n32s4x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 32, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n32s8x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64s2x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n32s2x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
     "mma_n32s8w2": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 2,
                     "BLOCK_N2": 32, "num_warps2": 2, "num_stages": 4},
 }

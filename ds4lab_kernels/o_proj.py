@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
-from ._fp8 import ceil_pow2, fp32_pow2_to_ue8m0, quant_rows_e4m3, to_e4m3, ue8m0_to_fp32
+from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3, quant_rows_e4m3_pow2, ue8m0_to_fp32
 
 SCALE_FMTS = ("fp32", "pow2", "ue8m0")
 _FMT_CODE = {"fp32": 0, "pow2": 1, "ue8m0": 2}
@@ -37,10 +37,12 @@ def _inv_rope_quant_kernel(
     n_rows, H, n_pos, stride_ot, stride_oh, stride_cs, stride_out_t, stride_s_t,
     eps,
     HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
-    QUANTIZE: tl.constexpr, SCALE_FMT: tl.constexpr,
+    QUANTIZE: tl.constexpr, SCALE_FMT: tl.constexpr, CHUNK_GRID: tl.constexpr = False,
 ):
-    """Grid ``(cdiv(num_tokens * num_heads, BLOCK_R),)``.
-    One program: BLOCK_R (token, head) rows x HEAD_DIM, walked in GROUP-wide chunks (rotate back, quantize).
+    """Grid ``(cdiv(num_tokens * num_heads, BLOCK_R), HEAD_DIM / GROUP if CHUNK_GRID else 1)``.
+    One program: BLOCK_R (token, head) rows x HEAD_DIM, walked in GROUP-wide chunks (rotate back,
+    quantize); ``CHUNK_GRID``: one GROUP-wide chunk of them (axis 1), so a decode call's programs each
+    run one load -> (rope) -> quant chain instead of four in a row.
 
     Row ``r = t*H + h``. Output layout ``[T, H*HEAD_DIM]`` (== ``[T, G, HPG*HEAD_DIM]``), scales
     ``[T, H*HEAD_DIM/GROUP]``. A token whose position is outside ``[0, n_pos)`` gets NaN (never an
@@ -59,33 +61,49 @@ def _inv_rope_quant_kernel(
     cols = tl.arange(0, GROUP)
     in_row = o_ptr + (t * stride_ot + h * stride_oh)[:, None]
     out_row = out_ptr + (t * stride_out_t + h * HEAD_DIM)[:, None]
-    for c in tl.static_range(CHUNKS):
-        d = c * GROUP + cols
-        x = tl.load(in_row + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-        if c * GROUP + GROUP > NOPE:
-            is_rope = d >= NOPE
-            r = tl.maximum(d - NOPE, 0)
-            m2 = rmask[:, None] & is_rope[None, :]
-            xp = tl.load(in_row + (d ^ 1)[None, :], mask=m2, other=0.0).to(tl.float32)
-            ci = (r >> 1)[None, :]
-            cs_row = cs_ptr + pos[:, None] * stride_cs
-            cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
-            sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
-            a = x * cosv
-            b = xp * sinv
-            rot = tl.where(((r & 1) == 0)[None, :], a + b, a - b)
-            x = tl.where(is_rope[None, :], rot, x)
-        x = tl.where(bad[:, None], float("nan"), x)
-        if QUANTIZE:
-            q, s = quant_rows_e4m3(x, eps, SCALE_FMT != 0)
-            tl.store(out_row + d[None, :], q, mask=rmask[:, None])
-            s_off = s_ptr + t * stride_s_t + h * CHUNKS + c
-            if SCALE_FMT == 2:
-                tl.store(s_off, fp32_pow2_to_ue8m0(s).to(tl.uint8), mask=rmask)
-            else:
-                tl.store(s_off, s, mask=rmask)
+    if CHUNK_GRID:
+        _inv_rope_chunk(tl.program_id(1), in_row, out_row, cs_ptr, s_ptr, t, h, pos, bad, rmask, cols,
+                        stride_cs, stride_s_t, eps, NOPE, HALF, CHUNKS, GROUP, QUANTIZE, SCALE_FMT)
+    else:
+        for c in tl.static_range(CHUNKS):
+            _inv_rope_chunk(c, in_row, out_row, cs_ptr, s_ptr, t, h, pos, bad, rmask, cols,
+                            stride_cs, stride_s_t, eps, NOPE, HALF, CHUNKS, GROUP, QUANTIZE, SCALE_FMT)
+
+
+@triton.jit
+def _inv_rope_chunk(c, in_row, out_row, cs_ptr, s_ptr, t, h, pos, bad, rmask, cols, stride_cs, stride_s_t, eps,
+                    NOPE: tl.constexpr, HALF: tl.constexpr, CHUNKS: tl.constexpr, GROUP: tl.constexpr,
+                    QUANTIZE: tl.constexpr, SCALE_FMT: tl.constexpr):
+    """Chunk ``c`` (GROUP columns of every row of the block) of ``_inv_rope_quant_kernel``: load,
+    rotate the rope dims back (only a chunk that holds some: a compile-time branch for a constexpr
+    ``c``, a runtime one on the chunk grid), quantize 1x GROUP (``_quant_rows``, the bits of
+    ``quant_rows_e4m3``), store."""
+    d = c * GROUP + cols
+    x = tl.load(in_row + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if c * GROUP + GROUP > NOPE:
+        is_rope = d >= NOPE
+        r = tl.maximum(d - NOPE, 0)
+        m2 = rmask[:, None] & is_rope[None, :]
+        xp = tl.load(in_row + (d ^ 1)[None, :], mask=m2, other=0.0).to(tl.float32)
+        ci = (r >> 1)[None, :]
+        cs_row = cs_ptr + pos[:, None] * stride_cs
+        cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
+        sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
+        a = x * cosv
+        b = xp * sinv
+        rot = tl.where(((r & 1) == 0)[None, :], a + b, a - b)
+        x = tl.where(is_rope[None, :], rot, x)
+    x = tl.where(bad[:, None], float("nan"), x)
+    if QUANTIZE:
+        q, s = _quant_rows(x, eps, SCALE_FMT != 0)
+        tl.store(out_row + d[None, :], q, mask=rmask[:, None])
+        s_off = s_ptr + t * stride_s_t + h * CHUNKS + c
+        if SCALE_FMT == 2:
+            tl.store(s_off, fp32_pow2_to_ue8m0(s).to(tl.uint8), mask=rmask)
         else:
-            tl.store(out_row + d[None, :], x.to(tl.bfloat16), mask=rmask[:, None])
+            tl.store(s_off, s, mask=rmask)
+    else:
+        tl.store(out_row + d[None, :], x.to(tl.bfloat16), mask=rmask[:, None])
 
 
 @triton.jit
@@ -95,6 +113,20 @@ def _decode_scale(v, IS_UE8M0: tl.constexpr):
         return ue8m0_to_fp32(v)
     else:
         return v
+
+
+@triton.jit
+def _tile_coords(T, N, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid ``(n tiles, m tiles, G * SPLIT_K)`` of the grouped kernels -> ``(pid_n, pid_m, g (int64),
+    split s, output columns rn, row mask, column mask, rows as int64)`` of this program's tile."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    g = (pid_z // SPLIT_K).to(tl.int64)
+    s = pid_z % SPLIT_K
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_n, pid_m, g, s, rn, rm < T, rn < N, rm.to(tl.int64)
 
 
 @triton.jit
@@ -119,17 +151,8 @@ def _grouped_gemm_kernel(
     MMA result of one 128-deep block is scaled in fp32 and added). SPLIT_K > 1 writes fp32 partials
     ``[SPLIT_K, T, G, N]`` for ``_splitk_reduce_kernel``.
     """
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_z = tl.program_id(2)
-    g = (pid_z // SPLIT_K).to(tl.int64)
-    s = pid_z % SPLIT_K
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n, pid_m, g, s, rn, mmask, nmask, rm64 = _tile_coords(T, N, SPLIT_K, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    mmask = rm < T
-    nmask = rn < N
-    rm64 = rm.to(tl.int64)
     x_base = x_ptr + g * stride_xg + rm64[:, None] * stride_xt + rk[None, :]
     w_base = w_ptr + g * stride_wg + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     xs_base = xs_ptr + g * stride_xsg + rm64 * stride_xst
@@ -173,17 +196,11 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, n_elem, SPLIT_K: tl.constexpr, BLOC
 
 @triton.jit
 def _quant_rows(x, eps, POW2: tl.constexpr):
-    """``_fp8.quant_rows_e4m3`` with the same bits, faster for power-of-two scales: ``x / s`` is
-    ``x * (1/s)`` exactly when s is a power of two (1/s is exact, one correctly rounded product;
-    NaN/inf scales give the same NaN/0 as the division), so only one ``div_rn`` per row is paid
-    (H200: the 2048 ``div_rn`` of a 16x128 block cost ~2.8 us per k step in the wo_a prologue)."""
+    """``_fp8.quant_rows_e4m3`` with the same bits; power-of-two scales take ``_fp8.quant_rows_e4m3_pow2``
+    (``x * (1/s)``: one ``div_rn`` per row instead of per element; H200: the 2048 ``div_rn`` of a
+    16x128 block cost ~2.8 us per k step in the wo_a prologue)."""
     if POW2:
-        has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), eps)
-        s = ceil_pow2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
-        s = tl.where(has_nan, float("nan"), s)
-        inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-        return to_e4m3(x * inv[:, None]), s
+        return quant_rows_e4m3_pow2(x, eps)
     else:
         return quant_rows_e4m3(x, eps, False)
 
@@ -219,7 +236,7 @@ def _fused_gemm_kernel(
     A_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, POW2: tl.constexpr,
     XS_UE8M0: tl.constexpr, WS_UE8M0: tl.constexpr, STORE_OUT: tl.constexpr, QUANT_OUT: tl.constexpr,
     QS_UE8M0: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ROPE_SPLIT: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, ROPE_SPLIT: tl.constexpr = False, RED_UNROLL: tl.constexpr = 1,
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), G * SPLIT_K)``.
     One program: a BLOCK_M x BLOCK_N tile of one group's output over one K split (the tile's last split sums them).
@@ -238,22 +255,13 @@ def _fused_gemm_kernel(
     """
     NOPE: tl.constexpr = HEAD_DIM - ROPE
     HALF: tl.constexpr = ROPE // 2
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_z = tl.program_id(2)
-    g = (pid_z // SPLIT_K).to(tl.int64)
-    s = pid_z % SPLIT_K
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n, pid_m, g, s, rn, mmask, nmask, rm64 = _tile_coords(T, N, SPLIT_K, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    mmask = rm < T
-    nmask = rn < N
-    rm64 = rm.to(tl.int64)
     a_row = a_ptr + g * stride_ag + rm64[:, None] * stride_at
     w_base = w_ptr + g * stride_wg + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     ws_base = ws_ptr + g * stride_wsg + ((pid_n * BLOCK_N) // 128) * stride_wsn
     if A_MODE == 2:
-        pos = tl.load(pos_ptr + rm, mask=mmask, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + rm64, mask=mmask, other=0).to(tl.int64)
         bad = (pos < 0) | (pos >= n_pos)
         pos = tl.where(bad, 0, pos)
         cs_row = cs_ptr + pos[:, None] * stride_cs
@@ -318,8 +326,12 @@ def _fused_gemm_kernel(
         ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:
             tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(SPLIT_K):  # a loop, not unrolled: SPLIT_K live tiles would spill
-                tot += tl.load(part_ptr + j * stride_ps + p_off, mask=omask, other=0.0, cache_modifier=".cg")
+            # a loop (SPLIT_K live tiles would spill), RED_UNROLL partials in flight per L2 round trip,
+            # added in split order from 0 (the bits of _splitk_reduce_kernel, whoever arrives last)
+            for j in range(0, SPLIT_K, RED_UNROLL):
+                for u in tl.static_range(RED_UNROLL):
+                    tot += tl.load(part_ptr + (j + u) * stride_ps + p_off, mask=omask, other=0.0,
+                                   cache_modifier=".cg")
             _fused_epilogue(tot, rm64, rn, mmask, omask, g, pid_n, out_ptr, q_ptr, qs_ptr, eps,
                             stride_ot, stride_og, stride_qt, stride_qg, stride_qst, stride_qsg,
                             STORE_OUT, QUANT_OUT, POW2, QS_UE8M0)
@@ -397,7 +409,8 @@ def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         check_positions: check ``0 <= positions < max_positions`` on the host (one device sync;
             skipped automatically while a CUDA graph is being captured). Unchecked out-of-range
             positions never read outside the cache: their tokens come out NaN.
-        config: a row of ``CONFIGS`` (``BLOCK_R`` (token, head) rows per program, ``num_warps``); default picks by size.
+        config: a row of ``CONFIGS`` (``BLOCK_R`` (token, head) rows per program, ``num_warps``, optional
+            ``CHUNK_GRID``: one 128-wide chunk per program); default picks by size.
 
     Returns:
         ``quantize=True``: ``(q, s)`` with ``q`` ``(num_tokens, num_groups, heads_per_group*head_dim)``
@@ -426,13 +439,14 @@ def inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
     if T == 0:
         return (q, s) if quantize else q
     cfg = config or _pick_rope_config(T * H, o.device)
-    grid = (triton.cdiv(T * H, cfg["BLOCK_R"]),)
+    chunk_grid = bool(cfg.get("CHUNK_GRID", False))
+    grid = (triton.cdiv(T * H, cfg["BLOCK_R"]), D // QUANT_GROUP if chunk_grid else 1)
     _inv_rope_quant_kernel[grid](
         o, positions, cos_sin_cache, q, s,
         T * H, H, P, o.stride(0), o.stride(1), cos_sin_cache.stride(0), G * K,
         s.stride(0) if quantize else 0, eps,
         HEAD_DIM=D, ROPE=R, GROUP=QUANT_GROUP, BLOCK_R=cfg["BLOCK_R"],
-        QUANTIZE=bool(quantize), SCALE_FMT=_FMT_CODE[scale_fmt],
+        QUANTIZE=bool(quantize), SCALE_FMT=_FMT_CODE[scale_fmt], CHUNK_GRID=chunk_grid,
         num_warps=cfg["num_warps"], num_stages=1, enable_fp_fusion=False)
     return (q, s) if quantize else q
 
@@ -671,18 +685,17 @@ def _fused_gemm(mode, a, a_s, w, w_s, T, G, N, K, cfg, *, out=None, q=None, qs=N
         STORE_OUT=out is not None, QUANT_OUT=q is not None,
         QS_UE8M0=qs is not None and qs.dtype == torch.uint8, SPLIT_K=split,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=W_BLOCK, ROPE_SPLIT=bool(cfg.get("ROPE_SPLIT", False)),
+        RED_UNROLL=next(u for u in (4, 2, 1) if split % u == 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
 
 
-def _o_proj_fused(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per_group, scale_fmt,
-                  check_positions, cfg):
-    """FP8 ``o_proj`` in two launches (see :func:`o_proj`, ``path="fused"``)."""
-    T, H, D, P, Rd, eps = _check_rope_args(o, positions, cos_sin_cache, heads_per_group, True, scale_fmt,
-                                           1e-10, check_positions, "o_proj")
-    G, K = H // heads_per_group, heads_per_group * D
+def _check_fp8_weights(o, G, K, wo_a, wo_a_s, wo_b, wo_b_s, path):
+    """The FP8 ``wo_a [G, R, K]`` / ``wo_b [N, G*R]`` checks of the paths that launch their own GEMM
+    over them (R a multiple of 128, block-scale shapes, unit last strides, one device); returns the
+    scales (e8m0 views as uint8)."""
     R, N = wo_a.shape[1], wo_b.shape[0]
     if R % W_BLOCK:
-        raise ValueError(f"wo_a: o_lora_rank={R} must be a multiple of {W_BLOCK} on the fused FP8 path")
+        raise ValueError(f"wo_a: o_lora_rank={R} must be a multiple of {W_BLOCK} on the {path} FP8 path")
     wo_a_s = check.scale_tensor("wo_a_s", wo_a_s, (torch.float32, torch.uint8))
     wo_b_s = check.scale_tensor("wo_b_s", wo_b_s, (torch.float32, torch.uint8))
     if tuple(wo_a_s.shape) != (G, R // W_BLOCK, K // W_BLOCK):
@@ -693,6 +706,49 @@ def _o_proj_fused(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads
     if wo_a.stride(2) != 1 or wo_b.stride(1) != 1:
         raise ValueError("wo_a / wo_b: last dim must be contiguous")
     check.same_device("o", o, wo_a=wo_a, wo_b=wo_b, wo_a_s=wo_a_s, wo_b_s=wo_b_s)
+    return wo_a_s, wo_b_s
+
+
+def _o_proj_3(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per_group, scale_fmt,
+              check_positions, cfg):
+    """FP8 ``o_proj`` in three launches (see :func:`o_proj`, ``path="unfused3"``): inverse RoPE + quant,
+    the grouped ``wo_a`` product with its split-K summed in the launch (A_MODE 0 of
+    ``_fused_gemm_kernel``) and z quantized 1x128 in that epilogue (quant_z "wo_a") or kept bf16
+    (quant_z "wo_b"), then ``wo_b``: ``fp8_gemm_nt`` on the fp8 z, or ``w8a8_block_fp8_linear`` (its
+    quant in the GEMM prologue; UE8M0 power-of-two scales, so scale_fmt ``fp32`` quantizes z in the
+    epilogue instead). Each GEMM sums its split-K partials in its own launch."""
+    x, xs = inv_rope_fp8_quant(o, positions, cos_sin_cache, heads_per_group, True, scale_fmt,
+                               check_positions=check_positions, config=cfg.get("rope"))
+    T, G, K = x.shape
+    R, N = wo_a.shape[1], wo_b.shape[0]
+    wo_a_s, wo_b_s = _check_fp8_weights(o, G, K, wo_a, wo_a_s, wo_b, wo_b_s, "unfused3")
+    quant_z = cfg.get("quant_z", "wo_a")
+    if quant_z not in _QUANT_Z:
+        raise ValueError(f"config: quant_z={quant_z!r}, expected one of {_QUANT_Z}")
+    if T == 0:
+        return torch.empty((T, N), dtype=torch.bfloat16, device=o.device)
+    ca = cfg.get("wo_a") or {}
+    pow2 = scale_fmt != "fp32"
+    from .fp8_gemm import fp8_gemm_nt, w8a8_block_fp8_linear
+    if quant_z == "wo_b" and pow2:
+        z = torch.empty((T, G, R), dtype=torch.bfloat16, device=o.device)
+        _fused_gemm(0, x, xs, wo_a, wo_a_s, T, G, R, K, ca, out=z, pow2=pow2)
+        return w8a8_block_fp8_linear(z.view(T, G * R), wo_b, wo_b_s, config=cfg.get("wo_b_fp8"))
+    zq = torch.empty((T, G, R), dtype=torch.float8_e4m3fn, device=o.device)
+    zs = torch.empty((T, G, R // W_BLOCK), dtype=torch.uint8 if scale_fmt == "ue8m0" else torch.float32,
+                     device=o.device)
+    _fused_gemm(0, x, xs, wo_a, wo_a_s, T, G, R, K, ca, q=zq, qs=zs, pow2=pow2)
+    return fp8_gemm_nt(zq.view(T, G * R), zs.view(T, G * R // W_BLOCK), wo_b, wo_b_s, config=cfg.get("wo_b_fp8"))
+
+
+def _o_proj_fused(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per_group, scale_fmt,
+                  check_positions, cfg):
+    """FP8 ``o_proj`` in two launches (see :func:`o_proj`, ``path="fused"``)."""
+    T, H, D, P, Rd, eps = _check_rope_args(o, positions, cos_sin_cache, heads_per_group, True, scale_fmt,
+                                           1e-10, check_positions, "o_proj")
+    G, K = H // heads_per_group, heads_per_group * D
+    R, N = wo_a.shape[1], wo_b.shape[0]
+    wo_a_s, wo_b_s = _check_fp8_weights(o, G, K, wo_a, wo_a_s, wo_b, wo_b_s, "fused")
     out = torch.empty((T, N), dtype=torch.bfloat16, device=o.device)
     if T == 0:
         return out
@@ -805,6 +861,9 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
         if path == "fused":
             return _o_proj_fused(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per_group,
                                  scale_fmt, check_positions, {**fused_config(o.device), **cfg})
+        if path == "unfused3":
+            return _o_proj_3(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per_group,
+                             scale_fmt, check_positions, {**unfused3_config(o.device), **cfg})
     if wo_a_s is not None:
         x, xs = inv_rope_fp8_quant(o, positions, cos_sin_cache, heads_per_group, True, scale_fmt,
                                    check_positions=check_positions, config=cfg.get("rope"))
@@ -824,6 +883,17 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 # 40 KiB smem. "prefill" is an MMA-bound tile: sm_89 64x128x128 x4 stages = 72 KiB (< 101,376 B), 8 warps,
 # sm_90 128x128x128 x4 stages = 128 KiB. The bf16 path halves BLOCK_K (BLOCK_K_BF16=64) so its
 # stages stay the same size.
+def _fp8_gemm_row(arch: str, label: str) -> dict | None:
+    """A copy of ``fp8_gemm.CONFIGS[arch][label]`` (wo_b's launch row), or None (fp8_gemm's own pick)
+    where fp8_gemm.py is not beside this file."""
+    try:
+        from .fp8_gemm import CONFIGS as gemm_configs
+    except ImportError:
+        return None
+    row = gemm_configs.get(arch, {}).get(label)
+    return dict(row) if row else None
+
+
 CONFIGS = {
     "sm_89": {
         "rope_small": {"BLOCK_R": 2, "num_warps": 2},
@@ -839,54 +909,70 @@ CONFIGS = {
     },
 }
 # Whole o_proj (FP8 wo_a and wo_b), one row per candidate of the o_proj bench. "unfused": today's
-# parts (inv-RoPE+quant, einsum [+ split-K reduce], z quant, fp8_gemm_nt [+ reduce]: 4-6 launches).
-# "fused*": 2 launches of _fused_gemm_kernel. Launch 1 = inverse RoPE + 1x128 quant in the prologue
-# of every k step (each program re-quantizes the T rows of its k range: T <= 64), the grouped wo_a
-# product, split-K summed in the same launch by the tile's last split, then (quant_z "wo_a", BLOCK_N
-# 128 = one z quant group per tile) z rounded to bf16 and quantized 1x128 in the epilogue. Launch 2 =
-# wo_b on that fp8 z (or, quant_z "wo_b", z kept bf16 and quantized in the wo_b prologue), same
-# in-launch split-K. TP=4: wo_a is 2 x 1024 x 4096 (8 MiB), wo_b 4096 x 2048 (8 MiB). Splits give
-# ~256 programs on 132 SMs: wo_a 16 tiles of 128 x split 16 (2 k steps each) or x 8; wo_b 128 tiles
-# of 32 x split 2, or 64 of 64 x split 4. smem: wo_a stage 16 KiB (weight) + 2 KiB (A), <= 3 stages.
+# parts (inv-RoPE+quant, einsum + its split-K reduce kernel, z quant, fp8_gemm_nt with in-launch
+# split-K: 5 launches). "unfused3*" (issue 20, oproj5): 3 launches. Launch 1 = inv-RoPE + quant
+# ("rope_chunk": one 128-wide chunk per 1-warp program, 64 programs at T=1 instead of 8 walking 4
+# chunks each). Launch 2 = the grouped wo_a product on the quantized x (_fused_gemm_kernel A_MODE 0),
+# its split-K summed by each tile's last split in the same launch and, quant_z "wo_a" (BLOCK_N 128 =
+# one z quant group per tile), z rounded to bf16 and quantized 1x128 in that epilogue (the bits of
+# per_token_group_quant_fp8). Launch 3 = wo_b: fp8_gemm_nt on fp8 z (its own in-launch split-K), or
+# quant_z "wo_b": z stays bf16 and w8a8_block_fp8_linear quantizes it in its GEMM prologue. TP=4: wo_a
+# 2 x 1024 x 4096 (8 MiB), 16 tiles of 16x128 x split 16 (2 k steps each) = 256 programs, both steps'
+# loads in flight (3 stages = 2 buffers of 16 KiB weight + 2 KiB x); "unfused3_s8": split 8 = 128
+# programs of 4 k steps (4 stages), half the partials for the last split to sum. wo_b (4096 x 2048, 8 MiB) takes fp8_gemm's "decode_16x64" row
+# (H200 M=1: 7.56 us plain / 7.88 fused-quant vs "decode" 9.02 / 8.63; results/issue20/final).
+# "fused": the 2-launch path (inverse RoPE + quant in the wo_a prologue of every k step), kept as
+# the 2-launch reference of the issue's launch target; it measured 37-40 us (run 1) and its best
+# variant 31.5 us (fused_s8, round 2) vs the parts' 23.7: its other rows (fused_s8, fused_zbf16,
+# fused_rsplit, fused_auto) lost twice and were removed (numbers in NOTES.md).
 _FUSED_ROWS = {
     "fused": {"path": "fused", "quant_z": "wo_a",
               "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "num_warps": 8, "num_stages": 2},
               "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
-    "fused_s8": {"path": "fused", "quant_z": "wo_a",
-                 "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 8, "num_stages": 2},
-                 "wo_b": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}},
-    "fused_zbf16": {"path": "fused", "quant_z": "wo_b",
-                    "wo_a": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 8, "num_stages": 3},
-                    "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
-    "fused_rsplit": {"path": "fused", "quant_z": "wo_a",
-                     "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "num_warps": 8, "num_stages": 1,
-                              "ROPE_SPLIT": True},
-                     "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4}},
-    "fused_auto": {"path": "fused", "quant_z": "wo_a",
-                   "wo_a": {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": None, "num_warps": 8, "num_stages": 2},
-                   "wo_b": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": None, "num_warps": 4, "num_stages": 4}},
 }
+_ROPE_CHUNK = {"BLOCK_R": 1, "CHUNK_GRID": True, "num_warps": 1}
+_WO_A_3 = {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "num_warps": 4, "num_stages": 3}
+_WO_A_3_S8 = {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 4}
 for _arch_name, _t in CONFIGS.items():
     _t.update({k: {**v, "wo_a": dict(v["wo_a"]), "wo_b": dict(v["wo_b"])} for k, v in _FUSED_ROWS.items()})
+    _t["rope_chunk"] = dict(_ROPE_CHUNK)
     _t["unfused"] = {"path": "unfused", "rope": _t["rope_small"], "einsum": _t["decode"], "wo_b": _t["decode"]}
-PATHS = ("fused", "unfused")
+    _wo_b_fp8 = _fp8_gemm_row(_arch_name, "decode_16x64")
+    _t["unfused3"] = {"path": "unfused3", "quant_z": "wo_a", "rope": _t["rope_chunk"], "wo_a": dict(_WO_A_3),
+                      "wo_b_fp8": _wo_b_fp8}
+    _t["unfused3_s8"] = {"path": "unfused3", "quant_z": "wo_a", "rope": _t["rope_chunk"], "wo_a": dict(_WO_A_3_S8),
+                         "wo_b_fp8": _wo_b_fp8}
+    _t["unfused3_zbf16"] = {"path": "unfused3", "quant_z": "wo_b", "rope": _t["rope_chunk"], "wo_a": dict(_WO_A_3),
+                            "wo_b_fp8": _wo_b_fp8}
+PATHS = ("fused", "unfused", "unfused3")
 FUSED_LABELS = tuple(_FUSED_ROWS)
-OPROJ_LABELS = FUSED_LABELS + ("unfused",)
+UNFUSED3_LABELS = ("unfused3", "unfused3_s8", "unfused3_zbf16")
+OPROJ_LABELS = FUSED_LABELS + UNFUSED3_LABELS + ("unfused",)
 #: the o_proj row used for T <= FUSED_MAX_T on a GPU (the H200 run of scripts/gpu/oproj.sh picks it;
 #: "unfused" restores the parts). Above FUSED_MAX_T o_proj runs the parts.
 #: H200 (issue 20, first run): TP4 cold L2, T=1..16, the fused 2-launch path 37-40 us (sm_89 build and
 #: native), the parts 24.4-25.5 us: the parts stay the default until a fused row beats them.
+#: Rule for the 3-launch rows (NOTES.md "o_proj in 3 launches"): the unfused3* row with the lowest p50
+#: summed over T = 1, 2, 8 of its own build, if oproj_check passes it and it beats "unfused" there.
 DECODE_DEFAULT = {"sm_89": "unfused", "sm_90": "unfused"}
 # the interpreter runs programs one by one in Python: one m tile, wide n tiles, split 2 (so the
 # in-launch split-K reduction is exercised by every CPU test)
 _INTERP_FUSED = {"path": "fused", "quant_z": "wo_a",
                  "wo_a": {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1},
                  "wo_b": {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}}
+_INTERP_UNFUSED3 = {"path": "unfused3", "quant_z": "wo_a", "rope": _ROPE_CHUNK,
+                    "wo_a": {"BLOCK_M": 64, "BLOCK_N": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 1}}
 _INTERP_ROPE = {"BLOCK_R": 128, "num_warps": 4}
 _INTERP_EINSUM = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K_BF16": 128, "SPLIT_K": None, "num_warps": 4, "num_stages": 1}
 ROPE_LABELS = ("rope_small", "rope_large")
 EINSUM_LABELS = ("decode", "prefill")
 DECODE_MAX_T = 64
+
+
+# the rows the pickers can return on a GPU (the compile report builds only these for sm_120): the rope
+# and einsum rows by size, the o_proj decode default and the parts
+GPU_DEFAULTS = {a: tuple(dict.fromkeys(("rope_small", "rope_large", "decode", "prefill", "unfused", DECODE_DEFAULT[a])))
+                for a in CONFIGS}
 
 
 def auto_split_k(T, G, N, K, BM, BN, BK, device) -> int:
@@ -921,6 +1007,15 @@ def fused_config(device) -> dict:
     table = CONFIGS[arch_of(device)]
     row = table[DECODE_DEFAULT[arch_of(device)]]
     return row if row["path"] == "fused" else table["fused"]
+
+
+def unfused3_config(device) -> dict:
+    """The 3-launch row filled in when a config names ``path="unfused3"`` without its launch rows."""
+    if device.type != "cuda":
+        return _INTERP_UNFUSED3
+    table = CONFIGS[arch_of(device)]
+    row = table[DECODE_DEFAULT[arch_of(device)]]
+    return row if row["path"] == "unfused3" else table["unfused3"]
 
 
 def pick_o_proj_config(T: int, device) -> dict:

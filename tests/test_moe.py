@@ -19,7 +19,10 @@ PRE = {"path": "prefill", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N
 # decode variant "mma" (issue 20): expert-grouped tensor-core tiles, split-K tickets, fused top-k sum
 MMA = {"path": "decode", "variant": "mma", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 128,
        "num_warps2": 4}
-PATHS = {"decode": DEC, "decode_split": DEC_SPLIT, "prefill": PRE, "mma": MMA}
+# the same with the packed PTX dequant (on the interpreter: the fp32 bit trick, same values), the tight
+# id scan, h and x stored in plane order (what the interpreter proves: the permuted stores and loads agree)
+MMAQ = dict(MMA, deq="asm", pb="tight", hperm=1, xperm=1, SPLIT_K=2, BLOCK_N=32, BLOCK_N2=64)
+PATHS = {"decode": DEC, "decode_split": DEC_SPLIT, "prefill": PRE, "mma": MMA, "mmaq": MMAQ}
 
 
 def _weights(E=4, D=256, I=128, seed=0):
@@ -61,7 +64,8 @@ def test_pack_matches_compressed_tensors():
     assert torch.equal(ct.unpack_from_int32(R.pack_int4(q), 4, q.shape), q)
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
+# mmaq: the same ragged inputs run in test_nan_workspace_and_padding_rows_stay_out (plus padding)
+@pytest.mark.parametrize("path", sorted(set(PATHS) - {"mmaq"}))
 def test_ragged_experts_and_untouched_expert_never_read(path):
     w = _weights()
     w["w13_scale"][1] = float("nan")  # expert 1 has no token: its weights must never be read
@@ -88,7 +92,7 @@ def test_tile_schedule():
     assert len(tn) == -(-76 // 16) + 4  # fixed grid: no host sync
 
 
-@pytest.mark.parametrize("path", ["decode_split", "prefill", "mma"])
+@pytest.mark.parametrize("path", ["decode_split", "prefill", "mma", "mmaq"])
 def test_nan_workspace_and_padding_rows_stay_out(path):
     w = _weights()
     x, tw, ids = _ragged()
@@ -99,11 +103,12 @@ def test_nan_workspace_and_padding_rows_stay_out(path):
     if path == "prefill":
         ws = {"h": torch.full((P + 64, I), float("nan"), dtype=torch.float16, device=DEVICE),
               "y": torch.full((P, D), float("nan"), device=DEVICE)}
-    elif path == "mma":
+    elif path in ("mma", "mmaq"):
+        splits, nb1, nb2 = PATHS[path]["SPLIT_K"], I // PATHS[path]["BLOCK_N"], D // PATHS[path]["BLOCK_N2"]
         ws = {"h": torch.full((P, I), float("nan"), dtype=torch.float16, device=DEVICE),
               "y": torch.full((P, D), float("nan"), device=DEVICE),
-              "part": torch.full((2, P, 2 * I), float("nan"), device=DEVICE),
-              "counters": torch.zeros(P * 2 + 2, dtype=torch.int32, device=DEVICE)}
+              "part": torch.full((splits, P, 2 * I), float("nan"), device=DEVICE),
+              "counters": torch.zeros(P * nb1 + nb2, dtype=torch.int32, device=DEVICE)}
     else:
         ws = {"part": torch.full((2, P, 2 * I), float("nan"), device=DEVICE)}
     out = K.fused_moe_w4a16(**inp, config=PATHS[path], workspace=ws)
@@ -113,7 +118,7 @@ def test_nan_workspace_and_padding_rows_stay_out(path):
     assert compare(out.cpu(), ref, "bfloat16")
     if path == "prefill":  # rows past the used pairs were never written
         assert ws["h"][P:].isnan().all()
-    if path == "mma":  # every ticket counter was reset by the program that took the last ticket
+    if path in ("mma", "mmaq"):  # every ticket counter was reset by the program that took the last ticket
         assert int(ws["counters"].abs().sum()) == 0
 
 
@@ -185,6 +190,19 @@ def test_mma_repeated_experts_invalid_ids_and_nan_token():
     bad = K.fused_moe_w4a16(**_dev({"x": xn, **w, "topk_weights": tw, "topk_ids": ids}), config=MMA)
     assert bad[3].isnan().all() and not bad[4].isfinite().all()
     assert torch.equal(bad[:3].view(torch.int16), out[:3].view(torch.int16))
+
+
+def test_mmaq_rows_are_bit_equal_to_mma():
+    """The moe5 options change where operands come from (h and x in plane order, a 16-id scan at
+    <= 16 pairs), not the arithmetic: bit-equal to the mma row of the same tiles (15 pairs here: the
+    tight scan; the ragged tests above run 76 pairs)."""
+    x, w, tw, ids = _mma_inputs()
+    ids[1, 2] = -1
+    inp = _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids})
+    base = {k: v for k, v in MMAQ.items() if k not in ("deq", "pb", "hperm", "xperm")}
+    a = K.fused_moe_w4a16(**inp, config=base)
+    b = K.fused_moe_w4a16(**inp, config=MMAQ)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def test_mma_extreme_scales_and_config_errors():

@@ -45,12 +45,12 @@ def _shape(tp: int, T: int) -> dict:
 
 
 def candidate_labels(arch: str) -> list[str]:
-    """The ds4lab rows timed: every ``variant: mma`` decode candidate, the two current decode
-    defaults (``decode`` on sm_89, ``decode_2d_n8`` on sm_90) and ``prefill_m16``."""
-    from ds4lab_kernels.moe_w4a16 import CONFIGS
+    """The ds4lab rows timed: the decode rows ``pick_config`` returns today (``GPU_DEFAULTS``) and
+    every ``mmaq_*`` candidate (issue 20, moe5: the packed-dequant variants)."""
+    from ds4lab_kernels.moe_w4a16 import CONFIGS, GPU_DEFAULTS
     t = CONFIGS[arch]
-    mma = [k for k, v in t.items() if v.get("variant") == "mma"]
-    return mma + [k for k in ("decode", "decode_2d_n8", "prefill_m16") if k in t]
+    defaults = [k for k in GPU_DEFAULTS[arch] if t[k]["path"] == "decode"]
+    return defaults + [k for k in t if k.startswith("mmaq_") and k not in defaults]
 
 
 def _sync():
@@ -67,9 +67,10 @@ def _rms_rel(out, ref) -> float:
 
 
 def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_max_t: int = 16,
-        shape_of=None, numerics_t: int = 16) -> list[dict]:
+        shape_of=None, numerics_t: int = 16, peer_labels: list[str] | None = None) -> list[dict]:
     """Numerics, then time (see the module doc); ``shape_of(tp, T)`` overrides the geometry's
-    shapes (tests). Returns the rows (also appended to ``out_dir/moe_bench.csv``)."""
+    shapes (tests); ``peer_labels`` limits the peer's sweep to those labels of
+    ``peer_moe.sweep_for`` (None: all). Returns the rows (also appended to ``out_dir/moe_bench.csv``)."""
     import torch
 
     from ds4lab.harness import peer_moe
@@ -155,6 +156,8 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
 
         if peer is not None:
             for plabel, pcfg in peer_moe.sweep_for(T, shape["topk"]).items():
+                if peer_labels is not None and plabel not in peer_labels:
+                    continue
                 row = {**common, "impl": PEER, "config_label": plabel, "config": json.dumps(pcfg), "repro": repro}
                 try:
                     pms = [peer_moe.PeerMoE(peer, **s, config=pcfg) for s in sets]
@@ -219,6 +222,10 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, nargs="+", default=[1, 16, 4, 32])
     p.add_argument("--out", default="results/local")
     p.add_argument("--peer-src", metavar="DIR")
+    p.add_argument("--peer-configs", nargs="+", metavar="LABEL",
+                   help="time only these peer configs (labels of peer_moe.sweep_for: vllm, m16n32k64w2s4, ...)")
+    p.add_argument("--straw-max-t", type=int, default=16,
+                   help="time the torch straw man up to this T (0: never)")
     p.add_argument("--table", metavar="CSV", help="only print the table of an existing moe_bench.csv")
     a = p.parse_args(argv)
     if a.table:
@@ -226,6 +233,13 @@ def main(argv=None) -> int:
         with open(a.table) as f:
             print(table(list(csv.DictReader(f))))
         return 0
+    if a.peer_configs:
+        from ds4lab.harness import peer_moe
+        unknown = set(a.peer_configs) - set(peer_moe.sweep_for(1, 6))
+        if unknown:
+            print(f"--peer-configs: unknown {sorted(unknown)}; known {sorted(peer_moe.sweep_for(1, 6))}",
+                  file=sys.stderr)
+            return 2
     bench._setup_build(a.arch)
     if a.peer_src:
         from ds4lab.harness.peers import check_peer_src
@@ -240,7 +254,7 @@ def main(argv=None) -> int:
         return 2
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
-    rows = run(a.arch, a.tp, a.T, a.out)
+    rows = run(a.arch, a.tp, a.T, a.out, straw_max_t=a.straw_max_t, peer_labels=a.peer_configs)
     print(f"\n== W4A16 MoE decode, build {a.arch}, TP={a.tp} ({time.time() - t0:.0f} s) ==")
     print(table(rows))
     return exit_code(rows)

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# W4A16 MoE decode on the H200 (issue 20), from a plain copy of the tree with the image's python3
-# (torch 2.11, triton 3.6.0; no vLLM). For each build (native, then sm_89; one process each):
-# numerics first (every ds4lab candidate, every adversarial case, real TP=4 shape at T=16), then
-# every candidate, vLLM's Triton fused_moe_kernel_gptq_awq at its own config + a 6-config sweep
-# (loaded from PEER_SRC, a copy of vLLM's source: `make peer-src` writes .peer/), and the torch
-# straw man, timed with the bench's timer (CUDA graph, cold L2 by rotating weight sets) at TP=4,
-# T = 16, 1, 4, 32. Rows -> $OUT/moe_bench.csv, logs -> $OUT/moe_<build>.log; the table last.
-# Usage: OUT=DIR [PEER_SRC=DIR] bash scripts/gpu/moe.sh       ~2-2.5 min; fail-soft per build.
+# W4A16 MoE decode on the H200 (issue 20, moe5), from a plain copy of the tree with the image's python3
+# (torch 2.11, triton 3.6.0; no vLLM). For each build (sm_89 first: the step's build; then native; one
+# process each): numerics first (every timed ds4lab row, every adversarial case of MOE_CASES, the real
+# TP=4 shape at T=16), then the current defaults (mma_n32s4, mma_n64s2) and every mmaq_* candidate,
+# and vLLM's Triton fused_moe_kernel_gptq_awq at its two best configs of the last run (m16n32k128w4s4:
+# T=1; m16n32k64w2s4: T=4/16; loaded from PEER_SRC, a copy of vLLM's source: `make peer-src` writes
+# .peer/), timed with the bench's timer (CUDA graph, cold L2 by rotating weight sets) at TP=4,
+# T = 1, 16, 4. Rows -> $OUT/moe_bench.csv (appended as measured), logs -> $OUT/moe_<build>.log; the
+# table last. Usage: OUT=DIR [PEER_SRC=DIR] bash scripts/gpu/moe.sh     ~100-125 s; fail-soft per build.
 set -uo pipefail
 OUT=${OUT:-${1:-results/local/moe}}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
@@ -20,10 +21,13 @@ peer_arg=()
 [ -n "$PEER_SRC" ] && peer_arg=(--peer-src "$PEER_SRC")
 [ -z "$PEER_SRC" ] && echo "moe.sh: no PEER_SRC and no .peer/: the vLLM peer rows will be missing (installed vllm if any)"
 rc=0
-for arch in native sm89; do
-  timeout ${MOE_BUILD_TIMEOUT:-70} python3 -m ds4lab.harness.moe_bench --arch "$arch" --tp 4 --T 16 1 4 32 \
+t0=$SECONDS
+for arch in sm89 native; do
+  timeout ${MOE_BUILD_TIMEOUT:-62} python3 -m ds4lab.harness.moe_bench --arch "$arch" --tp 4 --T 1 16 4 \
+    --peer-configs m16n32k128w4s4 m16n32k64w2s4 --straw-max-t 0 \
     --out "$OUT" "${peer_arg[@]}" > "$OUT/moe_$arch.log" 2>&1 || { echo "FAILED or cut short: build $arch (rc $?)"; rc=1; }
   grep -E "^numerics .*FAIL|^FAIL|^ERROR|^peer" "$OUT/moe_$arch.log" | cut -c1-220
+  echo "build $arch done at $((SECONDS - t0)) s"
 done
 echo
 [ -f "$OUT/moe_bench.csv" ] && python3 -m ds4lab.harness.moe_bench --table "$OUT/moe_bench.csv"

@@ -2,10 +2,12 @@
 real shapes, one build per process (``--arch native|sm89``, chosen before triton is imported).
 
 Per (candidate, T in {1, 8}, case): the registry check against the reference (specs/o_proj.py budget). Per
-fused candidate, once: launch 1's z quant bytes and scales == ``per_token_group_quant_fp8`` of its
-own bf16 z (bit for bit); two calls give the same bits (deterministic split-K); the tile counters
-are back at 0; a CUDA graph of the call (``check_positions=False``) replays to the same bits; the
-number of kernels one call launches (torch.profiler), which must be 2.
+fused / unfused3 candidate, once: the wo_a launch's z quant bytes and scales ==
+``per_token_group_quant_fp8`` of its own bf16 z (bit for bit); two calls give the same bits
+(deterministic split-K); the tile counters (o_proj's and fp8_gemm's) are back at 0; a CUDA graph of
+the call (``check_positions=False``) replays to the same bits; the number of kernels one call
+launches (torch.profiler): at most 2 (fused) / 3 (unfused3).
+``DS4LAB_OPROJ_BENCH_CONFIGS`` (comma-separated labels) limits the candidates, as in the bench.
 
 Usage (from the tree root): python3 scripts/gpu/oproj_check.py --arch sm89 --out DIR
 (without CUDA: a smoke run of the script on the interpreter, tiny R/N, one case, no graph/profiler)
@@ -74,7 +76,10 @@ def main(argv=None) -> int:
     print(f"oproj_check build={args.arch} device={'cpu (smoke)' if cpu else torch.cuda.get_device_name()} "
           f"table={arch} "
           f"torch={torch.__version__}")
-    for label in K.OPROJ_LABELS:
+    only = [v.strip() for v in os.environ.get("DS4LAB_OPROJ_BENCH_CONFIGS", "").split(",") if v.strip()]
+    labels = [lab for lab in K.OPROJ_LABELS if not only or lab in only]
+    from ds4lab_kernels.fp8_gemm import splitk_counters
+    for label in labels:
         cfg = spec.configs[arch][label]
         if cpu and cfg["path"] == "fused":
             cfg = {**cfg, "wo_a": {**cfg["wo_a"], "BLOCK_M": 64}, "wo_b": {**cfg["wo_b"], "BLOCK_M": 64}}
@@ -94,8 +99,9 @@ def main(argv=None) -> int:
                 bad += not ok
                 rows.append({"arch": args.arch, "config": label, "T": T, "check": f"numerics:{case}",
                              "ok": ok, "detail": why[:200]})
-        if cfg["path"] != "fused":
+        if cfg["path"] not in ("fused", "unfused3"):
             continue
+        max_launches = 2 if cfg["path"] == "fused" else 3
         inp = spec.make_inputs({"T": 8, "H": d["H"], "R": d["R"], "N": d["N"], "P": S.BENCH_POS, "path": "fp8",
                                 "scale_fmt": "ue8m0", "w_fmt": "fp32"}, "outlier_head", 5, dev)
         checks = {}
@@ -107,16 +113,24 @@ def main(argv=None) -> int:
             z = torch.empty(T, G, R, dtype=torch.bfloat16, device=dev)
             zq = torch.empty(T, G, R, dtype=torch.float8_e4m3fn, device=dev)
             zs = torch.empty(T, G, R // 128, dtype=torch.uint8, device=dev)
-            K._fused_gemm(2, o.as_strided((T, G, 4096), (o.stride(0), 8 * o.stride(1), 1)), None, inp["wo_a"],
-                          inp["wo_a_s"], T, G, R, 4096, a_cfg, out=z, q=zq, qs=zs, positions=inp["positions"],
-                          cos_sin=inp["cos_sin_cache"], head_stride=o.stride(1), head_dim=512, rope=64, pow2=True)
+            if cfg["path"] == "fused":
+                K._fused_gemm(2, o.as_strided((T, G, 4096), (o.stride(0), 8 * o.stride(1), 1)), None,
+                              inp["wo_a"], inp["wo_a_s"], T, G, R, 4096, a_cfg, out=z, q=zq, qs=zs,
+                              positions=inp["positions"], cos_sin=inp["cos_sin_cache"], head_stride=o.stride(1),
+                              head_dim=512, rope=64, pow2=True)
+            else:  # the wo_a launch of unfused3 (A_MODE 0 on inv_rope_fp8_quant's output)
+                x, xs = K.inv_rope_fp8_quant(o, inp["positions"], inp["cos_sin_cache"], 8, True, "ue8m0",
+                                             config=cfg.get("rope"))
+                K._fused_gemm(0, x, xs, inp["wo_a"], inp["wo_a_s"], T, G, R, 4096, a_cfg, out=z, q=zq, qs=zs,
+                              pow2=True)
             rq, rs = per_token_group_quant_fp8(z.view(T, -1), 128, scale_fmt="ue8m0")
             same_q, same_s = compare_exact(zq.view(T, -1), rq), compare_exact(zs.view(T, -1), rs)
             checks["z_quant_bit_identical"] = bool(same_q and same_s)
             call = lambda: K.o_proj(**inp, check_positions=False, config=cfg)
             a, b = call(), call()
             checks["deterministic"] = torch.equal(a, b)
-            checks["counters_reset"] = int(K._counters(dev, 1).abs().sum()) == 0
+            checks["counters_reset"] = (int(K._counters(dev, 1).abs().sum()) == 0
+                                        and int(splitk_counters(dev, 1).abs().sum()) == 0)
             if cpu:
                 raise _SmokeDone
             s = torch.cuda.Stream()
@@ -132,7 +146,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             checks["graph_replay_equal"] = torch.equal(gout, a)
             n = _kernels_per_call(call)
-            checks[f"launches={n}"] = n <= 2
+            checks[f"launches={n}"] = n <= max_launches
         except _SmokeDone:
             pass
         except Exception as e:
@@ -146,11 +160,11 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=["arch", "config", "T", "check", "ok", "detail"])
         w.writeheader()
         w.writerows(rows)
-    for label in K.OPROJ_LABELS:
+    for label in labels:
         mine = [r for r in rows if r["config"] == label]
         fails = [r for r in mine if not r["ok"]]
         extra = " ".join(r["check"] for r in mine if not r["check"].startswith("numerics"))
-        print(f"{label:<12} {len(mine) - len(fails):>3}/{len(mine)} OK  {extra}")
+        print(f"{label:<15} {len(mine) - len(fails):>3}/{len(mine)} OK  {extra}")
         for r in fails[:4]:
             print(f"   FAIL T={r['T']} {r['check']}: {r['detail']}")
     print(f"{len(rows)} checks, {bad} failing, {time.time() - t0:.1f} s -> {path}")

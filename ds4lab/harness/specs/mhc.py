@@ -187,30 +187,49 @@ def _bench(ts1, ts4):
 
 
 # Candidates: timed only at the bench shapes that matter (each is a full config row, so the interpreter
-# tests and the AOT report still run every row of the table at their shapes). H200 run 4: fused_m64k16,
-# gemm_*. Issue 20: the one-launch decode seam rows (seam_*) against today's two-launch `decode`.
-_SEAM_T = (1, 2, 4, 16)
-SEAM = "seam rows"  # every row with SEAM_BLOCK_D (ds4lab_kernels.mhc.SEAM_ROWS), read from the table
-CANDIDATES = {"mhc_fused_post_pre": ((("fused_m64k16",), (512, 2048)), ((SEAM,), _SEAM_T)),
-              "hc_prenorm_gemm": ((("gemm_waves8", "gemm_m32"), (4096,)),)}
+# tests and the AOT report still run every row of the table at their shapes). H200 run 4: fused_m64k16.
+# Issue 20: the decode seam rows (seam_*: the grid-barrier kernel; seam1_*: the one-level kernel, 1-4
+# tokens) against the two-launch `decode`.
+_SEAM_T = (1, 2, 4)  # T=16: `decode` alone (seam_* 27-36 us vs 18.2 there, session 4; seam1_* is `decode` above 4)
+_BENCH_T4 = (1, 2, 4, 16)
+SEAM = "seam rows"  # every row with SEAM_BLOCK_D or SEAM1_BLOCK_D (ds4lab_kernels.mhc SEAM_ROWS / SEAM1_ROWS)
+CANDIDATES = {"mhc_fused_post_pre": ((("fused_m64k16",), (512, 2048)), ((SEAM,), _SEAM_T))}
+
+
+def is_seam(row: dict) -> bool:
+    """A decode-seam row of the mhc table (only mhc_fused_post_pre reads its SEAM keys)."""
+    return "SEAM_BLOCK_D" in row or "SEAM1_BLOCK_D" in row
+
+
+def _seam_key(row: dict, T: int, D: int):
+    """The compiled seam code of ``row`` at ``(T, D)``: rows with equal keys build the same kernels; None
+    when the row runs the two-pass `decode` kernels there (a seam1 row above SEAM1_MAX_T tokens)."""
+    from ds4lab_kernels import mhc as K
+    cpu = torch.device("cpu")
+    if "SEAM1_BLOCK_D" in row:
+        if T > K.SEAM1_MAX_T:
+            return None
+        p = K.seam1_plan(T, D, cpu, row, compiled=True)
+        return ("seam1", p["BLOCK_D"], p["launches"], p["BLOCK_S"], row["SEAM1_WARPS"])
+    p = K.seam_plan(T, D, cpu, row, compiled=True)
+    return ("seam", p["BLOCK_D"], p["launches"], p["BLOCK_S"], row["SEAM_WARPS"])
 
 
 def _config_for_kernel(name):
     def config_for(arch, shape):
         table = kernel_configs("mhc")[arch]
-        seam = {c for c, row in table.items() if "SEAM_BLOCK_D" in row}
+        seam = {c for c, row in table.items() if is_seam(row)}
         # the seam rows change only mhc_fused_post_pre: every other launcher would run them as `decode`
         labels = [c for c in table if name == "mhc_fused_post_pre" or c not in seam]
         if shape.get("aot"):
             # compile each distinct seam kernel once: rows whose launch plan and warps coincide at this
-            # shape build the same code (at T = 8 every row's dot blocks are 32 columns, two launches)
-            from ds4lab_kernels.mhc import seam_plan
+            # shape build the same code (at T = 8 every seam_* row's dot blocks are 32 columns, two
+            # launches; the seam1_* rows run the two-pass `decode` kernels there)
             seen, keep = set(), []
             for c in labels:
                 if c in seam:
-                    p = seam_plan(shape["T"], shape["D"], torch.device("cpu"), table[c], compiled=True)
-                    key = (p["BLOCK_D"], p["launches"], p["BLOCK_S"], table[c]["SEAM_WARPS"])
-                    if key in seen:
+                    key = _seam_key(table[c], shape["T"], shape["D"])
+                    if key is None or key in seen:
                         continue
                     seen.add(key)
                 elif shape["aot"] == "seam":
@@ -222,8 +241,10 @@ def _config_for_kernel(name):
         cands = {c for g in CANDIDATES.values() for ls, _ in g for c in (seam if ls == (SEAM,) else ls)}
         mine = {c for ls, ts in (CANDIDATES.get(name, ())) for c in (seam if ls == (SEAM,) else ls)
                 if shape["T"] in ts}
-        if name == "mhc_fused_post_pre" and shape["T"] in _SEAM_T:
+        if name == "mhc_fused_post_pre" and shape["T"] in _BENCH_T4:
             cands.add("prefill")  # never picked at T <= 64; keeps the decode sweep short
+            # a seam1 row above its token limit is the two-pass `decode` again: not timed twice
+            mine = {c for c in mine if _seam_key(table[c], shape["T"], shape["D"]) is not None}
         return [c for c in labels if c not in cands or c in mine]
     return config_for
 
@@ -231,7 +252,8 @@ def _config_for_kernel(name):
 TEST_SHAPES = [{"T": 1, "D": 128}, {"T": 3, "D": 256}, {"T": 33, "D": 128}]
 AOT_SHAPE = {"T": 8, "D": 4096, "hc": 4, "N": 24, "aot": 1}  # "aot": every config row
 # the seam rows again at T = 1: 1-token blocks, 65 programs, so the one-launch (grid barrier) variant is
-# what compiles (at T = 8 the 16-token blocks make 129 programs: two launches on the 128-SM target)
+# what compiles (at T = 8 the 16-token blocks make 129 programs: two launches on the 128-SM target); the
+# seam1 rows compile only here (64 / 128 programs: one launch; seam1x2_d64: its two launches)
 AOT_SHAPE_SEAM = {"T": 1, "D": 4096, "hc": 4, "N": 24, "aot": "seam", "x2": 1}  # with the x2 addend
 
 _KINDS = [
@@ -240,7 +262,7 @@ _KINDS = [
     ("mhc_pre", "pre", check_pre, CASES, ((1, 8, 512), (8,)), "memory"),
     ("mhc_pre_broadcast", "broadcast", check_broadcast, CASES, ((8, 512), (8,)), "memory"),
     ("mhc_post", "post", check_post, POST_CASES, ((1, 512, 4096), (8,)), "memory"),
-    ("mhc_fused_post_pre", "fused", check_fused, FUSED_CASES, ((1, 8, 512, 2048, 8192), _SEAM_T), "memory"),
+    ("mhc_fused_post_pre", "fused", check_fused, FUSED_CASES, ((1, 8, 512, 2048, 8192), _BENCH_T4), "memory"),
     ("hc_head", "head", check_head, CASES[:3], ((1, 8, 512), (8,)), "memory"),
 ]
 

@@ -257,9 +257,9 @@ def _moe_config_for(arch, shape):
     if path == "prefill" and shape["T"] >= 1024:
         return ["prefill"]  # prefill_m16 is for short prefills (a few hundred pairs)
     if path == "decode":
-        # H200 run 4: the default, decode_n8 (never timed) and the "h"-variant candidates; decode_wide
-        # was timed in run 3 (within 10% of decode at every decode shape) and is left out
-        return [k for k, v in CONFIGS[arch].items() if v["path"] == path and k != "decode_wide"]
+        # every decode row: the defaults, one row per older variant and the moe5 candidates (the rows
+        # that lost at every T were removed from the table)
+        return [k for k, v in CONFIGS[arch].items() if v["path"] == path]
     return [k for k, v in CONFIGS[arch].items() if v["path"] == path]
 
 

@@ -346,8 +346,8 @@ def o_proj_bench_shapes(cfg, tp: int) -> list[dict]:
 
 
 def _o_proj_configs():
-    """Per arch: the fused 2-launch candidates (``fused*``), today's parts at decode (``unfused``,
-    the named baseline of the fused path) and the parts at prefill (``prefill``)."""
+    """Per arch: the 2-launch fused row (``fused``), the 3-launch rows (``unfused3*``), today's parts
+    at decode (``unfused``, the named baseline) and the parts at prefill (``prefill``)."""
     from ds4lab_kernels.o_proj import CONFIGS, OPROJ_LABELS
     return {a: {**{lab: t[lab] for lab in OPROJ_LABELS},
                 "prefill": {"path": "unfused", "rope": t["rope_large"], "einsum": t["prefill"], "wo_b": t["prefill"]}}
@@ -355,11 +355,22 @@ def _o_proj_configs():
 
 
 def _o_proj_config_for(arch, shape):
-    """Decode shapes (T <= FUSED_MAX_T) time every candidate; larger T only the parts (prefill)."""
+    """Decode shapes (T <= FUSED_MAX_T) time every candidate; larger T only the parts (prefill).
+    ``DS4LAB_OPROJ_BENCH_CONFIGS`` (comma-separated labels; scripts/gpu/oproj.sh sets it) keeps only
+    those decode candidates."""
     from ds4lab_kernels.o_proj import FUSED_MAX_T, OPROJ_LABELS
     if shape.get("path", "fp8") != "fp8":
         return ["unfused", "prefill"] if shape["T"] <= FUSED_MAX_T else ["prefill"]
-    return list(OPROJ_LABELS) if shape["T"] <= FUSED_MAX_T else ["prefill"]
+    if shape["T"] > FUSED_MAX_T:
+        return ["prefill"]
+    env = os.environ.get("DS4LAB_OPROJ_BENCH_CONFIGS", "").strip()
+    if not env:
+        return list(OPROJ_LABELS)
+    keep = [v.strip() for v in env.split(",") if v.strip()]
+    unknown = sorted(set(keep) - set(OPROJ_LABELS))
+    if unknown:
+        raise ValueError(f"DS4LAB_OPROJ_BENCH_CONFIGS: unknown labels {unknown}; known {list(OPROJ_LABELS)}")
+    return [lab for lab in OPROJ_LABELS if lab in keep]
 
 
 def _o_proj_torch_bf16(inputs):
