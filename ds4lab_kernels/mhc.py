@@ -750,7 +750,9 @@ def _check_residual(name, residual):
 # ---- config plumbing -----------------------------------------------------------------------------
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
-GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seam_d64"), "sm_90": ("decode", "prefill", "fused_m64k16", "seam_d64")}
+GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seam1_d64"), "sm_90": ("decode", "prefill", "fused_m64k16", "seam1_d64")}
+#: the largest token count the one-launch seam1 row serves by default (seam1 rows run ``decode`` above 4)
+SEAM_DEFAULT_MAX_T = 4
 
 
 def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> dict:
@@ -759,10 +761,11 @@ def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> d
     ``config=`` (the registry sweep and tests/test_mhc.py do)."""
     table = CONFIGS[arch_of(device)]
     cfg = table["decode"] if num_tokens <= 64 else table["prefill"]
-    if fused and num_tokens == 1 and device.type == "cuda":
-        # H200 (issue 20): mhc_fused_post_pre TP4 T=1, sm_89 build / native: seam_d64 13.3 / 13.2 us vs
-        # decode 17.4 / 17.4 us; at T=2-16 the seam rows lose (16.8-36 vs 17.3-18.2 us): decode stays
-        cfg = table["seam_d64"]
+    if fused and num_tokens <= SEAM_DEFAULT_MAX_T and device.type == "cuda":
+        # H200 (issue 20, session 5; results/issue20/s5/mhc_bench.csv): mhc_fused_post_pre TP4, sm_89 build /
+        # native, us: seam1_d64 T=1 10.62 / 10.67, T=2 11.89 / 11.92, T=4 16.19 / 16.20 vs decode 17.65 /
+        # 17.7, 18.08 / 17.87, 17.87 / 18.1 and seam_d64 13.36 / 13.38, 17.03 / 17.05, 20.9 / 20.84
+        cfg = table["seam1_d64"]
     if fused and num_tokens > 64 and device.type == "cuda" and arch_of(device) == "sm_90":
         # H200 run 4: fused_m64k16 63.4 us at T=512 and 247.6 us at T=2048 vs prefill 83.4 / 312.7 us
         cfg = table["fused_m64k16"]

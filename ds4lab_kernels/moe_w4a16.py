@@ -1048,10 +1048,8 @@ DECODE_MAX_PAIRS = 128
 
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
-GPU_DEFAULTS = {"sm_89": ("mma_n32s4", "mma_n64s2", "prefill"), "sm_90": ("mma_n32s4", "mma_n64s2", "prefill")}
+GPU_DEFAULTS = {"sm_89": ("mmaq_n64s2x", "prefill"), "sm_90": ("mmaq_n64s2x", "prefill")}
 
-#: up to this many (token, expert) pairs the 32-column tiles with 4 K splits win; above, 64-column tiles
-MMA_NARROW_MAX_PAIRS = 8
 
 
 def pick_config(pairs: int, device: torch.device) -> dict:
@@ -1060,9 +1058,9 @@ def pick_config(pairs: int, device: torch.device) -> dict:
         return _INTERP[path]
     arch = arch_of(device)
     if path == "decode":
-        # H200 (issue 20, NOTES "W4A16 MoE decode, measured"): TP4 cold L2, sm_89 build / native, us:
-        # T=1 mma_n32s4 32.2 / 32.4 (was decode 53.4, decode_2d_n8 39.6); T=4 mma_n64s2 79.8 / 78.6
-        # (was 151 / 143); T=16 mma_n64s2 260 / 264 (was 579 / 494); vLLM's Triton W4A16 at its best
-        # swept config 83.6 / 235.9 / 731.6
-        return CONFIGS[arch]["mma_n32s4" if pairs <= MMA_NARROW_MAX_PAIRS else "mma_n64s2"]
+        # H200 (issue 20, session 5, NOTES "W4A16 MoE decode bandwidth (moe5)"): TP4 cold L2, sm_89 build /
+        # native, us: mmaq_n64s2x T=1 25.6 / 25.2, T=4 58.6 / 58.1, T=16 189.8 / 191.8, the fastest row at
+        # every T in both builds (was mma_n32s4 32.5 / 32.1 at T=1, mma_n64s2 80.3 / 79.5 at T=4 and 261.3 /
+        # 268.9 at T=16); vLLM's Triton W4A16 at its best swept config 85.1 / 238.8 / 738.9 (sm89 build)
+        return CONFIGS[arch]["mmaq_n64s2x"]
     return CONFIGS[arch][path]

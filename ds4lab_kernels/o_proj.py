@@ -954,7 +954,10 @@ OPROJ_LABELS = FUSED_LABELS + UNFUSED3_LABELS + ("unfused",)
 #: native), the parts 24.4-25.5 us: the parts stay the default until a fused row beats them.
 #: Rule for the 3-launch rows (NOTES.md "o_proj in 3 launches"): the unfused3* row with the lowest p50
 #: summed over T = 1, 2, 8 of its own build, if oproj_check passes it and it beats "unfused" there.
-DECODE_DEFAULT = {"sm_89": "unfused", "sm_90": "unfused"}
+#: H200 (issue 20, session 5; results/issue20/s5/oproj_*): unfused3_s8 (3 launches) T=1/2/8 18.36 / 18.75 /
+#: 19.33 us on the sm_89 build, 18.31 / 18.47 / 19.32 native, vs unfused (5 launches) 23.82 / 23.68 / 23.83
+#: and 23.55 / 23.63 / 23.75; unfused3 19.3 / 19.2 / 20.5, unfused3_zbf16 18.5 / 21.3 / 22.6, fused 36-38.
+DECODE_DEFAULT = {"sm_89": "unfused3_s8", "sm_90": "unfused3_s8"}
 # the interpreter runs programs one by one in Python: one m tile, wide n tiles, split 2 (so the
 # in-launch split-K reduction is exercised by every CPU test)
 _INTERP_FUSED = {"path": "fused", "quant_z": "wo_a",
