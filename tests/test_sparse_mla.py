@@ -43,7 +43,7 @@ def test_c4a_window_and_topk_boundaries(tp):
     # window 127/128/129 (129 clamps to the 128 indices), top-k 511/512/513
     H = 64 // tp
     inputs = _decode_inputs(_gen(), 3, H, 128, 512, 64, [127, 128, 129], [511, 513, 512])
-    out = sparse_mla_decode(**inputs, config={"BLOCK_H": min(H, 32), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
+    out = sparse_mla_decode(**inputs, config={**CONFIGS["sm_90"]["h16n32s2"], "BLOCK_N": 64, "BLOCK_H": min(H, 32)})
     _ok(out, inputs)
 
 
@@ -93,7 +93,7 @@ def test_swa_only_layer_and_mtp_rows():
     g = _gen()
     inputs = _decode_inputs(g, 4, 16, 128, 0, 64, [128, 128, 5, 6], None)
     inputs["swa_indices"][3, :6] = inputs["swa_indices"][2, :6]   # MTP row t+1 sees t's window + 1
-    out = sparse_mla_decode(**inputs, config={"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
+    out = sparse_mla_decode(**inputs, config={**CONFIGS["sm_90"]["h16n32s2"], "BLOCK_N": 64})
     _ok(out, inputs)
 
 
@@ -191,10 +191,10 @@ def test_bad_prefill_inputs_raise():
                            lengths=torch.zeros(3, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("label", ["h32n32"])
+@pytest.mark.parametrize("label", ["h32n32", "h32n32p1"])
 def test_sm90_candidates(label):
-    # the sm_90 tile for 64 heads on the interpreter: two head groups, C4A boundary lengths,
-    # through the split/merge path and unsplit
+    # the sm_90 tiles for 64 heads on the interpreter: two head groups, C4A boundary lengths,
+    # through the split/merge path (p1 at T=3 splits too) and unsplit
     inputs = _decode_inputs(_gen(), 3, 64, 128, 512, 64, [127, 128, 5], [511, 512, 0])
     cfg = CONFIGS["sm_90"][label]
     _ok(sparse_mla_decode(**inputs, config=cfg), inputs)
@@ -220,7 +220,7 @@ def test_parallel_merge_many_splits_lse_and_dead_splits(merge):
     assert r.shape == out.shape
 
 
-@pytest.mark.parametrize("label", ["h16n16m1"])
+@pytest.mark.parametrize("label", ["h16n16m1", "h16n32s2m1"])
 def test_t1_candidates_split_one_tile_each(label):
     # the T=1 rows: one tile per split (C4A TP=4 at the interpreter's 128 SMs: 40 splits), through
     # the parallel merge; window and top-k at their boundary lengths

@@ -24,20 +24,11 @@ KERNELS = {"topk_indices": ("ds4lab_kernels/topk.py", "torch_topk"),
            "sparse_mla_decode": ("ds4lab_kernels/sparse_mla.py", "dequant_gather_bmm")}
 
 
-def _modules():
-    sys.path.insert(0, ROOT)
-    import importlib
-    return {k: importlib.import_module(p[:-3].replace("/", ".")) for k, (p, _) in KERNELS.items()}
-
-
 def current_tables():
     """{kernel: CONFIGS} of this tree (rows timed with another config under the same label are stale)."""
-    return {k: m.CONFIGS for k, m in _modules().items()}
-
-
-def current_defaults():
-    """{kernel: DEFAULTS} of this tree: sparse MLA keeps today's rows for the (heads, tokens) not timed."""
-    return {k: m.DEFAULTS for k, m in _modules().items()}
+    sys.path.insert(0, ROOT)
+    import importlib
+    return {k: importlib.import_module(p[:-3].replace("/", ".")).CONFIGS for k, (p, _) in KERNELS.items()}
 
 
 def load(path, tables=None):
@@ -80,10 +71,7 @@ def pick(rows, kernel, build):
     return res
 
 
-def defaults_lines(kernel, picks, keep=()):
-    """The DEFAULTS value as text. Sparse MLA: one ``(heads, tokens, label)`` row per timed (heads, tokens)
-    group (``T <= tokens`` for heads ``<= heads``), then today's rows ``keep`` for everything not timed
-    (the first row whose bounds hold wins, so a timed group always gets its winner)."""
+def defaults_lines(kernel, picks):
     if not picks:
         return None
     if kernel == "topk_indices":
@@ -97,13 +85,18 @@ def defaults_lines(kernel, picks, keep=()):
             else:
                 rows.append((None if last else n, lb))
         return "(" + ", ".join(f"({m}, {lb!r})" for m, lb in rows) + ("," if len(rows) == 1 else "") + ")"
-    rows = [(h, t, picks[(h, t)]) for h, t in sorted(picks)] + [tuple(r) for r in keep]
+    rows = []
+    hs = sorted({h for h, _ in picks})
+    for hi, h in enumerate(hs):
+        ts = sorted(t for hh, t in picks if hh == h)
+        for ti, t in enumerate(ts):
+            last_t = ti == len(ts) - 1
+            rows.append((None if hi == len(hs) - 1 else h, None if last_t else t, picks[(h, t)]))
     out = []
-    for r in rows:  # (h, t1, lb), (h, t2, lb) with t1 < t2: the second alone says the same
-        if out and out[-1][0] == r[0] and out[-1][2] == r[2] and (r[1] is None or
-                                                                   (out[-1][1] is not None and out[-1][1] <= r[1])):
+    for r in rows:  # drop a row the next one of the same head bound makes redundant
+        if out and out[-1][0] == r[0] and out[-1][2] == r[2]:
             out[-1] = r
-        elif r not in out:
+        else:
             out.append(r)
     return "(" + ", ".join(f"({h}, {t}, {lb!r})" for h, t, lb in out) + ("," if len(out) == 1 else "") + ")"
 
@@ -159,11 +152,9 @@ def main() -> int:
         return 1
     print(table(rows))
     print("DEFAULTS rows from the winners (first row whose bounds hold wins):")
-    keep = current_defaults()
     for kernel, (path, _) in KERNELS.items():
         for build in ("native", "sm89"):
-            text = defaults_lines(kernel, pick(rows, kernel, build),
-                                  keep[kernel][TABLE[build]] if kernel == "sparse_mla_decode" else ())
+            text = defaults_lines(kernel, pick(rows, kernel, build))
             if text is None:
                 continue
             print(f'  {path}  DEFAULTS["{TABLE[build]}"] = {text}')

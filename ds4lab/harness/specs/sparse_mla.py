@@ -139,9 +139,8 @@ def check(out, ref, inputs) -> list:
 
 def decode_bench_shapes(cfg, tp: int) -> list[dict]:
     """T=1 (issue 20's <= 8 us target: C4A, C128A at 8K and 128K context) and the batched rows
-    (the step's T = 2, 16, 32). ``DS4LAB_BENCH_SHAPES=targets`` keeps the T=1 rows only,
-    ``=issue20`` the T=1 rows plus T = 2 and 16 (C4A, C128A 8K) at TP=4 (scripts/gpu/attn.sh),
-    ``=batched`` the T > 1 rows only (re-timing the T > 1 defaults)."""
+    (the step's T = 2, 16, 32). ``DS4LAB_BENCH_SHAPES=targets`` keeps the T=1 rows only
+    (scripts/gpu/attn.sh), ``=batched`` the T > 1 rows only (re-timing the T > 1 defaults)."""
     op = op_shapes(cfg, tp)["sparse_mla"].dims
     H, W, K = op["H"], op["window"], op["topk"]
     t1 = [{"T": 1, "H": H, "W": W, "Kc": K, "comp_bs": 64},
@@ -150,9 +149,6 @@ def decode_bench_shapes(cfg, tp: int) -> list[dict]:
     which = os.environ.get("DS4LAB_BENCH_SHAPES")
     if which == "targets":
         return t1
-    if which == "issue20":
-        return t1 + ([] if tp == 1 else [{"T": t, "H": H, "W": W, "Kc": kc, "comp_bs": bs}
-                                         for t in (2, 16) for kc, bs in ((K, 64), (64, 2))])
     # the step's T > 1 calls: MTP verify (2 tokens), batch 16, batch 16 with MTP (32)
     ts = (2, 16, 32, 128) if tp == 1 else (2, 16, 32)
     batched = [{"T": t, "H": H, "W": W, "Kc": K, "comp_bs": 64} for t in ts]
@@ -166,20 +162,19 @@ def prefill_bench_shapes(cfg, tp: int) -> list[dict]:
     return [{"Tq": 1024, "H": op["H"], "N": 16384, "Kc": op["topk"] + op["window"]}]
 
 
-# the decode-sized rows (issue 20): h16n16m1 (today's T=1 default) and the attn5 candidates (one-pass
-# merge, length-free chain, prefetch, fused merge; NOTES.md "Sparse MLA decode in one launch") are
-# timed up to 16 tokens; h32n32 (sm_90, > 16 heads at T > 2) is not timed at T <= 2, where it lost every
-# row (T=2: 28.6 vs 12.4 us); every other table row everywhere (the AOT shapes, T=4, build every row)
-T1_CANDIDATES = ("h16n16m1", "h16n16m1o", "h16n16m1ow8", "h16n16p2", "h16n16f8")
+# candidates timed only where they can win: the 64-head sm_90 tiles at H = 64 and T >= 4 (the T=4
+# AOT shape compiles them); the T=1 rows (issue 20) at T <= 4; every other table row everywhere
+CANDIDATES = ("h32n32p1",)
+T1_CANDIDATES = ("h16n16m1", "h16n32s2m1")
 
 
 def _config_for(arch, shape):
     labels = list(kernel_configs("sparse_mla")[arch])
     t = shape.get("T", shape.get("Tq", 0))
-    if t > 16:
+    if not (shape.get("H", 0) >= 64 and t >= 4):
+        labels = [lb for lb in labels if lb not in CANDIDATES]
+    if t > 4:
         labels = [lb for lb in labels if lb not in T1_CANDIDATES]
-    if t <= 2:
-        labels = [lb for lb in labels if lb != "h32n32"]
     return labels
 
 
