@@ -681,7 +681,7 @@ DECODE_CANDIDATES = {4: ("decode", "decode_16x64", "decode_pf", "decode_64pf", "
                      16: ("decode", "decode_16x64", "decode_16x128", "decode_pf", "decode_64pf"),
                      32: ("decode", "decode_16x64", "decode_16x128", "decode_32x32", "decode_32x32_pf")}
 # the rows pick_config can return on a GPU (the compile report builds these for sm_120)
-GPU_DEFAULTS = {"sm_89": ("decode", "small", "mid", "prefill"), "sm_90": ("decode", "small", "mid", "prefill")}
+GPU_DEFAULTS = {"sm_89": ("gemv_w8", "decode", "small", "mid", "prefill"), "sm_90": ("decode", "small", "mid", "prefill")}
 
 
 def decode_candidates(M: int, arch: str | None = None) -> tuple[str, ...]:
@@ -693,16 +693,26 @@ def decode_candidates(M: int, arch: str | None = None) -> tuple[str, ...]:
     return ()
 
 
-# num_tokens upper bound -> config label (first match)
-_PICK = ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill"))
+# num_tokens upper bound -> config label (first match), per config table.
+# sm_89 M=1: gemv_w8 (H200 sm_89 build, session 5, results/issue20/s5/gemm_decode.csv, TP=4 shapes wq_a_wkv /
+# wq_b / wo_b / shared_gate_up / shared_down, us): plain 4.42 / 4.96 / 4.94 / 3.76 / 3.08, fused quant 6.90 /
+# 6.36 / 6.72 / 4.95 / 3.43, vs the MMA rows' best plain 7.20-8.35 / fused 7.73-8.13 and vLLM's Triton block-FP8
+# at its best swept config 13.1 / 7.68 / 9.65 / 12.5 / 4.51. At M=4 the GEMV rows lose (gemv 38.3 us summed over
+# the five shapes vs decode_64pf 32.8); sm_90 has no GEMV row timed: its M=1 stays "decode".
+# The CPU interpreter keeps the MMA rows at M=1 (its tests run the GEMV rows by name).
+_PICK = {"sm_89": ((1, "gemv_w8"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
+         "sm_90": ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
+         "interp": ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill"))}
 
 
-def config_label(M: int) -> str:
-    for hi, label in _PICK:
+def config_label(M: int, arch: str = "sm_89") -> str:
+    """The default config label of ``arch``'s table (``"sm_89"``, ``"sm_90"``, ``"interp"``) at ``num_tokens = M``."""
+    for hi, label in _PICK[arch]:
         if hi is None or M <= hi:
             return label
     raise AssertionError
 
 
 def pick_config(M: int, device: torch.device) -> dict:
-    return CONFIGS[arch_of(device)][config_label(M)]
+    arch = arch_of(device)
+    return CONFIGS[arch][config_label(M, arch if device.type == "cuda" else "interp")]

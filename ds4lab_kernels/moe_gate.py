@@ -455,7 +455,13 @@ DECODE_CANDIDATES = ("e32k16t4", "e32k16w8", "r2w4", "r2w2", "r1w2", "r4w8", "r1
 ROWS_CANDIDATES = tuple(lb for lb in DECODE_CANDIDATES if _TABLE[lb].get("ROWS"))
 #: pick_config's decode rows: ``[(max T, label)]`` in order (measured: e32k16t4 10.4 vs e32k16 12.7 us
 #: at T = 1, 2; e32k16w8 11.2 vs e32k16 13.8 at T=16, both builds; NOTES.md gate5)
-DECODE_DEFAULTS = {"sm_89": [(4, "e32k16t4"), (16, "e32k16w8")], "sm_90": [(4, "e32k16t4"), (16, "e32k16w8")]}
+# H200, session 5 (results/issue20/s5/gate_*.csv; `bash scripts/gpu/route.sh --gate`), sm_89 build / native, us:
+# T=1 r2w4 5.72 / 5.76, T=2 r2w4 6.49 / 6.45 (r4w8 6.42 / 6.47), T=4 r4w8 8.09 / 8.42 (r2w4 10.26 / 10.37),
+# vs e32k16t4 10.44 / 10.46 / 10.74 and cuBLAS mm(out fp32) + route 10.45 / 10.58 / 10.67; step-like (L2 and
+# TLB thrashed between calls, sm89) T=1 r2w4 5.20 vs e32k16 18.76 (the old default: the step's 17.0) and
+# e32k16t4 10.74. T=16: e32k16w8 11.31 vs the cuBLAS pair 10.99 (GATE_FUSED_MAX_T stays 4).
+DECODE_DEFAULTS = {"sm_89": [(2, "r2w4"), (4, "r4w8"), (16, "e32k16w8")],
+                   "sm_90": [(2, "r2w4"), (4, "r4w8"), (16, "e32k16w8")]}
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes)
 GPU_DEFAULTS = {a: tuple(lb for _, lb in DECODE_DEFAULTS[a]) + ("t32e32k8", "prefill") for a in DECODE_DEFAULTS}
 

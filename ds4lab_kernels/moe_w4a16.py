@@ -686,7 +686,7 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         swiglu_limit: the clamp ``L`` (DeepSeek-V4: 10.0): a positive normal float32 <= 255 (the
             bound that keeps the prefill path's fp16 ``h`` finite).
         config: a row of ``CONFIGS``; ``config["path"]`` is ``"decode"`` or ``"prefill"``;
-            default: decode for ``num_tokens * topk <= 128`` pairs, prefill above.
+            default: decode for ``num_tokens * topk <= DECODE_MAX_PAIRS`` (256) pairs, prefill above.
         out: optional ``(num_tokens, hidden)`` bfloat16 output.
         workspace: optional dict of preallocated buffers (tests fill them with NaN to prove that
             padding rows never reach valid rows): decode ``{"part": fp32 (splits, pairs, 2*inter)}``
@@ -1043,7 +1043,11 @@ _INTERP = {
                 "num_warps": 4, "SUM_T": 16, "SUM_N": 256},
 }
 
-DECODE_MAX_PAIRS = 128
+#: (token, expert) pairs up to which the decode path runs (prefill above). 256 covers batch 16 with MTP
+#: (32 tokens x 6 = 192 pairs): the prefill path measured 1,461.6 us there (H200 sm_89 build, session 5)
+#: against 189.8 us for mmaq_n64s2x at 96 pairs; the decode row's own time at 192 pairs is measured by the
+#: step's batch-16 MTP row, not yet by the kernel bench (its T=32 shape ran the prefill rows only).
+DECODE_MAX_PAIRS = 256
 
 
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);

@@ -957,7 +957,10 @@ OPROJ_LABELS = FUSED_LABELS + UNFUSED3_LABELS + ("unfused",)
 #: H200 (issue 20, session 5; results/issue20/s5/oproj_*): unfused3_s8 (3 launches) T=1/2/8 18.36 / 18.75 /
 #: 19.33 us on the sm_89 build, 18.31 / 18.47 / 19.32 native, vs unfused (5 launches) 23.82 / 23.68 / 23.83
 #: and 23.55 / 23.63 / 23.75; unfused3 19.3 / 19.2 / 20.5, unfused3_zbf16 18.5 / 21.3 / 22.6, fused 36-38.
+#: T=16 / 32 (sm_89 build): unfused3_s8 20.56 / 24.44 us vs unfused 22.33 / 27.23 (results/issue20/s5/
+#: oproj_bench_t16_32.csv); above DECODE_DEFAULT_MAX_T (untimed) the parts run.
 DECODE_DEFAULT = {"sm_89": "unfused3_s8", "sm_90": "unfused3_s8"}
+DECODE_DEFAULT_MAX_T = 32
 # the interpreter runs programs one by one in Python: one m tile, wide n tiles, split 2 (so the
 # in-launch split-K reduction is exercised by every CPU test)
 _INTERP_FUSED = {"path": "fused", "quant_z": "wo_a",
@@ -1028,4 +1031,6 @@ def pick_o_proj_config(T: int, device) -> dict:
         return {"path": "unfused"}
     if device.type != "cuda":
         return _INTERP_FUSED
+    if T > DECODE_DEFAULT_MAX_T:
+        return {"path": "unfused"}
     return CONFIGS[arch_of(device)][DECODE_DEFAULT[arch_of(device)]]

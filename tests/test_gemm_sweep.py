@@ -62,6 +62,6 @@ def test_configs_filter_keeps_only_the_named_candidates(tmp_path):
     rows = GS.sweep([shape], log=lambda m: None, configs={"decode_16x64", "16x32_w4_s4"})
     got = sorted((r["impl"], r["config_label"]) for r in rows if "(best)" not in r["impl"])
     assert got == sorted([("ds4lab_fused", "decode_16x64"), ("ds4lab", "decode_16x64"),
-                          ("ds4lab_quant+gemm", "decode"), (PEER, "16x32_w4_s4")])
+                          ("ds4lab_quant+gemm", "gemv_w8"), (PEER, "16x32_w4_s4")])   # the sm_89 M=1 default
     assert all(r["status"] == "OK" for r in rows)
     assert GS.main(["--configs", "nope", "--ms", "1"]) == 2

@@ -178,7 +178,8 @@ def test_gpu_defaults_are_what_the_pickers_return(monkeypatch, arch, cap):
     table = K.CONFIGS[arch]
     cfgs = ([K._pick_rope_config(n, dev) for n in (16, 1024, 1025, 10**5)]
             + [K.pick_einsum_config(t, dev) for t in (1, K.DECODE_MAX_T, K.DECODE_MAX_T + 1)]
-            + [K.pick_o_proj_config(t, dev) for t in (1, K.FUSED_MAX_T)])
+            + [K.pick_o_proj_config(t, dev) for t in (1, K.DECODE_DEFAULT_MAX_T)])
     got = {next(lb for lb, c in table.items() if c is cfg) for cfg in cfgs}
     assert K.pick_o_proj_config(K.FUSED_MAX_T + 1, dev) == {"path": "unfused"}
+    assert K.pick_o_proj_config(K.DECODE_DEFAULT_MAX_T + 1, dev) == {"path": "unfused"}   # untimed above 32
     assert got | {"unfused"} == set(K.GPU_DEFAULTS[arch]), got

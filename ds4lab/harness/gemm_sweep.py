@@ -91,11 +91,11 @@ def _candidates(shape, arch, peer, configs=None):
             out.append(("ds4lab_fused+act", label, cfg, lambda s, c=cfg: (lambda: G.w8a8_block_fp8_linear(
                 s.gu, s.lin["weight"], s.lin["weight_scale"], config=c, act="swiglu_clamp", act_limit=L))))
         # today's step at M=1: swiglu_clamp launch + the fused linear at the default config
-        cfg = G.CONFIGS[arch][G.config_label(shape["M"])]
-        out.append(("ds4lab_act+fused", G.config_label(shape["M"]), cfg, lambda s, c=cfg: (
+        cfg = G.CONFIGS[arch][G.config_label(shape["M"], arch)]
+        out.append(("ds4lab_act+fused", G.config_label(shape["M"], arch), cfg, lambda s, c=cfg: (
             lambda: G.w8a8_block_fp8_linear(swiglu_clamp(s.gu, L), s.lin["weight"], s.lin["weight_scale"], config=c))))
-    cfg = G.CONFIGS[arch][G.config_label(shape["M"])]
-    out.append(("ds4lab_quant+gemm", G.config_label(shape["M"]), cfg, lambda s, c=cfg: (
+    cfg = G.CONFIGS[arch][G.config_label(shape["M"], arch)]
+    out.append(("ds4lab_quant+gemm", G.config_label(shape["M"], arch), cfg, lambda s, c=cfg: (
         lambda: G.w8a8_block_fp8_linear(s.lin["x"], s.lin["weight"], s.lin["weight_scale"], config=c,
                                         fused=False))))
     if peer is not None:

@@ -71,7 +71,10 @@ FUSE_ACT_QUANT_MAX_M = 1
 #: to swiglu_clamp + the linear) up to ``min(this, FUSE_ACT_QUANT_MAX_M)`` tokens. 0 (off) until the H200
 #: rows say so: scripts/gpu/gemm.sh times ``ds4lab_fused+act`` against ``ds4lab_act+fused`` at shared_down
 #: (NOTES.md "FP8 GEMM decode (issue 20, gemm5)"); set it to 1 if the fused row is lower at M=1.
-FUSE_SHARED_ACT_MAX_M = 0
+#: H200 sm_89 build, session 5 (results/issue20/s5/gemm_decode.csv): at M=1 the SwiGLU-prologue launch
+#: 3.60 us (gemv_w8) vs swiglu_clamp + the fused linear 6.64 us; at M=4 5.36 vs 8.30 (not used: the
+#: fused quant itself stops at FUSE_ACT_QUANT_MAX_M = 1).
+FUSE_SHARED_ACT_MAX_M = 1
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)

@@ -141,7 +141,7 @@ def _config_for(arch: str, shape: dict) -> list[str]:
     from ds4lab_kernels.fp8_gemm import CONFIGS, config_label, decode_candidates
     if shape.get("all_configs"):
         return list(CONFIGS[arch])
-    return list(dict.fromkeys([config_label(shape["M"]), *decode_candidates(shape["M"], arch)]))
+    return list(dict.fromkeys([config_label(shape["M"], arch), *decode_candidates(shape["M"], arch)]))
 
 
 def _dequant(inputs):
