@@ -442,7 +442,7 @@ CONFIGS = {
 # The H200 sweep `OUT=DIR bash scripts/gpu/attn.sh` times every T=1 row in both builds and
 # `python scripts/gpu/attn_pick.py DIR/bench.csv` prints the replacement lines from the winners.
 DEFAULTS = {
-    "sm_89": ((16, 1, "h16n16m1"), (None, None, "h16n16")),
+    "sm_89": ((16, 2, "h16n16m1"), (None, None, "h16n16")),
     "sm_90": ((16, 2, "h16n16m1"), (None, 1, "h16n16m1"), (16, None, "h16n16"), (None, None, "h32n32")),
 }
 

@@ -63,8 +63,10 @@ GATE_FUSED_MAX_T = 4
 #: (``w8a8_block_fp8_linear(fused=True)``, one launch, bit-identical); above, quant + GEMM (two).
 #: H200, TP4 decode shapes, sm_89 build, cold L2 (results/issue20/final/gemm_table.txt): at M=1 the
 #: single-row fused prologue 5.2-8.0 us vs quant + GEMM 7.0-11.0 us (every shape); at M=16 the two
-#: are within +-1 us either way (fused 5.9-9.8, pair 6.9-9.7), so the pair stays there.
-FUSE_ACT_QUANT_MAX_M = 1
+#: are within +-1 us either way (fused 5.9-9.8, pair 6.9-9.7), so the pair stays there. Session 5: M=4
+#: fused 43.1 us summed over the five TP=4 shapes vs the pair's 44.8, and in the MTP verify step (T=2) the
+#: pair's extra launch per linear is ~0.5 us of launch gap each: fused up to 2 tokens (M=2: H200 call 5).
+FUSE_ACT_QUANT_MAX_M = 2
 
 #: the shared expert's clamped SwiGLU in the down projection's prologue
 #: (``w8a8_block_fp8_linear(act="swiglu_clamp")``: activation + quant + GEMM in one launch, bit-identical
@@ -73,8 +75,8 @@ FUSE_ACT_QUANT_MAX_M = 1
 #: (NOTES.md "FP8 GEMM decode (issue 20, gemm5)"); set it to 1 if the fused row is lower at M=1.
 #: H200 sm_89 build, session 5 (results/issue20/s5/gemm_decode.csv): at M=1 the SwiGLU-prologue launch
 #: 3.60 us (gemv_w8) vs swiglu_clamp + the fused linear 6.64 us; at M=4 5.36 vs 8.30 (not used: the
-#: fused quant itself stops at FUSE_ACT_QUANT_MAX_M = 1).
-FUSE_SHARED_ACT_MAX_M = 1
+#: fused quant itself stops at FUSE_ACT_QUANT_MAX_M).
+FUSE_SHARED_ACT_MAX_M = 2
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
