@@ -32,11 +32,12 @@ def test_fp8_linear_fuses_the_quant_only_up_to_fuse_act_quant_max_m(monkeypatch)
     spy.w8a8_block_fp8_linear = lambda *a, fused, **kw: seen.append(fused) or real(*a, fused=fused, **kw)
     be.k["gemm"] = spy
     lin = _fp8_linear()
-    x = torch.randn(2, 256).to(torch.bfloat16).to(DEVICE)
-    y1 = be.linear(x[:1], lin, "t")
+    n = BK.FUSE_ACT_QUANT_MAX_M
+    x = torch.randn(n + 1, 256).to(torch.bfloat16).to(DEVICE)
+    y1 = be.linear(x[:n], lin, "t")
     y2 = be.linear(x, lin, "t")
-    assert seen == [True, False] and BK.FUSE_ACT_QUANT_MAX_M == 1
-    assert torch.equal(y1, y2[:1])                      # fused prologue: the pair's bits (documented)
+    assert seen == [True, False] and n == 2
+    assert torch.equal(y1, y2[:n])                      # fused prologue: the pair's bits (documented)
     monkeypatch.setattr(BK, "FUSE_ACT_QUANT_MAX_M", 0)
     be.linear(x[:1], lin, "t")
     assert seen[-1] is False
