@@ -7,10 +7,11 @@ GPU, torch glue counted as the CUDA kernels it issues, approximately):
 ==========================  =============================================================  ========
 op (Backend method)         kind                                                           launches
 ==========================  =============================================================  ========
-linear, FP8 weight, T=1     ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
-linear, FP8 weight, T>1     ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
+linear, FP8 weight, T<=2    ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
+                            (``FUSE_ACT_QUANT_MAX_M``; sm_89 T=1: the GEMV row ``gemv_w8``)
+linear, FP8 weight, T>2     ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
 shared down (SwiGLU input)  ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused swiglu_clamp + quant)`` up to
-                            ``FUSE_SHARED_ACT_MAX_M`` tokens (0: off), else swiglu_clamp + the linear     1
+                            ``FUSE_SHARED_ACT_MAX_M`` (2) tokens, else swiglu_clamp + the linear          1
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
   (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
@@ -18,10 +19,10 @@ indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``           
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
-o_proj                      ``kernel:o_proj.o_proj``: the parts (inv-RoPE+quant, einsum,     4-6
-                            quant, wo_b; the fused 2-launch path measured slower: a candidate)
+o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
+                            wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
-mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T=1: one-launch seam_d64)       1 / 2
+mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T<=4: one-launch seam1_d64)     1 / 2
 hc_head                     ``kernel:mhc.hc_head``                                             2
 gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=4; above: mm + route) 1 / 2
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
