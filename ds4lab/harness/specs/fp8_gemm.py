@@ -278,7 +278,7 @@ register(KernelSpec(
 
 # ---- w8a8_block_fp8_linear: bf16 activations, the 1x128 quant fused into the GEMM (issue 20) -------
 LINEAR_CASES = ("random", "constant", "zero_groups", "tiny_groups", "nan_inf_rows")
-DECODE_M = (1, 4, 8, 16, 32)
+DECODE_M = (1, 2, 4, 8, 16, 32)   # 2: the MTP verify step
 
 
 def make_linear_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
