@@ -681,7 +681,8 @@ DECODE_CANDIDATES = {4: ("decode", "decode_16x64", "decode_pf", "decode_64pf", "
                      16: ("decode", "decode_16x64", "decode_16x128", "decode_pf", "decode_64pf"),
                      32: ("decode", "decode_16x64", "decode_16x128", "decode_32x32", "decode_32x32_pf")}
 # the rows pick_config can return on a GPU (the compile report builds these for sm_120)
-GPU_DEFAULTS = {"sm_89": ("gemv_w8", "decode", "small", "mid", "prefill"), "sm_90": ("decode", "small", "mid", "prefill")}
+GPU_DEFAULTS = {"sm_89": ("gemv_w8", "decode_16x64", "decode", "small", "mid", "prefill"),
+                "sm_90": ("decode_16x64", "decode", "small", "mid", "prefill")}
 
 
 def decode_candidates(M: int, arch: str | None = None) -> tuple[str, ...]:
@@ -698,10 +699,14 @@ def decode_candidates(M: int, arch: str | None = None) -> tuple[str, ...]:
 # wq_b / wo_b / shared_gate_up / shared_down, us): plain 4.42 / 4.96 / 4.94 / 3.76 / 3.08, fused quant 6.90 /
 # 6.36 / 6.72 / 4.95 / 3.43, vs the MMA rows' best plain 7.20-8.35 / fused 7.73-8.13 and vLLM's Triton block-FP8
 # at its best swept config 13.1 / 7.68 / 9.65 / 12.5 / 4.51. At M=4 the GEMV rows lose (gemv 38.3 us summed over
-# the five shapes vs decode_64pf 32.8); sm_90 has no GEMV row timed: its M=1 stays "decode".
+# the five shapes vs decode_64pf 32.8); sm_90 has no GEMV row.
 # The CPU interpreter keeps the MMA rows at M=1 (its tests run the GEMV rows by name).
-_PICK = {"sm_89": ((1, "gemv_w8"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
-         "sm_90": ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
+# M=2 (the MTP verify step, where the step runs the fused-quant launcher; results/issue20/s5/gemm_decode_m2.csv),
+# fused quant summed over the five shapes: sm_89 decode_16x64 43.4 us (gemv_p8 42.8 but 12.0 on wo_b), sm_90
+# decode_16x64 43.5, vs the "decode" row 52.4 (sm_90) and quant + GEMM 45.3 / 44.9; sm_90 M=1 decode_16x64 37.2
+# vs decode 38.0 (fused), 35.0 vs 36.1 (plain).
+_PICK = {"sm_89": ((1, "gemv_w8"), (2, "decode_16x64"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
+         "sm_90": ((2, "decode_16x64"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
          "interp": ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill"))}
 
 

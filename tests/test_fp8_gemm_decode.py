@@ -162,8 +162,9 @@ def test_gemv_tiles_and_split_floor_at_the_tp4_shapes():
     assert "gemv" in G.decode_candidates(4, "sm_89") and "gemv" not in G.decode_candidates(16, "sm_89")
     # session 5's H200 rows made gemv_w8 the sm_89 M=1 default; the other new rows stay candidates
     assert set(G.GPU_DEFAULTS["sm_89"]) & {"gemv", "gemv_p8", "gemv_r4", "gemv_w8", "decode_pf"} == {"gemv_w8"}
-    assert G.config_label(1, "sm_89") == "gemv_w8" and G.config_label(2, "sm_89") == "decode"
-    assert G.config_label(1, "sm_90") == G.config_label(1, "interp") == "decode"
+    assert G.config_label(1, "sm_89") == "gemv_w8" and G.config_label(3, "sm_89") == "decode"
+    assert G.config_label(1, "sm_90") == G.config_label(2, "sm_89") == "decode_16x64"
+    assert G.config_label(1, "interp") == "decode"
 
 
 @pytest.mark.aot
