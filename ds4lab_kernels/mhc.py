@@ -365,6 +365,32 @@ def _sinkhorn_rows(c_row, logits, hh, tmask, eps, n_iters):
 
 
 @triton.jit
+def _seam_layer_input(pre_acc, gram, h, hh, n0, n1, n2, n3, scale_ptr, base_ptr, rms_numel, rms_eps, pre_eps, D,
+                      norm_eps, HC_: tl.constexpr):
+    """The seam's layer input from the reduced pre mixes and Gram matrix (both seam kernels):
+    ``pre = sigmoid(mix * rsqrt(trace(G) / numel + eps) * scale + base) + pre_eps`` (``[BLOCK_M, HC]``),
+    ``y = sum_i pre_i * n_i`` (the new residual streams ``n0..n3`` ``[BLOCK_M, BLOCK_D]``) rounded to bf16,
+    and its RMSNorm's ``1 / rms`` from ``pre^T G pre / D`` (``[BLOCK_M]``; the caller applies the weight)."""
+    sq = tl.sum(tl.where((hh % (HC_ + 1) == 0)[None, :], gram, 0.0), axis=1)      # trace(G)
+    rms = tl.math.rsqrt(sq / rms_numel + rms_eps)[:, None]
+    pre = tl.sigmoid(pre_acc * rms * tl.load(scale_ptr) + tl.load(base_ptr + h)[None, :]) + pre_eps
+    p0 = tl.sum(tl.where(h[None, :] == 0, pre, 0.0), axis=1)
+    p1 = tl.sum(tl.where(h[None, :] == 1, pre, 0.0), axis=1)
+    p2 = tl.sum(tl.where(h[None, :] == 2, pre, 0.0), axis=1)
+    p3 = tl.sum(tl.where(h[None, :] == 3, pre, 0.0), axis=1)
+    y = p0[:, None] * n0.to(tl.float32)
+    y += p1[:, None] * n1.to(tl.float32)
+    y += p2[:, None] * n2.to(tl.float32)
+    y += p3[:, None] * n3.to(tl.float32)
+    ia = (hh // HC_)[None, :]
+    ib = (hh % HC_)[None, :]
+    pa = tl.where(ia == 0, p0[:, None], tl.where(ia == 1, p1[:, None], tl.where(ia == 2, p2[:, None], p3[:, None])))
+    pb = tl.where(ib == 0, p0[:, None], tl.where(ib == 1, p1[:, None], tl.where(ib == 2, p2[:, None], p3[:, None])))
+    ysq = tl.maximum(tl.sum(gram * pa * pb, axis=1), 0.0)
+    return y.to(tl.bfloat16), tl.math.rsqrt(ysq / D + norm_eps)
+
+
+@triton.jit
 def _mhc_seam_kernel(
     x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
     fn_ptr, scale_ptr, base_ptr, w_ptr, mix_part_ptr, gram_part_ptr, sync_ptr,
@@ -474,28 +500,10 @@ def _mhc_seam_kernel(
                 lm = ((rs < S)[:, None] & tmask[None, :])[:, :, None]
                 pre_acc += _sum_parts(mix_part_ptr, row, lm, 0, HC_, BLOCK_N)
                 gram += _sum_parts(gram_part_ptr, row, lm, 0, HH, HH)
-            sq = tl.sum(tl.where((hh % (HC_ + 1) == 0)[None, :], gram, 0.0), axis=1)      # trace(G)
-            rms = tl.math.rsqrt(sq / rms_numel + rms_eps)[:, None]
-            pre = tl.sigmoid(pre_acc * rms * tl.load(scale_ptr) + tl.load(base_ptr + h)[None, :]) + pre_eps
-            p0 = tl.sum(tl.where(h[None, :] == 0, pre, 0.0), axis=1)
-            p1 = tl.sum(tl.where(h[None, :] == 1, pre, 0.0), axis=1)
-            p2 = tl.sum(tl.where(h[None, :] == 2, pre, 0.0), axis=1)
-            p3 = tl.sum(tl.where(h[None, :] == 3, pre, 0.0), axis=1)
-            y = p0[:, None] * n0.to(tl.float32)
-            y += p1[:, None] * n1.to(tl.float32)
-            y += p2[:, None] * n2.to(tl.float32)
-            y += p3[:, None] * n3.to(tl.float32)
-            yb = y.to(tl.bfloat16)
+            yb, inv = _seam_layer_input(pre_acc, gram, h, hh, n0, n1, n2, n3, scale_ptr, base_ptr, rms_numel,
+                                        rms_eps, pre_eps, D, norm_eps, HC_)
             y_row = out_ptr + rm64[:, None] * stride_yt + dd[None, :]
             if HAS_NORM:
-                ia = (hh // HC_)[None, :]
-                ib = (hh % HC_)[None, :]
-                pa = tl.where(ia == 0, p0[:, None], tl.where(ia == 1, p1[:, None],
-                              tl.where(ia == 2, p2[:, None], p3[:, None])))
-                pb = tl.where(ib == 0, p0[:, None], tl.where(ib == 1, p1[:, None],
-                              tl.where(ib == 2, p2[:, None], p3[:, None])))
-                ysq = tl.maximum(tl.sum(gram * pa * pb, axis=1), 0.0)
-                inv = tl.math.rsqrt(ysq / D + norm_eps)
                 w = tl.load(w_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
                 tl.store(y_row, (yb.to(tl.float32) * inv[:, None] * w[None, :]).to(tl.bfloat16), mask=m2)
             else:
@@ -672,28 +680,10 @@ def _mhc_seam1_kernel(
             lm = ((rs < S)[:, None] & tmask[None, :])[:, :, None]
             pre_acc += _sum_parts(part_ptr, row, lm, 0, HC_, PART_W)
             gram += _sum_parts(part_ptr, row, lm, 6 * HC_, HH, PART_W)
-        sq = tl.sum(tl.where((hh % (HC_ + 1) == 0)[None, :], gram, 0.0), axis=1)      # trace(G)
-        rms = tl.math.rsqrt(sq / rms_numel + rms_eps)[:, None]
-        pre = tl.sigmoid(pre_acc * rms * tl.load(scale_ptr) + tl.load(base_ptr + h)[None, :]) + pre_eps
-        p0 = tl.sum(tl.where(h[None, :] == 0, pre, 0.0), axis=1)
-        p1 = tl.sum(tl.where(h[None, :] == 1, pre, 0.0), axis=1)
-        p2 = tl.sum(tl.where(h[None, :] == 2, pre, 0.0), axis=1)
-        p3 = tl.sum(tl.where(h[None, :] == 3, pre, 0.0), axis=1)
-        y = p0[:, None] * n0.to(tl.float32)
-        y += p1[:, None] * n1.to(tl.float32)
-        y += p2[:, None] * n2.to(tl.float32)
-        y += p3[:, None] * n3.to(tl.float32)
-        yb = y.to(tl.bfloat16)
+        yb, inv = _seam_layer_input(pre_acc, gram, h, hh, n0, n1, n2, n3, scale_ptr, base_ptr, rms_numel,
+                                    rms_eps, pre_eps, D, norm_eps, HC_)
         y_row = out_ptr + rm64[:, None] * stride_yt + dd[None, :]
         if HAS_NORM:
-            ia2 = (hh // HC_)[None, :]
-            ib2 = (hh % HC_)[None, :]
-            pa2 = tl.where(ia2 == 0, p0[:, None], tl.where(ia2 == 1, p1[:, None],
-                           tl.where(ia2 == 2, p2[:, None], p3[:, None])))
-            pb2 = tl.where(ib2 == 0, p0[:, None], tl.where(ib2 == 1, p1[:, None],
-                           tl.where(ib2 == 2, p2[:, None], p3[:, None])))
-            ysq = tl.maximum(tl.sum(gram * pa2 * pb2, axis=1), 0.0)
-            inv = tl.math.rsqrt(ysq / D + norm_eps)
             tl.store(y_row, (yb.to(tl.float32) * inv[:, None] * wn[None, :]).to(tl.bfloat16), mask=m2)
         else:
             tl.store(y_row, yb, mask=m2)
