@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP := bash env/setup.sh
 PYTEST_ARGS ?=
 
-.PHONY: peer-src gpu-topics setup test test-fast test-fuzz tour lab aot bench-gpu step-gpu lock clean info doctor plan serve serve-bench tiny screenshots
+.PHONY: peer-src gpu-topics ncu-gpu setup test test-fast test-fuzz tour lab aot bench-gpu step-gpu lock clean info doctor plan serve serve-bench tiny screenshots
 
 setup:
 	@$(SETUP)
@@ -54,6 +54,10 @@ peer-src: setup
 ## (e.g. make gpu-topics TOPICS="gemm moe mhc", then TOPICS="route oproj attn"), .peer carried
 gpu-topics:
 	OUT=results/gpu TOPICS="$(or $(TOPICS),gemm moe mhc)" bash scripts/gpu/topics.sh
+
+## On the H200 image: Nsight Compute counters of the decode step's largest kernels at batch 1 (digest printed)
+ncu-gpu:
+	OUT=results/ncu bash scripts/gpu/ncu_decode.sh
 
 ## On the H200 image: the decode step, model check + native and sm_89 builds (MODE=full for all points)
 step-gpu:

@@ -7,7 +7,7 @@
 # T=1; m16n32k64w2s4: T=4/16; loaded from PEER_SRC, a copy of vLLM's source: `make peer-src` writes
 # .peer/), timed with the bench's timer (CUDA graph, cold L2 by rotating weight sets) at TP=4,
 # T = 1, 16, 4. Rows -> $OUT/moe_bench.csv (appended as measured), logs -> $OUT/moe_<build>.log; the
-# table last. Usage: OUT=DIR [PEER_SRC=DIR] bash scripts/gpu/moe.sh     ~100-125 s; fail-soft per build.
+# table last. Usage: OUT=DIR [PEER_SRC=DIR] bash scripts/gpu/moe.sh     ~112-160 s (80 s per build: 62 s cut the sm89 T=4 rows in session 5); fail-soft per build.
 set -uo pipefail
 OUT=${OUT:-${1:-results/local/moe}}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
@@ -23,7 +23,7 @@ peer_arg=()
 rc=0
 t0=$SECONDS
 for arch in sm89 native; do
-  timeout ${MOE_BUILD_TIMEOUT:-62} python3 -m ds4lab.harness.moe_bench --arch "$arch" --tp 4 --T 1 16 4 \
+  timeout ${MOE_BUILD_TIMEOUT:-80} python3 -m ds4lab.harness.moe_bench --arch "$arch" --tp 4 --T 1 16 4 \
     --peer-configs m16n32k128w4s4 m16n32k64w2s4 --straw-max-t 0 \
     --out "$OUT" "${peer_arg[@]}" > "$OUT/moe_$arch.log" 2>&1 || { echo "FAILED or cut short: build $arch (rc $?)"; rc=1; }
   grep -E "^numerics .*FAIL|^FAIL|^ERROR|^peer" "$OUT/moe_$arch.log" | cut -c1-220
