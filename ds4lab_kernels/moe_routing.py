@@ -173,8 +173,9 @@ def sqrtsoftplus_topk(router_logits: torch.Tensor, e_score_correction_bias: torc
 CONFIGS = {
     "sm_89": {"row": {"BLOCK_T": 1, "num_warps": 1}, "rows4": {"BLOCK_T": 4, "num_warps": 4},
               "rows16": {"BLOCK_T": 16, "num_warps": 8}},
-    "sm_90": {"row": {"BLOCK_T": 1, "num_warps": 1}, "rows4": {"BLOCK_T": 4, "num_warps": 4},
-              "rows16": {"BLOCK_T": 16, "num_warps": 8}},
+    # no rows16 on sm_90: with the slot-order sum (slot_sum) ptxas for sm_90a spills 8 B of it (ds4lab aot);
+    # it is the interpreter's row (pick_config never returns it on a GPU)
+    "sm_90": {"row": {"BLOCK_T": 1, "num_warps": 1}, "rows4": {"BLOCK_T": 4, "num_warps": 4}},
 }
 
 
@@ -186,7 +187,7 @@ GPU_DEFAULTS = {"sm_89": ("row", "rows4"), "sm_90": ("row", "rows4")}
 def pick_config(T: int, device: torch.device) -> dict:
     table = CONFIGS[arch_of(device)]
     if device.type != "cuda":  # interpreter: fewest programs
-        return table["rows16"]
+        return CONFIGS["sm_89"]["rows16"]
     return table["row"] if T <= 512 else table["rows4"]
 
 

@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     from ds4lab_kernels.moe_routing import sqrtsoftplus_topk
 
     def cands(T):   # (label, config): the default, and the rows candidates where they apply
-        return [(None, None)] + [(lb, spec.configs[table][lb]) for lb in ROWS_CANDIDATES if T <= 4]
+        return [(None, None)] + [(lb, spec.configs[table][lb]) for lb in ROWS_CANDIDATES
+                                 if T <= 4 and lb in spec.configs[table]]
 
     for shape in shapes:
         for case in spec.cases:

@@ -93,11 +93,12 @@ def _config_for(arch, shape):
     from ds4lab_kernels.moe_gate import CONFIGS, DECODE_CANDIDATES, ROWS_CANDIDATES
     if shape.get("D", 0) < 4096:   # every row; of the rows path one (r2w4): the interpreter runs its
         # EPP / warp variants the same way and one program at a time (r1w1 took 21 s here; tests/test_moe_gate.py)
-        return [lb for lb in CONFIGS[arch] if lb not in ROWS_CANDIDATES or lb == "r2w4"]
+        one = "r2w4" if "r2w4" in CONFIGS[arch] else "r2w2"   # sm_90 has no r2w4 (it spills there)
+        return [lb for lb in CONFIGS[arch] if lb not in ROWS_CANDIDATES or lb == one]
     if shape["T"] > 64:
         return ["prefill"]
     if shape["T"] <= 4:   # the rows path (no split-K) next to the split default at T <= 4
-        return list(ROWS_CANDIDATES) + ["e32k16t4"]
+        return [lb for lb in ROWS_CANDIDATES if lb in CONFIGS[arch]] + ["e32k16t4"]
     if shape["T"] <= 16:   # e32k16 (the session-4 default) lost to both at T = 1, 2, 16: timed only step-like
         return [lb for lb in DECODE_CANDIDATES if lb not in ROWS_CANDIDATES]
     return ["t32e32k8", "e32k16"]
