@@ -135,6 +135,24 @@ def _route_block(lg_ptr, bias_ptr, ids_in_ptr, tid2eid_ptr, w_ptr, ids_ptr, pid_
                            HAS_BIAS)
 
 
+#: the selection key of a taken or unavailable entry: below every real key
+_TAKEN_KEY = tl.constexpr(-4611686018427387904)
+
+
+@triton.jit
+def _select_keys(sel, cols, rmask, cmask):
+    """The int64 selection key of every entry of ``sel [rows, E_P2]`` (score + bias): ``ordered(sel) *
+    1024 + (1023 - id)``, ``ordered`` the fp32 bits mapped to a signed int with the float order (-0 as
+    +0, NaN below -inf), so the max key is the best score at its lowest id; unavailable entries (masked
+    rows / columns) get a sentinel below every key."""
+    bits = sel.to(tl.int32, bitcast=True)
+    bits = tl.where(sel == 0.0, 0, bits)                       # -0 ranks as +0 (they tie)
+    k32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # signed order == float order
+    k32 = tl.where(sel != sel, -2147483647, k32)               # NaN: below -inf (0x807fffff)
+    key = k32.to(tl.int64) * 1024 + (1023 - cols)[None, :]
+    return tl.where(rmask[:, None] & cmask[None, :], key, _TAKEN_KEY)
+
+
 @triton.jit
 def _topk_keys(lg, lg_ptr, rows, rmask, bias_ptr, w_ptr, ids_ptr, E, scaling, TOPK: tl.constexpr,
                TOPK_P2: tl.constexpr, E_P2: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -150,18 +168,12 @@ def _topk_keys(lg, lg_ptr, rows, rmask, bias_ptr, w_ptr, ids_ptr, E, scaling, TO
     sel = _sqrt_softplus(lg)
     if HAS_BIAS:
         sel = sel + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    bits = sel.to(tl.int32, bitcast=True)
-    bits = tl.where(sel == 0.0, 0, bits)                       # -0 ranks as +0 (they tie)
-    k32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # signed order == float order
-    k32 = tl.where(sel != sel, -2147483647, k32)               # NaN: below -inf (0x807fffff)
-    key = k32.to(tl.int64) * 1024 + (1023 - cols)[None, :]
-    SENT: tl.constexpr = -4611686018427387904                  # taken / outside: below every key
-    key = tl.where(rmask[:, None] & cmask[None, :], key, SENT)
+    key = _select_keys(sel, cols, rmask, cmask)
     sel_ids = tl.zeros([lg.shape[0], TOPK_P2], dtype=tl.int32)
     for j in tl.static_range(TOPK):
         kmax = tl.max(key, axis=1)
         eid = (1023 - (kmax & 1023)).to(tl.int32)
-        key = tl.where(cols[None, :] == eid[:, None], SENT, key)
+        key = tl.where(cols[None, :] == eid[:, None], _TAKEN_KEY, key)
         sel_ids = tl.where(slots[None, :] == j, eid[:, None], sel_ids)
     omask = rmask[:, None] & (slots[None, :] < TOPK)
     out_off = rows.to(tl.int64)[:, None] * TOPK + slots[None, :]
@@ -250,20 +262,14 @@ def _topk_payload(lg, rows, rmask, bias_v, w_ptr, ids_ptr, E, scaling, TOPK: tl.
     sel = s
     if HAS_BIAS:
         sel = s + bias_v[None, :]
-    bits = sel.to(tl.int32, bitcast=True)
-    bits = tl.where(sel == 0.0, 0, bits)                       # -0 ranks as +0 (they tie)
-    k32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)                   # signed order == float order
-    k32 = tl.where(sel != sel, -2147483647, k32)               # NaN: below -inf (0x807fffff)
-    key = k32.to(tl.int64) * 1024 + (1023 - cols)[None, :]
-    SENT: tl.constexpr = -4611686018427387904                  # taken / outside: below every key
-    key = tl.where(rmask[:, None] & cmask[None, :], key, SENT)
+    key = _select_keys(sel, cols, rmask, cmask)
     sel_ids = tl.zeros([lg.shape[0], TOPK_P2], dtype=tl.int32)
     w = tl.zeros([lg.shape[0], TOPK_P2], dtype=tl.float32)
     tot = tl.zeros([lg.shape[0]], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         kmax, sj = tl.reduce((key, s), 1, _keep_max_key)
         eid = (1023 - (kmax & 1023)).to(tl.int32)
-        key = tl.where(cols[None, :] == eid[:, None], SENT, key)
+        key = tl.where(cols[None, :] == eid[:, None], _TAKEN_KEY, key)
         sel_ids = tl.where(slots[None, :] == j, eid[:, None], sel_ids)
         w = tl.where(slots[None, :] == j, sj[:, None], w)
         tot = tot + sj                                         # slot order, as slot_sum
