@@ -162,6 +162,19 @@ def mla_insert_min_bytes(s: dict) -> float:
     return s["T"] * (HEAD_DIM * 2 + MLA_DATA + MLA_SCALE + 4)
 
 
+def step_maps_min_bytes(s: dict) -> float:
+    """The step's index maps (``step_index_maps``): int64 positions + requests in; per token the SWA
+    slot (8 B), window (4 B x W) and length (4), per ratio-4 state ring (1, or 2 when the indexer's ring
+    differs) 8 int64 rows + 8 bool + its own row, the C4 counts (8 + 4 + 4); at ratio 128 the ring's
+    128 rows + 128 bool + 8, the counts, the slot list (4 B x n_comp128) and its length."""
+    per = 16 + 8 + 4 * s["window"] + 4
+    if s["n_comp4"]:
+        per += (1 if s["idx_ring4"] == s["ring4"] else 2) * (8 * 9 + 8) + 16
+    if s["n_comp128"]:
+        per += 128 * 9 + 8 + 16 + 4 * s["n_comp128"] + 4
+    return s["T"] * per
+
+
 def route_min_bytes(s: dict) -> float:
     return s["T"] * s["E"] * 4 + s["E"] * 4 + s["T"] * s["topk"] * 8
 
@@ -342,6 +355,7 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "q_kv_rmsnorm_rope": _zero,
     "swiglu_clamp": _zero,
     "compress_decode": compress_decode_flops,
+    "step_index_maps": _zero,
 }
 
 MIN_BYTES: dict[str, Callable[[dict], float]] = {
@@ -373,6 +387,7 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "q_kv_rmsnorm_rope": q_kv_rmsnorm_rope_min_bytes,
     "swiglu_clamp": swiglu_min_bytes,
     "compress_decode": compress_decode_min_bytes,
+    "step_index_maps": step_maps_min_bytes,
 }
 
 # the selected experts' weights + the activations: what a MoE call brings through L2

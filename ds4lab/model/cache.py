@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LayerCache", "Caches", "new_caches", "mla_block_bytes", "IDX_BLOCK_BYTES"]
+__all__ = ["LayerCache", "Caches", "new_caches", "mla_block_bytes", "IDX_BLOCK_BYTES", "swa_ring_size", "layer_sizes",
+           "map_sizes"]
 
 ENTRY = 584
 IDX_BLOCK_BYTES = 8640
@@ -35,6 +36,32 @@ def _ceil(a: int, b: int) -> int:
 def mla_block_bytes(block_size: int) -> int:
     """fp8_ds_mla block stride: ``block_size*584`` padded to a multiple of 576 (37,440 / 1,728 B)."""
     return _ceil(block_size * ENTRY, 576)
+
+
+def swa_ring_size(cfg, chunk: int) -> int:
+    """SWA ring entries per request: the window plus the largest chunk, rounded up to a block (64)."""
+    return _ceil(cfg.sliding_window + chunk, 64)
+
+
+def layer_sizes(cfg, ratio: int, max_ctx: int, chunk: int) -> tuple[int, int, int]:
+    """A layer's static cache sizes ``(n_comp, state_ring, idx_state_ring)`` (0 where the layer has no
+    such cache): compressed entries per request (``ceil(max_ctx / ratio)`` rounded up to the block, 64
+    for C4 and 2 for C128), the compressor state ring (window ``coff*ratio`` + the largest chunk,
+    rounded up to the ratio) and the C4 indexer compressor's ring (window 8 + the chunk)."""
+    if not ratio:
+        return 0, 0, 0
+    coff = 2 if ratio == 4 else 1
+    n = _ceil(-(-max_ctx // ratio), 64 if ratio == 4 else 2)
+    ring = _ceil(coff * ratio + chunk, ratio)
+    return n, ring, (_ceil(8 + chunk, 4) if ratio == 4 else 0)
+
+
+def map_sizes(cfg, max_ctx: int, chunk: int = 256) -> tuple[int, tuple]:
+    """``(swa_ring, layers)`` of the caches :func:`new_caches` makes, without allocating them:
+    ``layers`` one ``(ratio, n_comp, state_ring, idx_state_ring)`` per decoder layer (what the
+    step's index maps depend on; :meth:`Caches.map_sizes` reads the same from live caches)."""
+    return swa_ring_size(cfg, chunk), tuple((r, *layer_sizes(cfg, r, max_ctx, chunk))
+                                            for r in cfg.compress_ratios[:cfg.num_hidden_layers])
 
 
 @dataclass
@@ -60,18 +87,23 @@ class Caches:
     layers: list = field(default_factory=list)
     mtp: LayerCache | None = None
 
+    def map_sizes(self) -> tuple:
+        """``layers``: one ``(ratio, n_comp, state_ring, idx_state_ring)`` per decoder layer (the
+        static sizes the step's index maps read; :func:`map_sizes` without caches)."""
+        return tuple((L.ratio, L.n_comp, L.state_ring, L.idx_state_ring) for L in self.layers)
+
 
 def _layer(cfg, ratio: int, B: int, max_ctx: int, swa_ring: int, chunk: int, device) -> LayerCache:
     hd = cfg.head_dim
     u8 = dict(dtype=torch.uint8, device=device)
     swa = torch.zeros(B * swa_ring // 64, mla_block_bytes(64), **u8)
     L = LayerCache(ratio=ratio, swa=swa)
+    n, state_ring, idx_state_ring = layer_sizes(cfg, ratio, max_ctx, chunk)
     if ratio:
         coff = 2 if ratio == 4 else 1
         bs = 64 if ratio == 4 else 2
-        n = _ceil(-(-max_ctx // ratio), 64 if ratio == 4 else 2)
         L.comp, L.comp_block, L.n_comp = torch.zeros(B * n // bs, mla_block_bytes(bs), **u8), bs, n
-        L.state_ring = _ceil(coff * ratio + chunk, ratio)
+        L.state_ring = state_ring
         L.state = torch.zeros(B * L.state_ring, 2 * coff * hd, dtype=torch.float32, device=device)
     if ratio == 4:
         ihd = cfg.index_head_dim
@@ -79,7 +111,7 @@ def _layer(cfg, ratio: int, B: int, max_ctx: int, swa_ring: int, chunk: int, dev
         buf = torch.zeros(B * nb, IDX_BLOCK_BYTES, **u8)
         L.idx = torch.as_strided(buf, (B * nb, 64, ihd + 4), (IDX_BLOCK_BYTES, ihd + 4, 1))
         L.idx_block_table = torch.arange(B * nb, dtype=torch.int32, device=device).reshape(B, nb)
-        L.idx_state_ring = _ceil(8 + chunk, 4)
+        L.idx_state_ring = idx_state_ring
         L.idx_state = torch.zeros(B * L.idx_state_ring, 4 * ihd, dtype=torch.float32, device=device)
     return L
 
@@ -89,7 +121,7 @@ def new_caches(cfg, batch: int, max_ctx: int, chunk: int = 256, device="cpu") ->
     ``chunk`` tokens per request per step (decode: next_n <= 2)."""
     if batch < 1 or max_ctx < 1:
         raise ValueError(f"batch={batch}, max_ctx={max_ctx}: both must be >= 1")
-    swa_ring = _ceil(cfg.sliding_window + chunk, 64)
+    swa_ring = swa_ring_size(cfg, chunk)
     c = Caches(batch=batch, max_ctx=max_ctx, swa_ring=swa_ring)
     c.layers = [_layer(cfg, cfg.compress_ratios[i], batch, max_ctx, swa_ring, chunk, device)
                 for i in range(cfg.num_hidden_layers)]
