@@ -15,6 +15,8 @@ entry, as the reference's dict keys it). Anything else (e.g. two ``n_comp`` for 
 ``ValueError`` here; the model's kernel backend checks :func:`covers` first and keeps the torch
 reference for it.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -106,12 +108,18 @@ def _structure(layers):
     """``layers`` -> ``(sizes, win_keys, comp_keys, why)``: ``sizes`` the kernel's constexprs
     ``{ratio: (n_comp, state_ring, idx_state_ring)}``, the dict keys in the reference's first-use
     order, and ``why`` ('' when the kernel covers the structure, else the reason). Raises
-    ValueError for a malformed entry."""
+    ValueError for a malformed entry. Cached per ``layers`` (a step's caches keep their sizes)."""
     try:
-        rows = [tuple(L) for L in layers]
+        rows = tuple(tuple(L) for L in layers)
+        hash(rows)
     except TypeError:
         raise TypeError(f"layers: expected a sequence of (ratio, n_comp, state_ring, idx_state_ring) tuples, "
                         f"got {type(layers).__name__}") from None
+    return _analyse(rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _analyse(rows: tuple):
     sizes, win, comp, why = {}, [], [], ""
     for i, L in enumerate(rows):
         if len(L) != 4 or not all(isinstance(v, int) and not isinstance(v, bool) for v in L):
@@ -132,7 +140,7 @@ def _structure(layers):
                 win.append(key)
         if (r, n) not in comp:
             comp.append((r, n))
-    return sizes, win, comp, why
+    return sizes, tuple(win), tuple(comp), why
 
 
 def covers(layers) -> bool:

@@ -36,9 +36,11 @@ add (bf16 + bf16)           ``torch:add`` (one bf16 add: fp32 math, one rounding
 compressor T > 64 / embed   ``torch:compressor`` / ``torch:embedding``
 ==========================  =============================================================  ========
 
-The composition adds per step, not per layer: ``step.maps`` (``torch:index_maps``, ~60 small torch
-launches once per forward: SWA window, compressor window/state slots per ring size, compressed
-write slots, counts and C128 slot lists per cache size; ``RankModel._maps``) and per C4A layer
+The composition adds per step, not per layer: ``step.maps`` (``index_maps``:
+``kernel:step_maps.step_index_maps``, ONE launch per forward writing the SWA window, compressor
+window/state slots per ring size, compressed write slots, counts and C128 slot lists per cache size;
+``torch:index_maps``, the reference's ~60 small launches, for a key structure the kernel does not
+cover; ``RankModel._maps``) and per C4A layer
 ``indexer.slots`` (``torch:where``, 3: local top-512 -> global slots). Count them on a CPU with
 :func:`ds4lab.model.launches.count_launches`.
 
@@ -90,6 +92,7 @@ K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
 K_Q_KV_NORM_ROPE = "kernel:norm_rope.q_kv_rmsnorm_rope"
+K_STEP_MAPS = "kernel:step_maps.step_index_maps"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -138,9 +141,10 @@ class KernelBackend(Backend):
         import ds4lab_kernels.norm_rope as nr
         import ds4lab_kernels.o_proj as oproj
         import ds4lab_kernels.sparse_mla as smla
+        import ds4lab_kernels.step_maps as maps
         import ds4lab_kernels.topk as topk
         self.k = dict(comp=comp, gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe,
-                      oproj=oproj, smla=smla, topk=topk, nr=nr, gate=gate)
+                      oproj=oproj, smla=smla, topk=topk, nr=nr, gate=gate, maps=maps)
         self.mhc_precision = mhc_precision
 
     # ---- dense glue ------------------------------------------------------------------------
@@ -184,6 +188,15 @@ class KernelBackend(Backend):
     def rope(self, x, positions, cos_sin, name):
         with op_group(name, K_ROPE):
             return self.k["nr"].rmsnorm_rope(x.contiguous().to(BF16), None, 0.0, positions, cos_sin, norm=False)
+
+    # ---- the step's index maps --------------------------------------------------------------
+    def index_maps(self, positions, req, window, swa_ring, layers, name="step.maps"):
+        """One launch (``step_maps.step_index_maps``) where the kernel covers the caches' key structure
+        (``step_maps.covers``: one size per ratio 4 / 128); any other structure keeps the torch reference."""
+        if not self.k["maps"].covers(layers):
+            return super().index_maps(positions, req, window, swa_ring, layers, name)
+        with op_group(name, K_STEP_MAPS):
+            return self.k["maps"].step_index_maps(positions.long(), req.long(), window, swa_ring, layers)
 
     # ---- caches ----------------------------------------------------------------------------
     def mla_cache_write(self, kv, slots, cache, block_size, name):

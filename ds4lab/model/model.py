@@ -6,8 +6,8 @@ compressed / indexer entries into the caches, then attend causally by position, 
 does within a step. A decode step is ``B * next_n`` tokens; a prefill chunk is one request's
 next ``chunk`` tokens. Every index the step needs (SWA window slots, compressor window and state
 rows, compressed write slots, indexer bounds, C128 slot lists) is computed ONCE per forward on the
-device from ``positions`` with static shapes (``_maps``, op group ``step.maps``; layers of one
-ratio share one entry), so a decode step has no host sync on the kernel backend (CUDA-graph
+device from ``positions`` with static shapes (``_maps``: the backend's ``index_maps``, op group
+``step.maps``, one Triton launch on the kernel backend; layers of one ratio share one entry), so a decode step has no host sync on the kernel backend (CUDA-graph
 capturable) and no per-layer index glue.
 
 Per layer (vLLM ``models/deepseek_v4/cpu/model.py`` ``DeepseekV4DecoderLayer``,
@@ -78,53 +78,11 @@ class RankModel:
     # ---- index maps (device, static shapes) --------------------------------------------------
     def _maps(self, pos, req, caches: Caches):
         """Every index the step's layers need that depends only on ``pos``/``req`` and the caches'
-        static sizes, computed ONCE per forward (op group ``step.maps``), int32 where a kernel reads
-        it. Returns ``{"swa_slots" (T,) int64, "swa_idx" (T, window) int32 (-1 padded), "swa_lens"
-        (T,) int32, "comp": {(ratio, n_comp): ...}, "win": {(ratio, state_ring): ...}}`` with, per
-        compressed-cache size: ``comp_w`` (T,) int64 write slot (-1 off a ratio boundary), ``ncomp``
-        (T,) int32 entries after the step's token, ``base`` (T, 1) int32 ``req * n_comp``; ratio 128
-        also ``slots`` (T, n_comp) int32 and ``lens`` (T,) int32 (every entry, clamped count); per
-        compressor state ring: ``wslots`` (T, coff*ratio) int64 window rows, ``valid`` bool,
-        ``sslots`` (T,) int64 the token's own state row. Layers of one ratio share one entry (their
-        caches have equal sizes; the key holds the size, so differing sizes get their own)."""
-        W = self.cfg.sliding_window
-        R = caches.swa_ring
-        with op_group("step.maps", "torch:index_maps"):
-            start = (pos - (W - 1)).clamp_min(0)
-            p = start[:, None] + torch.arange(W, device=pos.device)[None, :]
-            swa_lens = (pos + 1 - start).to(torch.int32)
-            swa_idx = torch.where(p <= pos[:, None], req[:, None] * R + p % R, -1).to(torch.int32)
-            maps = {"swa_slots": req * R + pos % R, "swa_idx": swa_idx, "swa_lens": swa_lens, "comp": {}, "win": {}}
-            p1 = pos + 1
-            for L in caches.layers:
-                if not L.ratio:
-                    continue
-                r = L.ratio
-                rings = [(r, L.state_ring)] + ([(4, L.idx_state_ring)] if r == 4 else [])
-                for key in rings:
-                    if key not in maps["win"]:
-                        maps["win"][key] = self._window_map(pos, req, *key)
-                key = (r, L.n_comp)
-                if key in maps["comp"]:
-                    continue
-                ncomp = p1 // r
-                base = req * L.n_comp
-                c = {"comp_w": torch.where(p1 % r == 0, base + ncomp - 1, -1), "ncomp": ncomp.to(torch.int32),
-                     "base": base.to(torch.int32)[:, None]}
-                if r == 128:
-                    c["slots"] = c["base"] + torch.arange(L.n_comp, device=pos.device, dtype=torch.int32)[None, :]
-                    c["lens"] = ncomp.clamp_max(L.n_comp).to(torch.int32)
-                maps["comp"][key] = c
-        return maps
-
-    @staticmethod
-    def _window_map(pos, req, ratio: int, ring: int) -> dict:
-        """The compressor's state rows for one ring size (see :meth:`_maps`): token ``t``'s window
-        ``pos - coff*ratio + 1 .. pos`` (``valid`` masks positions < 0) and its own row."""
-        Wn = (2 if ratio == 4 else 1) * ratio
-        win = pos[:, None] + torch.arange(1 - Wn, 1, device=pos.device)[None, :]
-        return {"wslots": req[:, None] * ring + win.clamp_min(0) % ring, "valid": win >= 0,
-                "sslots": req * ring + pos % ring}
+        static sizes, computed ONCE per forward by the backend's ``index_maps`` (op group
+        ``step.maps``; the kernel backend: one launch): ``{"swa_slots", "swa_idx", "swa_lens",
+        "comp": {(ratio, n_comp): ...}, "win": {(ratio, state_ring): ...}}``, see
+        :func:`ds4lab.reference.step_maps.step_index_maps`. Layers of one ratio share one entry."""
+        return self.ops.index_maps(pos, req, self.cfg.sliding_window, caches.swa_ring, caches.map_sizes())
 
     # ---- the step ----------------------------------------------------------------------------
     def _attention(self, i, L, x, pos, req, C, maps, ids, next_n=None):

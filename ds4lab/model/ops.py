@@ -161,6 +161,17 @@ class Backend:
         """Forward GPT-J RoPE on the last r dims of ``x (T, ..., d)`` at ``positions`` -> bf16."""
         raise NotImplementedError
 
+    # ---- the step's index maps --------------------------------------------------------------
+    def index_maps(self, positions, req, window, swa_ring, layers, name="step.maps"):
+        """Every index the step's layers need from ``positions, req (T,)`` int64 and the caches'
+        static sizes (``layers``: ``Caches.map_sizes()``), once per forward: the dict of
+        :func:`ds4lab.reference.step_maps.step_index_maps` (SWA slots / window / lengths, per
+        compressed-cache size the write slots, counts, bases and C128 slot lists, per compressor
+        state ring the window rows). This default runs that torch reference (~60 small launches)."""
+        from ds4lab.reference.step_maps import step_index_maps
+        with op_group(name, "torch:index_maps"):
+            return step_index_maps(positions, req, window, swa_ring, layers)
+
     # ---- caches ----------------------------------------------------------------------------
     def mla_cache_write(self, kv, slots, cache, block_size, name):
         """fp8_ds_mla insert of ``kv (T, 512)`` bf16 at ``slots (T,)`` (-1 skips), in place."""
