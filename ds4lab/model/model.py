@@ -7,8 +7,9 @@ does within a step. A decode step is ``B * next_n`` tokens; a prefill chunk is o
 next ``chunk`` tokens. Every index the step needs (SWA window slots, compressor window and state
 rows, compressed write slots, indexer bounds, C128 slot lists) is computed ONCE per forward on the
 device from ``positions`` with static shapes (``_maps``: the backend's ``index_maps``, op group
-``step.maps``, one Triton launch on the kernel backend; layers of one ratio share one entry), so a decode step has no host sync on the kernel backend (CUDA-graph
-capturable) and no per-layer index glue.
+``step.maps``, one Triton launch on the kernel backend; layers of one ratio share one entry), so a
+decode step has no host sync on the kernel backend (CUDA-graph capturable) and no per-layer index
+glue.
 
 Per layer (vLLM ``models/deepseek_v4/cpu/model.py`` ``DeepseekV4DecoderLayer``,
 ``attention.py`` ``DeepseekV4Attention``, ``cpu/cpu_sparse.py``):

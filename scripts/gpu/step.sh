@@ -11,6 +11,7 @@
 #   BUILDS="native sm89" (default), TPS="4" (e.g. "4 8"), STEP_TIMEOUT (s, per build)
 #   RETIME_MOE=1: also re-time fused_moe_w4a16 at TP4 with the cold-L2 set count (rows -> $OUT/bench.csv)
 #   BENCH_GLUE=1: also check + time the norm_rope family (rmsnorm_rope, swiglu_clamp) at TP4 (~1 min a build)
+#   BENCH_MAPS=1: also check + time step_index_maps (one launch) vs its torch reference at TP4 (~30 s a build)
 # Fail-soft: a failing check or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
 OUT=${OUT:-${1:-results}}
@@ -58,6 +59,14 @@ if [ "${BENCH_GLUE:-0}" = 1 ]; then
     timeout ${GLUE_TIMEOUT:-120} python3 -m ds4lab.harness.bench norm_rope --tp 4 --arch $build --out "$OUT" \
       > "$OUT/glue_$build.log" 2>&1 || { echo "GLUE $build: exit $?"; rc=1; }
     grep -E "rmsnorm_rope|swiglu_clamp|FAIL|Error" "$OUT/glue_$build.log" | tail -30
+  done
+fi
+# optional: the step's index maps in one launch against the torch reference it replaced (issue 20, `maps6`)
+if [ "${BENCH_MAPS:-0}" = 1 ]; then
+  for build in $BUILDS; do
+    timeout ${MAPS_TIMEOUT:-90} python3 -m ds4lab.harness.bench step_maps --tp 4 --arch $build --out "$OUT" \
+      > "$OUT/maps_$build.log" 2>&1 || { echo "MAPS $build: exit $?"; rc=1; }
+    grep -E "step_index_maps|FAIL|Error" "$OUT/maps_$build.log" | tail -30
   done
 fi
 # 3. the table
