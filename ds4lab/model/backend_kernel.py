@@ -32,6 +32,7 @@ compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write +
 q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
 rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
+index_maps (once a step)    ``kernel:step_maps.step_index_maps`` (all the step's maps)     1
 add (bf16 + bf16)           ``torch:add`` (one bf16 add: fp32 math, one rounding)              1
 compressor T > 64 / embed   ``torch:compressor`` / ``torch:embedding``
 ==========================  =============================================================  ========
