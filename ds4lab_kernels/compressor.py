@@ -25,7 +25,11 @@ import triton
 import triton.language as tl
 
 from . import _checks as chk
+from . import indexer as idx_cache
+from . import mla_cache
 from ._arch import arch_of
+from .indexer import indexer_k_pack
+from .mla_cache import fp8_ds_mla_pack
 
 __all__ = ["compress_decode", "CONFIGS", "pick_config"]
 
@@ -58,11 +62,14 @@ def _state_write_kernel(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, s
 @triton.jit
 def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
                      stride_st, stride_ws, stride_wv, stride_cs, stride_out, eps,
+                     cslot_ptr, c_u8_ptr, c_f8_ptr, c_bf16_ptr, c_f32_ptr, c_stride, c_stride32, n_slots,
                      RATIO: tl.constexpr, COFF: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
-                     BLOCK_W: tl.constexpr):
+                     BLOCK_W: tl.constexpr, CACHE: tl.constexpr, CACHE_BLOCK: tl.constexpr):
     """Grid ``(T,)``.
     One program owns output row ``t`` (all ``HD`` dims as ``(HD/2, 2)`` pairs): zeros off a boundary,
-    else the online-softmax window sum over ``COFF*RATIO`` state rows, RMSNorm, GPT-J RoPE, bf16."""
+    else the online-softmax window sum over ``COFF*RATIO`` state rows, RMSNorm, GPT-J RoPE, bf16.
+    ``CACHE`` 1 (HD 512) / 2 (HD 128): no output row; a boundary row is written as the fp8_ds_mla /
+    indexer K entry of slot ``cslot_ptr[t]`` (``mla_cache.fp8_ds_mla_pack`` / ``indexer.indexer_k_pack``)."""
     t = tl.program_id(0)
     HALF: tl.constexpr = HD // 2
     W: tl.constexpr = COFF * RATIO
@@ -112,17 +119,28 @@ def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
         od = tl.sum(tl.where(k[None, :] == 1, n, 0.0), axis=1)
         r_ev = ev * cos - od * sin
         r_od = od * cos + ev * sin
-        y = tl.where(k[None, :] == 0, r_ev[:, None], r_od[:, None])
-        tl.store(orow + d, y.to(tl.bfloat16))
-    else:
+        y = tl.where(k[None, :] == 0, r_ev[:, None], r_od[:, None]).to(tl.bfloat16)
+        if CACHE == 1:       # the entry as 8 tiles of 64 dims (row-major (HALF, 2) is dim order)
+            slot = tl.load(cslot_ptr + t).to(tl.int64)
+            fp8_ds_mla_pack(c_u8_ptr, c_f8_ptr, c_bf16_ptr, slot, n_slots, c_stride, tl.reshape(y, (8, 64)),
+                            CACHE_BLOCK)
+        elif CACHE == 2:     # one key row of HD dims
+            slot = tl.load(cslot_ptr + t + tl.arange(0, 1)).to(tl.int64)
+            indexer_k_pack(c_f8_ptr, c_f32_ptr, tl.reshape(y, (1, HD)).to(tl.float32), slot, slot >= 0, c_stride,
+                           c_stride32, HD, CACHE_BLOCK)
+        else:
+            tl.store(orow + d, y)
+    elif CACHE == 0:
         tl.store(orow + d, tl.zeros((HALF, 2), tl.bfloat16))
 
 
 def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
                     window_slots: torch.Tensor, window_valid: torch.Tensor, ape: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float, ratio: int, cos_sin: torch.Tensor,
-                    config: dict | None = None) -> torch.Tensor:
-    """The compressor for one decode step: save the state rows, compress every boundary token.
+                    config: dict | None = None, *, cache: torch.Tensor | None = None,
+                    cache_slots: torch.Tensor | None = None, block_size: int | None = None) -> torch.Tensor:
+    """The compressor for one decode step: save the state rows, compress every boundary token;
+    optionally write the entries straight into their cache (no output rows, no insert launch).
 
     Args:
         kv_score: ``(T, 2*coff*hd)`` float32 or bfloat16 ``kv || score`` (the ``wkv_gate`` GEMM
@@ -140,13 +158,25 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
         ratio: 4 or 128.
         cos_sin: ``(max_pos, R)`` float32 ``cos || sin`` table (R = 64 RoPE dims, GPT-J pairs).
         config: a row of ``CONFIGS`` to force; default picks by arch and ratio.
+        cache: None, or the cache that receives the entries, written in place: ``hd`` 512: an
+            fp8_ds_mla cache (:func:`ds4lab_kernels.mla_cache.fp8_ds_mla_insert`'s layout, ``block_size``
+            entries per block); ``hd`` 128: an indexer K cache
+            (:func:`ds4lab_kernels.indexer.indexer_k_cache_insert`'s layout, its block size from its shape).
+        cache_slots: with ``cache``: ``(T,)`` int32/int64 global slot of each token's entry. Written
+            only where the row is on a boundary and the slot is valid (``>= 0``; fp8_ds_mla: also
+            ``< num_blocks * block_size``; indexer K: the caller guarantees ``< num_blocks * block_size``,
+            checked on the host for CPU tensors, as the insert); slots must be distinct.
+        block_size: with an fp8_ds_mla ``cache``: entries per block (64 C4, 2 C128).
 
     Returns:
         ``(T, hd)`` bfloat16: the normed, rotated compressed entry on boundary rows
-        (``(pos + 1) % ratio == 0``), zeros elsewhere (what the torch path returns).
+        (``(pos + 1) % ratio == 0``), zeros elsewhere (what the torch path returns). With ``cache``:
+        the cache itself, holding, byte for byte, what the insert of those rows at ``cache_slots``
+        (``-1`` off a boundary) writes.
 
     Raises:
-        TypeError: wrong dtypes. ValueError: wrong shapes, strides, ratio, devices or head dim.
+        TypeError: wrong dtypes. ValueError: wrong shapes, strides, ratio, devices or head dim; with
+        ``cache``: a bad cache / ``block_size`` / ``cache_slots`` (named), a device without FP8.
 
     Semantics: :mod:`ds4lab.reference.compressor` (vLLM 0.32 ``DeepseekCompressor`` and the fused
     ``_fused_kv_compress_norm_rope_insert_*`` kernels, up to the cache write).
@@ -188,7 +218,8 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
     chk.same_device("kv_score", kv_score, positions=positions, state=state, state_slots=state_slots,
                     window_slots=window_slots, window_valid=window_valid, ape=ape, norm_weight=norm_weight,
                     cos_sin=cos_sin)
-    out = torch.empty(T, hd, dtype=torch.bfloat16, device=kv_score.device)
+    mode, cargs = _cache_args(cache, cache_slots, block_size, hd, T, kv_score)
+    out = cache if mode else torch.empty(T, hd, dtype=torch.bfloat16, device=kv_score.device)
     if T == 0:
         return out
     positions, state_slots = positions.contiguous(), state_slots.contiguous()
@@ -201,11 +232,40 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
                               ape.stride(0), state.shape[0], RATIO=ratio, WIDTH=width,
                               BLOCK=triton.next_power_of_2(width), num_warps=cfg["write_warps"])
     bw = min(cfg["BLOCK_W"], W)
-    _compress_kernel[(T,)](state, positions, window_slots, wv, norm_weight, cos_sin, out,
-                           state.stride(0), window_slots.stride(0), wv.stride(0), cos_sin.stride(0), out.stride(0),
-                           eps, RATIO=ratio, COFF=coff, HD=hd, ROPE=R, BLOCK_W=bw,
-                           num_warps=cfg["num_warps"], num_stages=1)
+    slots, u8, f8, bf, f32, cstride, cblock, n_slots = cargs
+    _compress_kernel[(T,)](state, positions, window_slots, wv, norm_weight, cos_sin, state if mode else out,
+                           state.stride(0), window_slots.stride(0), wv.stride(0), cos_sin.stride(0),
+                           hd if mode else out.stride(0), eps, slots, u8, f8, bf, f32, cstride, cstride // 4,
+                           n_slots, RATIO=ratio, COFF=coff, HD=hd, ROPE=R, BLOCK_W=bw, CACHE=mode,
+                           CACHE_BLOCK=cblock, num_warps=cfg["num_warps"], num_stages=1)
     return out
+
+
+def _cache_args(cache, cache_slots, block_size, hd: int, T: int, kv_score):
+    """``(CACHE mode, (slots, u8, f8, bf16, f32 views, block stride bytes, block size, n_slots))`` of the
+    cache write (mode 0: none, dummy pointers); the checks are the layouts' own writer checks."""
+    if cache is None:
+        if cache_slots is not None or block_size is not None:
+            raise ValueError("cache_slots / block_size: given without cache")
+        d = kv_score
+        return 0, (d, d, d, d, d, 0, 1, 0)
+    if cache_slots is None:
+        raise ValueError("cache_slots: required with cache")
+    who = "compress_decode(cache=...)"
+    if hd == mla_cache.HEAD_DIM:
+        if block_size is None:
+            raise ValueError("block_size: required with an fp8_ds_mla cache (hd 512)")
+        u8, f8, bf, stride, n_slots, slots = mla_cache.writer_args("cache", cache, block_size, "cache_slots",
+                                                                   cache_slots, who, kv_score=kv_score)
+        chk.shape("cache_slots", slots, (T,))
+        if n_slots == 0:
+            u8 = f8 = bf = kv_score          # an empty cache: every slot is skipped
+        return 1, (slots, u8, f8, bf, kv_score, stride, block_size, n_slots)
+    f8, f32, stride, bs, slots = idx_cache.writer_args("cache", cache, "cache_slots", cache_slots, T, who,
+                                                       kv_score=kv_score)
+    if block_size is not None and block_size != bs:
+        raise ValueError(f"block_size={block_size!r}: the indexer K cache has {bs} entries per block")
+    return 2, (slots, kv_score, f8, kv_score, f32, stride, bs, cache.shape[0] * bs)
 
 
 # ---- config table ------------------------------------------------------------------------------

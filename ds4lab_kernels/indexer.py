@@ -34,6 +34,22 @@ HEAD_DIM = 128
 
 # ---- kernels -----------------------------------------------------------------------------------
 @triton.jit
+def indexer_k_pack(kv8_ptr, kv32_ptr, x, slot, ok, stride_blk8, stride_blk32, D: tl.constexpr, BS: tl.constexpr):
+    """Write indexer K entries (the layout's one home: every writer of the cache calls this).
+
+    ``x``: ``(R, D)`` float32 key rows; ``slot`` ``(R,)`` int64 global slots; ``ok`` ``(R,)`` which rows
+    to write. Row ``r`` -> e4m3 ``x / s`` (RTNE) at byte ``block*stride + entry*D`` and its fp32
+    scale ``s = 2^ceil(log2(max(amax, 1e-4) / 448))`` planar after the block's values
+    (``stride_blk8`` bytes, ``stride_blk32`` fp32 words per block)."""
+    d = tl.arange(0, D)
+    q, s = quant_rows_e4m3(x, 1e-4, True)  # vLLM indexer_k_quant_and_cache, ue8m0 scales
+    blk = tl.where(ok, slot // BS, 0)
+    ent = tl.where(ok, slot % BS, 0)
+    tl.store(kv8_ptr + (blk * stride_blk8 + ent * D)[:, None] + d[None, :], q, mask=ok[:, None])
+    tl.store(kv32_ptr + blk * stride_blk32 + (BS * D // 4) + ent, s, mask=ok)
+
+
+@triton.jit
 def _indexer_k_cache_insert_kernel(
     k_ptr, slot_ptr, kv8_ptr, kv32_ptr,
     T, stride_kt, stride_blk8, stride_blk32,
@@ -48,12 +64,7 @@ def _indexer_k_cache_insert_kernel(
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
     ok = tmask & (slot >= 0)
     x = tl.load(k_ptr + t.to(tl.int64)[:, None] * stride_kt + d[None, :], mask=ok[:, None], other=0.0)
-    x = x.to(tl.float32)
-    q, s = quant_rows_e4m3(x, 1e-4, True)  # vLLM indexer_k_quant_and_cache, ue8m0 scales
-    blk = tl.where(ok, slot // BS, 0)
-    ent = tl.where(ok, slot % BS, 0)
-    tl.store(kv8_ptr + (blk * stride_blk8 + ent * D)[:, None] + d[None, :], q, mask=ok[:, None])
-    tl.store(kv32_ptr + blk * stride_blk32 + (BS * D // 4) + ent, s, mask=ok)
+    indexer_k_pack(kv8_ptr, kv32_ptr, x.to(tl.float32), slot, ok, stride_blk8, stride_blk32, D, BS)
 
 
 @triton.jit
@@ -220,6 +231,30 @@ def _cache_views(kv_cache: torch.Tensor, head_dim: int = HEAD_DIM):
     return kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32), stride, bs
 
 
+def writer_args(cache_name: str, kv_cache: torch.Tensor, slots_name: str, slot_mapping: torch.Tensor, T: int,
+                who: str, **others):
+    """The checks every writer of the indexer K cache runs (the insert and the producers that write
+    their keys in the same launch, ``compressor.compress_decode(cache=...)``), named after the
+    writer's own arguments; ``others`` (name=tensor) must share the cache's device. Returns
+    ``(fp8 view, fp32 view, block stride bytes, block size, contiguous slots)``.
+
+    Raises:
+        TypeError / ValueError: as :func:`_cache_views`; ``slots_name`` not int32/int64 ``(T,)``;
+        devices that differ; a device without FP8; on CPU tensors a slot ``>= num_blocks*block_size``
+        (on CUDA that check would need a device sync, so the caller guarantees it)."""
+    check.tensor(slots_name, slot_mapping, (torch.int32, torch.int64), 1)
+    kv8, kv32, stride, bs = _cache_views(kv_cache)
+    check.same_device(cache_name, kv_cache, **{slots_name: slot_mapping}, **others)
+    require_fp8(cache_name, kv_cache.device, who)
+    if slot_mapping.shape[0] != T:
+        raise ValueError(f"{slots_name}: {slot_mapping.shape[0]} slots for {T} tokens")
+    if T and slot_mapping.device.type == "cpu":
+        mx = int(slot_mapping.max())
+        if mx >= kv_cache.shape[0] * bs:
+            raise ValueError(f"{slots_name}: slot {mx} >= num_blocks*block_size = {kv_cache.shape[0] * bs}")
+    return kv8, kv32, stride, bs, slot_mapping.contiguous()
+
+
 def indexer_k_cache_insert(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            config: dict | None = None) -> torch.Tensor:
     """Quantize indexer keys to e4m3 with one power-of-two scale each and write them into the paged
@@ -246,24 +281,15 @@ def indexer_k_cache_insert(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping
         TypeError / ValueError: naming the offending argument (dtype, shape, strides, device, slots).
     """
     check.tensor("k", k, (torch.bfloat16, torch.float16, torch.float32), 2)
-    check.tensor("slot_mapping", slot_mapping, (torch.int32, torch.int64), 1)
-    kv8, kv32, stride, bs = _cache_views(kv_cache)
-    check.same_device("k", k, kv_cache=kv_cache, slot_mapping=slot_mapping)
-    require_fp8("k", k.device, "indexer_k_cache_insert")
     T, D = k.shape
     if D != HEAD_DIM:
         raise ValueError(f"k: head dim {D}, expected {HEAD_DIM}")
-    if slot_mapping.shape[0] != T:
-        raise ValueError(f"slot_mapping: {slot_mapping.shape[0]} slots for {T} tokens")
     if T and k.stride(1) != 1:
         raise ValueError(f"k: last dim must be contiguous, strides {tuple(k.stride())}")
-    if T and slot_mapping.device.type == "cpu":
-        mx = int(slot_mapping.max())
-        if mx >= kv_cache.shape[0] * bs:
-            raise ValueError(f"slot_mapping: slot {mx} >= num_blocks*block_size = {kv_cache.shape[0] * bs}")
+    kv8, kv32, stride, bs, slot_mapping = writer_args("kv_cache", kv_cache, "slot_mapping", slot_mapping, T,
+                                                      "indexer_k_cache_insert", k=k)
     if T == 0:
         return kv_cache
-    slot_mapping = slot_mapping.contiguous()
     cfg = config or CONFIGS["insert"][arch_of(k.device)]["default"]
     grid = (triton.cdiv(T, cfg["BLOCK_T"]),)
     _indexer_k_cache_insert_kernel[grid](

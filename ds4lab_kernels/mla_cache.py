@@ -36,6 +36,36 @@ assert ENTRY_BYTES == 576 and N_TILES == 7 and ENTRY_BYTES + SCALE_BYTES == 584
 
 
 @triton.jit
+def fp8_ds_mla_pack(c_u8_ptr, c_f8_ptr, c_bf16_ptr, slot, n_slots, stride_blk, x, BLOCK_SIZE: tl.constexpr):
+    """Write one fp8_ds_mla entry (the layout's one home: every writer of the cache calls this).
+
+    ``x``: the entry's 512-dim latent row as an ``(8, 64)`` bfloat16 tile (rows 0..6 the 7 NoPE
+    tiles, row 7 the 64 rotated RoPE dims); ``slot`` int64 global slot ``block * BLOCK_SIZE + pos``,
+    nothing written outside ``[0, n_slots)``. Writes the 448 e4m3 bytes (one pow2 scale per tile,
+    ``2^ceil(log2(max(amax, 1e-4) / 448))``, RTNE), the raw bf16 RoPE dims, and the 7 UE8M0 bytes +
+    a zero pad byte; ``stride_blk`` is the block stride in bytes."""
+    if (slot >= 0) & (slot < n_slots):
+        g = tl.arange(0, 8)                # 7 NoPE tiles + the RoPE tile
+        c = tl.arange(0, 64)
+        blk = slot // BLOCK_SIZE
+        pos = slot - blk * BLOCK_SIZE
+        base = blk * stride_blk                            # bytes
+        ent = base + pos * 576
+        sc = base + BLOCK_SIZE * 576 + pos * 8
+        nope = g[:, None] < 7
+        xf = tl.where(nope, x.to(tl.float32), 0.0)
+        amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4)
+        s = ceil_pow2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+        q = to_e4m3(tl.math.div_rn(xf, s[:, None]))
+        tl.store(c_f8_ptr + ent + g[:, None] * 64 + c[None, :], q, mask=nope)
+        # 7 exponent bytes + a zero pad byte
+        b = tl.where(g < 7, fp32_pow2_to_ue8m0(s), 0).to(tl.uint8)
+        tl.store(c_u8_ptr + sc + g, b)
+        # RoPE dims: raw bf16 copy (bytes 448..575 of the entry; entry offsets are even); only row 7 stores
+        tl.store(c_bf16_ptr + (ent + 448) // 2 + (g[:, None] * 0 + c[None, :]), x, mask=g[:, None] == 7)
+
+
+@triton.jit
 def _fp8_ds_mla_insert_kernel(
     kv_ptr, slot_ptr, c_u8_ptr, c_f8_ptr, c_bf16_ptr,
     stride_kv, stride_blk, n_slots,
@@ -44,31 +74,15 @@ def _fp8_ds_mla_insert_kernel(
     """Grid ``(num_tokens // TOKENS,)``.
     One program: TOKENS consecutive tokens: each token's 576-byte entry and its 8 scale bytes."""
     pid = tl.program_id(0)
-    g = tl.arange(0, 8)                    # 7 NoPE tiles + the RoPE tile
+    g = tl.arange(0, 8)
     c = tl.arange(0, 64)
-    r = tl.arange(0, 64)
     for i in tl.static_range(TOKENS):
         t = pid * TOKENS + i
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if (slot >= 0) & (slot < n_slots):
-            blk = slot // BLOCK_SIZE
-            pos = slot - blk * BLOCK_SIZE
-            base = blk * stride_blk                        # bytes
-            ent = base + pos * 576
-            sc = base + BLOCK_SIZE * 576 + pos * 8
             row = kv_ptr + t.to(tl.int64) * stride_kv
-            nope = g[:, None] < 7
-            x = tl.load(row + g[:, None] * 64 + c[None, :], mask=nope, other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-            s = ceil_pow2(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
-            q = to_e4m3(tl.math.div_rn(x, s[:, None]))
-            tl.store(c_f8_ptr + ent + g[:, None] * 64 + c[None, :], q, mask=nope)
-            # 7 exponent bytes + a zero pad byte
-            b = tl.where(g < 7, fp32_pow2_to_ue8m0(s), 0).to(tl.uint8)
-            tl.store(c_u8_ptr + sc + g, b)
-            # RoPE dims: raw bf16 copy (bytes 448..575 of the entry; entry offsets are even)
-            rope = tl.load(row + 448 + r)
-            tl.store(c_bf16_ptr + (ent + 448) // 2 + r, rope)
+            x = tl.load(row + g[:, None] * 64 + c[None, :])
+            fp8_ds_mla_pack(c_u8_ptr, c_f8_ptr, c_bf16_ptr, slot, n_slots, stride_blk, x, BLOCK_SIZE)
 
 
 def check_cache(name: str, cache: torch.Tensor, block_size: int) -> int:
@@ -112,6 +126,25 @@ def flat_views(cache: torch.Tensor, stride: int):
     return u8, u8.view(torch.float8_e4m3fn), u8.view(torch.bfloat16)
 
 
+def writer_args(cache_name: str, kv_cache: torch.Tensor, block_size: int, slots_name: str,
+                slot_mapping: torch.Tensor, who: str, **others):
+    """The checks every writer of this layout runs (the insert and the producers that write their
+    entries in the same launch, e.g. ``norm_rope.q_kv_rmsnorm_rope(swa_cache=...)``), named after the
+    writer's own arguments; ``others`` (name=tensor) must share the cache's device. Returns ``(u8, f8, bf16 views, block stride bytes, n_slots, slots)``.
+
+    Raises:
+        TypeError / ValueError: as :func:`check_cache`; ``slots_name`` not int32/int64 1-D, devices
+        that differ, a device without FP8."""
+    check.tensor(slots_name, slot_mapping, (torch.int32, torch.int64))
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"{slots_name}: expected shape (num_tokens,), got {tuple(slot_mapping.shape)}")
+    stride = check_cache(cache_name, kv_cache, block_size)
+    check.same_device(cache_name, kv_cache, **{slots_name: slot_mapping}, **others)
+    require_fp8(cache_name, kv_cache.device, who)
+    u8, f8, bf = flat_views(kv_cache, stride) if kv_cache.shape[0] else (kv_cache,) * 3
+    return u8, f8, bf, stride, kv_cache.shape[0] * block_size, slot_mapping.contiguous()
+
+
 def fp8_ds_mla_insert(kv: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
                       block_size: int = 64, config: dict | None = None) -> torch.Tensor:
     """Quantize latent KV rows and write them into an fp8_ds_mla paged cache, in place.
@@ -147,20 +180,17 @@ def fp8_ds_mla_insert(kv: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: to
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] > kv.shape[0]:
         raise ValueError(f"slot_mapping: expected shape (num_tokens,) with num_tokens <= {kv.shape[0]}, "
                          f"got {tuple(slot_mapping.shape)}")
-    stride = check_cache("kv_cache", kv_cache, block_size)
-    check.same_device("kv_cache", kv_cache, kv=kv, slot_mapping=slot_mapping)
-    require_fp8("kv_cache", kv_cache.device, "fp8_ds_mla_insert")
+    u8, f8, bf, stride, n_slots, slot_mapping = writer_args("kv_cache", kv_cache, block_size, "slot_mapping",
+                                                            slot_mapping, "fp8_ds_mla_insert", kv=kv)
     T = slot_mapping.shape[0]  # vLLM: DP padding may leave kv longer than slot_mapping
     if T == 0 or kv_cache.shape[0] == 0:
         return kv_cache
-    slot_mapping = slot_mapping.contiguous()
-    u8, f8, bf = flat_views(kv_cache, stride)
     cfg = config or pick_config(T, kv_cache.device)
     tokens = cfg["TOKENS"]
     if T % tokens:
         tokens = 1
     _fp8_ds_mla_insert_kernel[(T // tokens,)](
-        kv, slot_mapping, u8, f8, bf, kv.stride(0), stride, kv_cache.shape[0] * block_size,
+        kv, slot_mapping, u8, f8, bf, kv.stride(0), stride, n_slots,
         BLOCK_SIZE=block_size, TOKENS=tokens, num_warps=cfg["num_warps"], num_stages=1)
     return kv_cache
 

@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 from . import _checks
+from . import mla_cache
 from ._arch import arch_of
+from .mla_cache import fp8_ds_mla_pack
 
 __all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "swiglu_clamp", "CONFIGS"]
 
@@ -81,11 +83,14 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
 
 @triton.jit
 def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_ptr, stride_xt, DQ, DKV, max_pos,
-                           eps, R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+                           eps, slot_ptr, c_u8_ptr, c_f8_ptr, c_bf16_ptr, stride_blk, n_slots,
+                           R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CACHE: tl.constexpr,
+                           CACHE_BLOCK: tl.constexpr):
     """Grid ``(T, 2)``.
     One program owns one segment of token ``t``: ``(t, 0)`` the q segment ``x[t, :DQ]`` (norm x gain
     -> ``q[t]``); ``(t, 1)`` the kv segment ``x[t, DQ:DQ+DKV]`` (norm x gain, bf16 round, GPT-J RoPE on the last
-    ``R`` dims as ``R/2`` (even, odd) pairs -> ``kv[t]``)."""
+    ``R`` dims as ``R/2`` (even, odd) pairs -> ``kv[t]``; with ``CACHE`` (DKV 512, R 64) the row is not
+    stored but written as the fp8_ds_mla entry of slot ``slot_ptr[t]`` (``mla_cache.fp8_ds_mla_pack``))."""
     t = tl.program_id(0)
     seg = tl.program_id(1)
     xrow = x_ptr + t.to(tl.int64) * stride_xt
@@ -103,8 +108,7 @@ def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_pt
         xk = tl.load(xrow + DQ + ck, mask=mk, other=0.0).to(tl.float32)
         rk = tl.math.rsqrt(tl.sum(xk * xk, axis=0) / DKV + eps)
         wk = tl.load(wkv_ptr + ck, mask=mk, other=0.0).to(tl.float32)
-        orow = kv_ptr + t.to(tl.int64) * DKV
-        tl.store(orow + ck, (xk * rk * wk).to(tl.bfloat16), mask=ck < DKV - R)
+        body = (xk * rk * wk).to(tl.bfloat16)
         half = tl.arange(0, R // 2)
         e_off = DKV - R + 2 * half
         # the normed kv is rounded to bf16 before the rotation (vLLM: kv_norm's bf16 output feeds the rope)
@@ -117,8 +121,20 @@ def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_pt
         pc = tl.where(ok, p, 0)
         cs = tl.where(ok, tl.load(cs_ptr + pc * R + half), float("nan"))
         sn = tl.where(ok, tl.load(cs_ptr + pc * R + R // 2 + half), float("nan"))
-        tl.store(orow + e_off, (ev * cs - od * sn).to(tl.bfloat16))
-        tl.store(orow + e_off + 1, (od * cs + ev * sn).to(tl.bfloat16))
+        r_ev = (ev * cs - od * sn).to(tl.bfloat16)
+        r_od = (od * cs + ev * sn).to(tl.bfloat16)
+        if CACHE:
+            # the entry as 8 tiles of 64: the 7 NoPE tiles of the body, then the rotated pairs in dim order
+            g = tl.arange(0, 8)
+            rope = tl.interleave(r_ev, r_od)
+            ent = tl.where(g[:, None] == 7, rope[None, :], tl.reshape(body, (8, 64)))
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            fp8_ds_mla_pack(c_u8_ptr, c_f8_ptr, c_bf16_ptr, slot, n_slots, stride_blk, ent, CACHE_BLOCK)
+        else:
+            orow = kv_ptr + t.to(tl.int64) * DKV
+            tl.store(orow + ck, body, mask=ck < DKV - R)
+            tl.store(orow + e_off, r_ev)
+            tl.store(orow + e_off + 1, r_od)
 
 
 @triton.jit
@@ -230,11 +246,14 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float
 
 
 def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, q_dim: int, eps: float,
-                      positions: torch.Tensor, cos_sin: torch.Tensor, config: dict | None = None):
-    """The q_norm and kv_norm of the fused ``wq_a | wkv`` output, and the kv RoPE, one launch.
+                      positions: torch.Tensor, cos_sin: torch.Tensor, config: dict | None = None, *,
+                      kv_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+                      block_size: int = 64):
+    """The q_norm and kv_norm of the fused ``wq_a | wkv`` output, and the kv RoPE, one launch;
+    optionally the kv's fp8_ds_mla cache insert in the same launch.
 
     Grid: ``(T, 2)``; program ``(t, 0)`` norms token ``t``'s q segment, ``(t, 1)`` its kv segment
-    and rotates the kv rope tail.
+    and rotates the kv rope tail (with ``kv_cache``: and writes it as token ``t``'s cache entry).
 
     Args:
         x: bfloat16 ``(T, q_dim + Dkv)`` (the ``wqkv_a`` GEMM output), last dim contiguous, any
@@ -246,15 +265,25 @@ def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.
             in that token's kv rope dims (no host sync to check).
         cos_sin: float32 ``(max_pos, R)`` ``cos || sin`` table, ``R`` even, a power of two, ``<= Dkv``.
         config: a row of ``CONFIGS["q_kv_rmsnorm_rope"][arch]`` to force.
+        kv_cache: None, or the fp8_ds_mla cache (uint8, the layout of
+            :func:`ds4lab_kernels.mla_cache.fp8_ds_mla_insert`, written in place) that receives the kv
+            rows instead of returning them; needs ``Dkv == 512`` and ``R == 64``.
+        slot_mapping: with ``kv_cache``: ``(T,)`` int32/int64 global slots ``block * block_size + pos``;
+            a slot outside ``[0, num_blocks * block_size)`` (``-1``) skips the token; slots must be
+            distinct (as for the insert).
+        block_size: with ``kv_cache``: entries per cache block.
 
     Returns:
         ``(q (T, q_dim), kv (T, Dkv))`` bfloat16, contiguous: ``q = bf16(rms(x_q) * q_weight)``,
         ``kv = bf16(rope(bf16(rms(x_kv) * kv_weight)))`` (float32 math; the kv is rounded to bf16
         between its norm and its rotation, as vLLM's ``kv_norm`` output feeds its rope kernel).
+        With ``kv_cache``: ``q`` only; the cache holds, byte for byte, what
+        ``fp8_ds_mla_insert(kv, slot_mapping, kv_cache, block_size)`` writes.
 
     Raises:
         TypeError: wrong dtypes. ValueError: wrong shapes, ``q_dim`` outside the row, last dim not
-        contiguous, bad ``cos_sin``, devices that differ.
+        contiguous, bad ``cos_sin``, devices that differ; with ``kv_cache``: ``Dkv != 512`` or
+        ``R != 64``, a bad cache / ``block_size`` / ``slot_mapping`` (named), a device without FP8.
 
     Semantics: vLLM 0.32 ``models/deepseek_v4`` attention (``q_norm``, ``kv_norm`` RMSNorm modules,
     then the kv side of ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``);
@@ -287,16 +316,37 @@ def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.
     for n, t in (("q_weight", q_weight), ("kv_weight", kv_weight), ("positions", positions), ("cos_sin", cos_sin)):
         if t.device != x.device:
             raise ValueError(f"{n}: device {t.device} != x device {x.device}")
+    fused = kv_cache is not None
     q = torch.empty(T, q_dim, dtype=torch.bfloat16, device=x.device)
-    kv = torch.empty(T, dkv, dtype=torch.bfloat16, device=x.device)
+    if fused:
+        if dkv != mla_cache.HEAD_DIM or R != mla_cache.ROPE_DIM:
+            raise ValueError(f"kv_cache: the fp8_ds_mla entry needs Dkv={mla_cache.HEAD_DIM} and R="
+                             f"{mla_cache.ROPE_DIM} rope dims, got Dkv={dkv}, R={R}")
+        if slot_mapping is None:
+            raise ValueError("slot_mapping: required with kv_cache")
+        u8, f8, bf, stride, n_slots, slots = mla_cache.writer_args(
+            "kv_cache", kv_cache, block_size, "slot_mapping", slot_mapping, "q_kv_rmsnorm_rope(kv_cache=...)", x=x)
+        if slots.shape[0] != T:
+            raise ValueError(f"slot_mapping: {slots.shape[0]} slots for {T} tokens")
+        kv = q                                   # not written (dummy pointer)
+    else:
+        if slot_mapping is not None:
+            raise ValueError("slot_mapping: given without kv_cache")
+        kv = torch.empty(T, dkv, dtype=torch.bfloat16, device=x.device)
+        u8 = f8 = bf = slots = x                 # dummy pointers (not read)
+        stride = n_slots = 0
     if T == 0:
-        return q, kv
+        return q if fused else (q, kv)
+    if fused and n_slots == 0:
+        u8 = f8 = bf = x                         # an empty cache: every slot is skipped
     cfg = config or pick_config("q_kv_rmsnorm_rope", T, x.device)
     _q_kv_norm_rope_kernel[(T, 2)](x, q_weight.contiguous(), kv_weight.contiguous(), positions.contiguous(),
                                    cos_sin.contiguous(), q, kv, x.stride(0), q_dim, dkv, cos_sin.shape[0],
-                                   float(eps), R=R, BLOCK_Q=triton.next_power_of_2(q_dim),
-                                   BLOCK_KV=triton.next_power_of_2(dkv), num_warps=cfg["num_warps"], num_stages=1)
-    return q, kv
+                                   float(eps), slots, u8, f8, bf, stride, n_slots, R=R,
+                                   BLOCK_Q=triton.next_power_of_2(q_dim), BLOCK_KV=triton.next_power_of_2(dkv),
+                                   CACHE=fused, CACHE_BLOCK=block_size if fused else 1,
+                                   num_warps=cfg["num_warps"], num_stages=1)
+    return q if fused else (q, kv)
 
 
 def swiglu_clamp(gu: torch.Tensor, limit: float, config: dict | None = None) -> torch.Tensor:

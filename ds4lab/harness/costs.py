@@ -326,6 +326,19 @@ def compress_decode_flops(s: dict) -> float:
     return s["T"] * (4.0 * W * hd + 4.0 * hd)
 
 
+def q_kv_rmsnorm_rope_insert_min_bytes(s: dict) -> float:
+    """:func:`q_kv_rmsnorm_rope_min_bytes` with the kv written as its fp8_ds_mla entry (576 data + 8 scale
+    bytes, an int32 slot in) instead of a bf16 row."""
+    return q_kv_rmsnorm_rope_min_bytes(s) - s["T"] * (s["Dkv"] * 2 - MLA_DATA - MLA_SCALE - 4)
+
+
+def compress_decode_insert_min_bytes(s: dict) -> float:
+    """:func:`compress_decode_min_bytes` with each entry written to its cache (hd 512: a 584-byte
+    fp8_ds_mla entry; hd 128: 128 e4m3 bytes + an fp32 scale; an int64 slot in) instead of a bf16 row."""
+    ent = MLA_DATA + MLA_SCALE if s["hd"] == HEAD_DIM else s["hd"] + 4
+    return compress_decode_min_bytes(s) - s["T"] * (s["hd"] * 2 - ent - 8)
+
+
 FLOPS: dict[str, Callable[[dict], float]] = {
     "fp8_gemm_nt": gemm_flops,
     "w8a8_block_fp8_linear": gemm_flops,
@@ -356,6 +369,8 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "swiglu_clamp": _zero,
     "compress_decode": compress_decode_flops,
     "step_index_maps": _zero,
+    "q_kv_rmsnorm_rope_insert": _zero,
+    "compress_decode_insert": compress_decode_flops,
 }
 
 MIN_BYTES: dict[str, Callable[[dict], float]] = {
@@ -388,6 +403,8 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "swiglu_clamp": swiglu_min_bytes,
     "compress_decode": compress_decode_min_bytes,
     "step_index_maps": step_maps_min_bytes,
+    "q_kv_rmsnorm_rope_insert": q_kv_rmsnorm_rope_insert_min_bytes,
+    "compress_decode_insert": compress_decode_insert_min_bytes,
 }
 
 # the selected experts' weights + the activations: what a MoE call brings through L2

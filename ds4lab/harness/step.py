@@ -82,9 +82,12 @@ ALLREDUCE_AFTER = {"attn.o_proj": 1, "moe.shared_w2": 2}
 GROUP_OPS = {
     # attn.wq_b: in C4A layers the indexer's wq_b runs in the same GEMM (ds4lab.model.weights.fuse_layer)
     "attn.wqkv_a": ("wq_a_wkv",), "attn.wq_b": ("wq_b", "indexer_wq_b"), "attn.o_proj": ("o_proj", "wo_b"),
-    "attn.sparse_mla": ("sparse_mla",), "attn.swa_insert": ("kv_cache_insert",),
-    "indexer.logits_topk": ("mqa_logits", "topk_indices"),
-    "indexer.k_insert": ("indexer_k_insert",), "moe.gate": ("router_gate",), "moe.route": ("moe_router",),
+    "attn.sparse_mla": ("sparse_mla",),
+    # the SWA and indexer K inserts run inside their producers' launches (q_kv_norm_rope(swa_cache=),
+    # compressor_insert): their bytes are those groups' (a lower bound: the norm's and the compressor's
+    # own bytes have no formula in the decode model); the groups attn.swa_insert / indexer.k_insert are gone
+    "attn.q_kv_norm_rope": ("kv_cache_insert",), "indexer.compressor": ("indexer_k_insert",),
+    "indexer.logits_topk": ("mqa_logits", "topk_indices"), "moe.gate": ("router_gate",), "moe.route": ("moe_router",),
     "moe.gate_route": ("router_gate", "moe_router"),
     "moe.experts": ("moe_w13+moe_w2",), "moe.shared_w13": ("shared_gate_up",), "moe.shared_w2": ("shared_down",),
     "head.lm_head": ("lm_head",),

@@ -14,8 +14,8 @@ shared down (SwiGLU input)  ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused swiglu
                             ``FUSE_SHARED_ACT_MAX_M`` (2) tokens, else swiglu_clamp + the linear          1
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
   (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
-mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert``                             1
-indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``                          1
+mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert`` (cache fill, prefill)       1
+indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert`` (cache fill, prefill)    1
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
@@ -29,7 +29,11 @@ route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``            
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
 compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2
                             reads the bf16 GEMM output slice as is)
+compressor_insert, T <= 64  ``kernel:compressor.compress_decode(+fp8_ds_mla|indexer K insert)``  2
+                            (the boundary entries written by the compress launch: no insert launch;
+                            T > 64: torch compressor + the insert, groups ``name`` + ``insert_name``)
 q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
+                            (``swa_cache=``: ``(+fp8_ds_mla insert)``, the SWA entry in the launch)
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
 rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
 index_maps (once a step)    ``kernel:step_maps.step_index_maps`` (all the step's maps)     1
@@ -94,6 +98,10 @@ K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
 K_Q_KV_NORM_ROPE = "kernel:norm_rope.q_kv_rmsnorm_rope"
 K_STEP_MAPS = "kernel:step_maps.step_index_maps"
+K_Q_KV_NORM_ROPE_INSERT = "kernel:norm_rope.q_kv_rmsnorm_rope(+fp8_ds_mla insert)"
+#: [fp8_ds_mla (hd 512), indexer K (hd 128)]
+K_COMPRESS_INSERT = ("kernel:compressor.compress_decode(+fp8_ds_mla insert)",
+                     "kernel:compressor.compress_decode(+indexer K insert)")
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -178,9 +186,17 @@ class KernelBackend(Backend):
                 y = F.linear(x2.to(lin.weight.dtype), lin.weight).to(out_dtype)
         return y.reshape(*x.shape[:-1], -1)
 
-    def q_kv_norm_rope(self, qkv, q_dim, q_weight, kv_weight, eps, positions, cos_sin, name="attn.q_kv_norm_rope"):
-        with op_group(name, K_Q_KV_NORM_ROPE):
-            return self.k["nr"].q_kv_rmsnorm_rope(qkv.to(BF16), q_weight, kv_weight, q_dim, eps, positions, cos_sin)
+    def q_kv_norm_rope(self, qkv, q_dim, q_weight, kv_weight, eps, positions, cos_sin, name="attn.q_kv_norm_rope",
+                       swa_cache=None, swa_slots=None, swa_block=64):
+        """``swa_cache`` given: the kv's fp8_ds_mla entry is written in the same launch (any T: one
+        program per token segment either way), only ``q`` comes back."""
+        if swa_cache is None:
+            with op_group(name, K_Q_KV_NORM_ROPE):
+                return self.k["nr"].q_kv_rmsnorm_rope(qkv.to(BF16), q_weight, kv_weight, q_dim, eps, positions,
+                                                      cos_sin)
+        with op_group(name, K_Q_KV_NORM_ROPE_INSERT):
+            return self.k["nr"].q_kv_rmsnorm_rope(qkv.to(BF16), q_weight, kv_weight, q_dim, eps, positions, cos_sin,
+                                                  kv_cache=swa_cache, slot_mapping=swa_slots, block_size=swa_block)
 
     def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
         with op_group(name, K_NORM_ROPE):      # q may be a column slice of a fused GEMM output (row stride)
@@ -218,6 +234,22 @@ class KernelBackend(Backend):
         with op_group(name, "torch:compressor"):       # prefill chunks: boundary rows only
             return compress(kv_score, positions, state, state_slots, window_slots, window_valid, ape,
                             norm_weight, eps, ratio, cos_sin)
+
+    def compressor_insert(self, kv_score, positions, state, state_slots, window_slots, window_valid, ape,
+                          norm_weight, eps, ratio, cos_sin, name, cache, cache_slots, block_size=None,
+                          insert_name=None):
+        """Up to :data:`DECODE_MAX_T` tokens: ``compress_decode(cache=...)`` writes each boundary row's
+        entry in the compress launch (2 launches, no insert); above (prefill chunks): the torch
+        compressor, then the insert (group ``insert_name``)."""
+        if kv_score.shape[0] > DECODE_MAX_T:
+            return super().compressor_insert(kv_score, positions, state, state_slots, window_slots, window_valid, ape,
+                                             norm_weight, eps, ratio, cos_sin, name, cache, cache_slots, block_size,
+                                             insert_name)
+        hd = kv_score.shape[1] // (4 if ratio == 4 else 2)
+        with op_group(name, K_COMPRESS_INSERT[hd == 128]):
+            self.k["comp"].compress_decode(kv_score, positions, state, state_slots, window_slots, window_valid, ape,
+                                           norm_weight, eps, ratio, cos_sin, cache=cache, cache_slots=cache_slots,
+                                           block_size=None if hd == 128 else block_size)
 
     # ---- indexer ---------------------------------------------------------------------------
     def indexer_q(self, q, positions, cos_sin, weights, name="indexer.q_quant"):

@@ -32,6 +32,7 @@ or ``python -m ds4lab.model.check --cpu`` (tiny config, interpreter, TP 1).
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 
@@ -71,7 +72,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor, ref_in: torch.Tensor):
 #: bytes written by the writers must agree on >= 99.9% of the written bytes.
 OP_BUDGET = {"float": 2 ** -7, "mhc": 1e-2, "index": 0.98, "bytes": 0.999}
 
-_SHADOWED = ("rmsnorm", "linear", "q_kv_norm_rope", "q_norm_rope", "rope", "mla_cache_write", "indexer_cache_write", "compressor",
+_SHADOWED = ("rmsnorm", "linear", "q_kv_norm_rope", "q_norm_rope", "rope", "mla_cache_write", "indexer_cache_write",
+             "compressor", "compressor_insert",
              "indexer_q", "indexer_topk", "sparse_mla", "o_proj", "mhc_pre", "mhc_post", "mhc_post_pre", "hc_head",
              "route", "gate_route", "experts", "swiglu", "add")
 
@@ -125,19 +127,35 @@ class OpShadow:
             ra, rk = [self._cpu(x) for x in a], {k: self._cpu(v) for k, v in kw.items()}
             r = rf(*ra, **rk)
             o = kf(*a, **kw)
-            name = kw.get("name") or next((x for x in reversed(a) if isinstance(x, str)), meth)
-            self._compare(meth, name, a, ra, o, r)
+            if meth == "compressor_insert":
+                name = a[11]
+            else:   # the call's group name, else the op's default group (e.g. attn.q_kv_norm_rope)
+                dflt = getattr(inspect.signature(kf).parameters.get("name"), "default", None)
+                name = kw.get("name") or next((x for x in reversed(a) if isinstance(x, str)),
+                                              dflt if isinstance(dflt, str) else meth)
+            self._compare(meth, name, a, ra, o, r, kw, rk)
             return o
         return run
 
-    def _compare(self, meth, name, a, ra, o, r):
-        if meth in ("mla_cache_write", "indexer_cache_write"):
-            ci = 2
-            kc, rc = a[ci].detach().cpu(), ra[ci]
-            slots = a[1].detach().cpu().long()
-            agree = self._written_bytes_agree(meth, kc, rc, slots, a)
-            self._row(meth, name, "bytes", agree, agree >= OP_BUDGET["bytes"])
+    def _bytes_row(self, meth, name, layout, kc, rc, slots, block_size):
+        agree = self._written_bytes_agree(layout, kc.detach().cpu(), rc, slots.detach().cpu().long(), block_size)
+        self._row(meth, name, "bytes", agree, agree >= OP_BUDGET["bytes"])
+
+    def _compare(self, meth, name, a, ra, o, r, kw=None, rk=None):
+        kw, rk = kw or {}, rk or {}
+        if meth == "mla_cache_write":
+            self._bytes_row(meth, name, "fp8_ds_mla", a[2], ra[2], a[1], a[3])
             return
+        if meth == "indexer_cache_write":
+            self._bytes_row(meth, name, "indexer_k", a[2], ra[2], a[1], None)
+            return
+        if meth == "compressor_insert":    # the entries written (-1 off a boundary): no output
+            layout = "indexer_k" if a[0].shape[1] // (4 if a[9] == 4 else 2) == 128 else "fp8_ds_mla"
+            self._bytes_row(meth, name + "(cache)", layout, a[12], ra[12], a[13], a[14] if len(a) > 14 else None)
+            return
+        if meth == "q_kv_norm_rope" and kw.get("swa_cache") is not None:
+            self._bytes_row(meth, name + "(swa_cache)", "fp8_ds_mla", kw["swa_cache"], rk["swa_cache"],
+                            kw["swa_slots"], kw.get("swa_block", 64))
         oo = o if isinstance(o, tuple) else (o,)
         rr = r if isinstance(r, tuple) else (r,)
         for j, (x, y) in enumerate(zip(oo, rr)):
@@ -157,16 +175,15 @@ class OpShadow:
                           agree >= OP_BUDGET["index"])
 
     @staticmethod
-    def _written_bytes_agree(meth, kc, rc, slots, a):
-        """Fraction of equal bytes over the entries the call wrote (fp8_ds_mla: 584 B per entry;
-        indexer K: 132 B), read back through the caches' own layouts."""
+    def _written_bytes_agree(layout, kc, rc, slots, bs):
+        """Fraction of equal bytes over the entries the call wrote (``layout`` ``"fp8_ds_mla"``: 584 B per
+        entry, ``bs`` entries per block; ``"indexer_k"``: 132 B), read back through the caches' own layouts."""
         from ds4lab.model.cache import ENTRY
         ok = slots >= 0
         s = slots[ok]
         if not s.numel():
             return 1.0
-        if meth == "mla_cache_write":
-            bs = a[3]
+        if layout == "fp8_ds_mla":
             kb, rb = kc.reshape(kc.shape[0], -1), rc.reshape(rc.shape[0], -1)
             blk, pos = s // bs, s % bs
             ar = torch.arange(576)

@@ -15,7 +15,8 @@ Per layer (vLLM ``models/deepseek_v4/cpu/model.py`` ``DeepseekV4DecoderLayer``,
 ``attention.py`` ``DeepseekV4Attention``, ``cpu/cpu_sparse.py``):
 mHC pre (+attn_norm) -> ``wqkv_a`` -> q_norm, kv_norm + RoPE (one op, ``q_kv_norm_rope``) ->
 ``wq_b`` (C4A: fused with the indexer's ``wq_b``, one GEMM on ``qr``) -> per-head RMSNorm + RoPE
-(q), fp8_ds_mla insert (kv) -> [compressor (+ indexer compressor, indexer q, logits, top-512); C4A:
+(q); the kv's fp8_ds_mla SWA entry is written by the q/kv norm op -> [compressor (+ indexer
+compressor; each writes its boundary entries into its cache), indexer q, logits, top-512); C4A:
 the three bf16 GEMMs on ``x`` (both compressors' ``wkv_gate``, the indexer's ``weights_proj``) as
 one, ``attn.x_proj``, its column slices read in place] -> sparse MLA with sink over SWA (+
 compressed) -> o_proj -> mHC post -> mHC pre (+ffn_norm) ->
@@ -93,7 +94,9 @@ class RankModel:
         cs = self.cos_sin[ratio]
         hd, ql = cfg.head_dim, cfg.q_lora_rank
         qkv = o.linear(x, L["wqkv_a"], "attn.wqkv_a")
-        qr, kv = o.q_kv_norm_rope(qkv, ql, L["q_norm"], L["kv_norm"], cfg.rms_norm_eps, pos, cs)
+        # the kv's only use is its SWA entry: written by the norm/rope op itself (no insert launch)
+        qr = o.q_kv_norm_rope(qkv, ql, L["q_norm"], L["kv_norm"], cfg.rms_norm_eps, pos, cs, swa_cache=C.swa,
+                              swa_slots=maps["swa_slots"], swa_block=64)
         idx = ratio == 4
         if idx and "wq_b_cat" in L:             # wq_b | indexer wq_b: one GEMM on qr (weights.fuse_layer)
             qq = o.linear(qr, L["wq_b_cat"], "attn.wq_b")     # its bytes: harness.step.GROUP_OPS
@@ -103,7 +106,6 @@ class RankModel:
             q = o.linear(qr, L["wq_b"], "attn.wq_b")
             iq = o.linear(qr, L["idx"]["wq_b"], "indexer.wq_b") if idx else None
         q = o.q_norm_rope(q.reshape(T, self.H, hd), pos, cs, cfg.rms_norm_eps)
-        o.mla_cache_write(kv, maps["swa_slots"], C.swa, 64, "attn.swa_insert")
         comp_cache = comp_slots = comp_lens = None
         if ratio:
             cm = maps["comp"][(ratio, C.n_comp)]
@@ -116,15 +118,14 @@ class RankModel:
                 if idx:
                     iks = o.linear(x, L["idx"]["comp"]["wkv_gate"], "indexer.compressor.wkv_gate")
                     iw = o.linear(x, L["idx"]["weights_proj"], "indexer.weights_proj")
-            c = self._compress(L["comp"], ks, pos, maps["win"][(ratio, C.state_ring)], C.state, ratio, cs,
-                               "attn.compressor")
-            o.mla_cache_write(c, cm["comp_w"], C.comp, C.comp_block, "attn.comp_insert")
+            # each compressor writes its boundary entries into its cache itself (no insert launch at decode)
+            self._compress(L["comp"], ks, pos, maps["win"][(ratio, C.state_ring)], C.state, ratio, cs,
+                           "attn.compressor", C.comp, cm["comp_w"], C.comp_block, "attn.comp_insert")
             comp_cache = C.comp
             if idx:
                 I = L["idx"]
-                ic = self._compress(I["comp"], iks, pos, maps["win"][(4, C.idx_state_ring)], C.idx_state, 4, cs,
-                                    "indexer.compressor")
-                o.indexer_cache_write(ic, cm["comp_w"], C.idx, "indexer.k_insert")
+                self._compress(I["comp"], iks, pos, maps["win"][(4, C.idx_state_ring)], C.idx_state, 4, cs,
+                               "indexer.compressor", C.idx, cm["comp_w"], None, "indexer.k_insert")
                 qf, wf = o.indexer_q(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), pos, cs, iw)
                 # the top-512 comes back as global compressed slots (req * n_comp added in the launch)
                 comp_slots = o.indexer_topk(qf, wf, C.idx, C.idx_block_table, req, cm["ncomp"], C.n_comp,
@@ -136,11 +137,12 @@ class RankModel:
                          comp_lens, 64, C.comp_block, hd ** -0.5)
         return o.o_proj(a, pos, cs, L["wo_a"], L["wo_b"], self.G)
 
-    def _compress(self, P, ks, pos, win, state, ratio, cs, name):
+    def _compress(self, P, ks, pos, win, state, ratio, cs, name, cache, slots, block, insert_name):
         """``ks (T, 2*coff*hd)`` bf16: the ``wkv_gate`` GEMM output (may be a column slice of a
-        fused GEMM's output); ``win``: this ring's entry of ``maps["win"]``."""
-        return self.ops.compressor(ks, pos, state, win["sslots"], win["wslots"], win["valid"], P["ape"], P["norm"],
-                                   self.cfg.rms_norm_eps, ratio, cs, name)
+        fused GEMM's output); ``win``: this ring's entry of ``maps["win"]``; the entries go to
+        ``cache`` at ``slots`` (-1 off a boundary; ``block``: fp8_ds_mla entries per block)."""
+        self.ops.compressor_insert(ks, pos, state, win["sslots"], win["wslots"], win["valid"], P["ape"], P["norm"],
+                                   self.cfg.rms_norm_eps, ratio, cs, name, cache, slots, block, insert_name)
 
     def _moe(self, L, x, ids):
         o, cfg = self.ops, self.cfg

@@ -142,15 +142,23 @@ class Backend:
         activation quant + block-scaled GEMM; bf16 weight: bf16 product, fp32 accumulate)."""
         raise NotImplementedError
 
-    def q_kv_norm_rope(self, qkv, q_dim, q_weight, kv_weight, eps, positions, cos_sin, name="attn.q_kv_norm_rope"):
+    def q_kv_norm_rope(self, qkv, q_dim, q_weight, kv_weight, eps, positions, cos_sin, name="attn.q_kv_norm_rope",
+                       swa_cache=None, swa_slots=None, swa_block=64):
         """``qkv (T, q_dim + hd)`` bf16 (the ``wqkv_a`` output) -> ``(qr (T, q_dim), kv (T, hd))`` bf16:
         ``qr = rmsnorm(qkv[:, :q_dim], q_weight)``, ``kv = rope(rmsnorm(qkv[:, q_dim:], kv_weight))``
         (each norm's bf16 output kept, as vLLM's ``q_norm`` / ``kv_norm`` modules round there). This
         default runs the three ops (groups ``attn.q_norm``, ``attn.kv_norm``, ``attn.kv_rope``); a
-        backend may fuse them."""
+        backend may fuse them. ``swa_cache`` given: the kv goes into that fp8_ds_mla cache at
+        ``swa_slots (T,)`` (block ``swa_block``; -1 skips) instead of coming back, and only ``qr`` is
+        returned; this default composes :meth:`mla_cache_write` (group ``attn.swa_insert``), a backend
+        may write the entries in the producing launch."""
         q = self.rmsnorm(qkv[:, :q_dim], q_weight, eps, "attn.q_norm")
         kv = self.rmsnorm(qkv[:, q_dim:], kv_weight, eps, "attn.kv_norm")
-        return q, self.rope(kv, positions, cos_sin, "attn.kv_rope")
+        kv = self.rope(kv, positions, cos_sin, "attn.kv_rope")
+        if swa_cache is None:
+            return q, kv
+        self.mla_cache_write(kv, swa_slots, swa_cache, swa_block, "attn.swa_insert")
+        return q
 
     def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
         """``q (T, H, hd)`` bf16: per-head weight-free RMSNorm, then forward RoPE on the last r
@@ -190,6 +198,21 @@ class Backend:
         normed, rotated entry ``(T, hd)`` bf16 (meaningful where ``(pos + 1) % ratio == 0``; the
         caller writes only those)."""
         raise NotImplementedError
+
+    def compressor_insert(self, kv_score, positions, state, state_slots, window_slots, window_valid, ape,
+                          norm_weight, eps, ratio, cos_sin, name, cache, cache_slots, block_size=None,
+                          insert_name=None):
+        """:meth:`compressor`, then its entries written into ``cache`` at ``cache_slots (T,)`` (-1 off a
+        ratio boundary skips) instead of coming back (returns None): ``hd`` 512 an fp8_ds_mla cache
+        (``block_size`` entries per block, :meth:`mla_cache_write`), ``hd`` 128 the indexer K cache
+        (:meth:`indexer_cache_write`). This default composes the two (the write as group
+        ``insert_name``); a backend may write the entries in the compressing launch."""
+        c = self.compressor(kv_score, positions, state, state_slots, window_slots, window_valid, ape, norm_weight,
+                            eps, ratio, cos_sin, name)
+        if c.shape[1] == 128:
+            self.indexer_cache_write(c, cache_slots, cache, insert_name or name + ".insert")
+        else:
+            self.mla_cache_write(c, cache_slots, cache, block_size, insert_name or name + ".insert")
 
     # ---- indexer ---------------------------------------------------------------------------
     def indexer_q(self, q, positions, cos_sin, weights, name="indexer.q_quant"):

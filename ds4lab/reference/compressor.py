@@ -26,7 +26,8 @@ import torch
 
 from ds4lab.reference.rope import apply_rope
 
-__all__ = ["state_rows", "window_positions", "compress_window", "norm_rope", "compress", "compress_decode"]
+__all__ = ["state_rows", "window_positions", "compress_window", "norm_rope", "compress", "compress_decode",
+           "compress_decode_insert"]
 
 
 def state_rows(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
@@ -101,3 +102,21 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
         c = compress_window(st, window_valid[b], hd, ratio, coff)
         out[b] = norm_rope(c, norm_weight, eps, positions[b], ratio, cos_sin)
     return out
+
+
+def compress_decode_insert(kv_score: torch.Tensor, positions: torch.Tensor, state: torch.Tensor,
+                           state_slots: torch.Tensor, window_slots: torch.Tensor, window_valid: torch.Tensor,
+                           ape: torch.Tensor, norm_weight: torch.Tensor, eps: float, ratio: int, cos_sin: torch.Tensor,
+                           cache: torch.Tensor, cache_slots: torch.Tensor, block_size: int | None = None):
+    """:func:`compress_decode` (state written in place), then the boundary rows' entries inserted at
+    ``cache_slots`` (``-1`` elsewhere): hd 512 through :func:`ds4lab.reference.mla_cache.fp8_ds_mla_insert`
+    (``block_size``), hd 128 through :func:`ds4lab.reference.indexer.indexer_k_cache_insert`. Returns a
+    NEW cache (the input cache is not modified)."""
+    from ds4lab.reference.indexer import indexer_k_cache_insert
+    from ds4lab.reference.mla_cache import fp8_ds_mla_insert
+    out = compress_decode(kv_score, positions, state, state_slots, window_slots, window_valid, ape, norm_weight,
+                          eps, ratio, cos_sin)
+    slots = torch.where((positions + 1) % ratio == 0, cache_slots.long(), -1)
+    if out.shape[1] == 128:
+        return indexer_k_cache_insert(out, cache, slots)
+    return fp8_ds_mla_insert(out, slots, cache, block_size)

@@ -13,7 +13,7 @@ import torch
 from ds4lab.reference.moe import swiglu_clamp as _swiglu
 from ds4lab.reference.rope import apply_rope
 
-__all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "swiglu_clamp"]
+__all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "q_kv_rmsnorm_rope_insert", "swiglu_clamp"]
 
 
 def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -46,3 +46,14 @@ def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.
     q = rmsnorm_rope(x[:, :q_dim], q_weight, eps)
     kv = rmsnorm_rope(x[:, q_dim:], kv_weight, eps).to(torch.bfloat16)
     return q, rmsnorm_rope(kv, None, 0.0, positions, cos_sin, norm=False)
+
+
+def q_kv_rmsnorm_rope_insert(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, q_dim: int,
+                             eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor, block_size: int = 64):
+    """:func:`q_kv_rmsnorm_rope` then the fp8_ds_mla insert of its bf16 kv
+    (:func:`ds4lab.reference.mla_cache.fp8_ds_mla_insert`) -> ``(q (T, q_dim) float64, a NEW cache)``
+    (the input cache is not modified)."""
+    from ds4lab.reference.mla_cache import fp8_ds_mla_insert
+    q, kv = q_kv_rmsnorm_rope(x, q_weight, kv_weight, q_dim, eps, positions, cos_sin)
+    return q, fp8_ds_mla_insert(kv.to(torch.bfloat16), slot_mapping, kv_cache, block_size)

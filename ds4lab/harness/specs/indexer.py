@@ -62,21 +62,23 @@ def make_insert_inputs(shape: dict, case: str = "random", seed: int = 0, device=
             "slot_mapping": slots.to(device)}
 
 
-def check_insert(out, ref, inputs) -> list:
-    kv = inputs["kv_cache"]
-    reps = [compare_exact(out.cpu(), ref.cpu(), "cache bytes")]
-    # bytes outside the written entries must still hold the fill pattern (no stray writes)
-    span = (kv.shape[0] - 1) * kv.stride(0) + kv.shape[1] * kv.shape[2]
+def untouched_report(out, slots):
+    """Bytes of a :func:`make_cache` cache ``out`` outside the entries of ``slots`` (``>= 0``) still hold
+    the fill pattern (no stray writes)."""
+    span = (out.shape[0] - 1) * out.stride(0) + out.shape[1] * out.shape[2]
     flat = torch.as_strided(out, (span,), (1,)).cpu()
     touched = torch.zeros(span, dtype=torch.bool)
-    for s in inputs["slot_mapping"].cpu().tolist():
+    for s in slots.cpu().tolist():
         if s >= 0:
-            vo, so = R.entry_offsets(s, kv.stride(0), kv.shape[1], D)
+            vo, so = R.entry_offsets(s, out.stride(0), out.shape[1], D)
             touched[vo:vo + D] = True
             touched[so:so + 4] = True
-    pat = _fill_pattern(kv.shape[0] * kv.stride(0), "cpu")[:span]
-    reps.append(compare_exact(flat[~touched], pat[~touched], "untouched bytes"))
-    return reps
+    pat = _fill_pattern(out.shape[0] * out.stride(0), "cpu")[:span]
+    return compare_exact(flat[~touched], pat[~touched], "untouched bytes")
+
+
+def check_insert(out, ref, inputs) -> list:
+    return [compare_exact(out.cpu(), ref.cpu(), "cache bytes"), untouched_report(out, inputs["slot_mapping"])]
 
 
 register(KernelSpec(
