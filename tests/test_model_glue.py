@@ -135,5 +135,7 @@ def test_tiny_decode_step_launch_budget():
     # the cache entries are written by their producers: no insert launch (glue6: -5 here, 128 -> 123)
     assert not {"attn.swa_insert", "attn.comp_insert", "indexer.k_insert"} & set(n.calls)
     assert n["attn.q_kv_norm_rope"] == n.calls["attn.q_kv_norm_rope"]
-    assert n["attn.compressor"] == 2 * n.calls["attn.compressor"] and n["indexer.compressor"] == 2
+    assert n["attn.compressor"] == 2 * n.calls["attn.compressor"]
+    # 2 launches + the indexer K writer's CPU-only slot bound check (max + item; skipped on CUDA)
+    assert n.calls["indexer.compressor"] == 1 and n["indexer.compressor"] == 2 + 2
     assert sum(n.values()) <= 70     # maps6 (1 maps launch) + glue6 (no insert launches): 62 at merge
