@@ -786,9 +786,13 @@ def _rows_token_a(x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
     ra = tl.arange(0, 8)
     rb = tl.arange(0, 16)
     pa = tl.sum(f0 * wa0 + f1 * wa1 + f2 * wa2 + f3 * wa3, axis=1)                      # pre 0-3, post 4-7
-    pb = tl.sum(f0 * wb0 + f1 * wb1 + f2 * wb2 + f3 * wb3, axis=1)                      # comb 0-15
+    qb = f0 * wb0 + f1 * wb1 + f2 * wb2 + f3 * wb3
+    pb = tl.sum(qb, axis=1)                                                             # comb 0-15
     ga, gb = _gram_ab(rb)
-    g = tl.sum(_pick4(ga[:, None], f0, f1, f2, f3) * _pick4(gb[:, None], f0, f1, f2, f3), axis=1)
+    # rows 10-15 (never stored) take the comb products: the Gram tile then shares the fn tiles' layout (no
+    # conversion of the streams, sums within a warp)
+    gt = _pick4(ga[:, None], f0, f1, f2, f3) * _pick4(gb[:, None], f0, f1, f2, f3)
+    g = tl.sum(tl.where(rb[:, None] < 10, gt, qb), axis=1)
     tl.store(part_ptr + prow + rb, g, mask=valid & (rb < 10))
     tl.store(part_ptr + prow + tl.where(ra < 4, 10 + ra, 12 + ra), pa, mask=valid)
     tl.store(part_ptr + prow + 20 + rb, pb, mask=valid)
@@ -869,6 +873,32 @@ def _rows_token_b(part_ptr, res_out_ptr, w_ptr, scale_ptr, base_ptr, post_ptr, c
 
 
 @triton.jit
+def _ld_acquire(ptr):
+    """``ld.acquire.gpu`` of one int32 (every thread): a spin read that is also the acquire, so leaving the
+    spin costs no further round trip (``_count_sync`` re-reads with an acquire atomic). GPU builds only
+    (inline PTX; the interpreter runs the seams as two launches)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _count_sync_acq(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr):
+    """:func:`_count_sync` (the same counter protocol and last-arriver rule) with the waiters spinning on
+    :func:`_ld_acquire`: one L2 round trip less between the last arrival and the waiters' partial reads."""
+    tl.debug_barrier()  # the whole CTA's stores precede thread 0's release below
+    inc = tl.where(pid_s == 0, STEP - (n_programs - 1), 1)
+    old = tl.atomic_add(cnt_ptr, inc, sem="acq_rel")
+    target = old - (old & (STEP - 1)) + STEP
+    last = old + inc == target
+    if old + inc != target:
+        cur = _ld_acquire(cnt_ptr)
+        while cur != target:
+            cur = _ld_acquire(cnt_ptr)
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
 def _mhc_seam_rows_kernel(
     x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
     fn_ptr, scale_ptr, base_ptr, w_ptr, part_ptr, cnt_ptr,
@@ -923,7 +953,7 @@ def _mhc_seam_rows_kernel(
                           stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh,
                           HAS_X2)
     if PHASE == 0:
-        last = _count_sync(cnt_ptr + pid_m * 32, pid_s, S, STEP)
+        last = _count_sync_acq(cnt_ptr + pid_m * 32, pid_s, S, STEP)
     else:
         last = pid_s == 0
     if PHASE != 1:
@@ -1641,7 +1671,9 @@ _SEAMR = {"SEAMR_BLOCK_D": 64, "SEAMR_BLOCK_M": 4, "SEAMR_WARPS": 4, "SEAMR_LAUN
 SEAMR_ROWS = {
     "seamr_d64": {},                          # 64 programs a token block: T=16 is 4 x 64 = 256 (2 per SM)
     "seamr_d32": {"SEAMR_BLOCK_D": 32},       # 128 programs a token block: one wave of 128 / 132 SMs at T<=4
-    "seamr_d64_m8": {"SEAMR_BLOCK_M": 8},     # 8-token blocks: T=16 is 2 x 64 = 128 programs, fn read twice
+    # 8 warps over 128 columns: T=16 is 4 x 32 = 128 programs, one a SM (8-token blocks, 2 x 64 programs at
+    # 4 warps: 16 B spill on sm_89, ptxas hoists all 8 tokens' loads)
+    "seamr_d128w8": {"SEAMR_BLOCK_D": 128, "SEAMR_WARPS": 8},
 }
 CONFIGS = {
     "sm_89": {
