@@ -1017,7 +1017,9 @@ def _check_residual(name, residual):
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
 GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seam1_d64"), "sm_90": ("decode", "prefill", "fused_m64k16", "seam1_d64")}
-#: the largest token count the one-launch seam1 row serves by default (seam1 rows run ``decode`` above 4)
+#: the one-launch seam row pick_config(fused=True) returns up to SEAM_DEFAULT_MAX_T tokens (seam1 rows run
+#: ``decode`` above 4; a seamr row serves up to SEAMR_MAX_T = 16 in one launch: mhc6, untimed)
+SEAM_DEFAULT = "seam1_d64"
 SEAM_DEFAULT_MAX_T = 4
 
 
@@ -1031,7 +1033,7 @@ def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> d
         # H200 (issue 20, session 5; results/issue20/s5/mhc_bench.csv): mhc_fused_post_pre TP4, sm_89 build /
         # native, us: seam1_d64 T=1 10.62 / 10.67, T=2 11.89 / 11.92, T=4 16.19 / 16.20 vs decode 17.65 /
         # 17.7, 18.08 / 17.87, 17.87 / 18.1 and seam_d64 13.36 / 13.38, 17.03 / 17.05, 20.9 / 20.84
-        cfg = table["seam1_d64"]
+        cfg = table[SEAM_DEFAULT]
     if fused and num_tokens > 64 and device.type == "cuda" and arch_of(device) == "sm_90":
         # H200 run 4: fused_m64k16 63.4 us at T=512 and 247.6 us at T=2048 vs prefill 83.4 / 312.7 us
         cfg = table["fused_m64k16"]
@@ -1293,8 +1295,9 @@ def seamr_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dic
     blocks, column split, launches (1 with the counter sync; 2 on the interpreter, for ``SEAMR_LAUNCHES = 2``
     rows, or when the grid exceeds the programs resident at once: :func:`resident_per_sm` x SMs), partial
     rows reduced per load. ``compiled`` as :func:`seam_plan`."""
-    if not 1 <= T <= SEAMR_MAX_T:
-        raise ValueError(f"num_tokens={T}: the seamr kernel serves 1..{SEAMR_MAX_T} tokens")
+    top = cfg.get("SEAMR_MAX_T", SEAMR_MAX_T)
+    if not 1 <= T <= top:
+        raise ValueError(f"num_tokens={T}: this seamr row serves 1..{top} tokens")
     BM = min(triton.next_power_of_2(T), cfg["SEAMR_BLOCK_M"])
     BD = cfg["SEAMR_BLOCK_D"]
     S = triton.cdiv(D, BD)
@@ -1571,7 +1574,7 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
                    hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
     _check_precision(precision)
     cfg = config or pick_config(T, residual.device, fused=True)
-    if cfg.get("SEAMR_BLOCK_D") and 1 <= T <= SEAMR_MAX_T:
+    if cfg.get("SEAMR_BLOCK_D") and 1 <= T <= cfg.get("SEAMR_MAX_T", SEAMR_MAX_T):
         return _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps,
                           hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg)
     if cfg.get("SEAM1_BLOCK_D") and 1 <= T <= SEAM1_MAX_T:
@@ -1670,7 +1673,9 @@ SEAM1_ROWS = {
 _SEAMR = {"SEAMR_BLOCK_D": 64, "SEAMR_BLOCK_M": 4, "SEAMR_WARPS": 4, "SEAMR_LAUNCHES": 1, "SEAMR_PART_ROWS": 128}
 SEAMR_ROWS = {
     "seamr_d64": {},                          # 64 programs a token block: T=16 is 4 x 64 = 256 (2 per SM)
-    "seamr_d32": {"SEAMR_BLOCK_D": 32},       # 128 programs a token block: one wave of 128 / 132 SMs at T<=4
+    # 128 programs a token block: one wave of 128 / 132 SMs at T<=4, 256 at T=8; up to 8 tokens (at 16 its
+    # 512 programs take two launches, whose phase-A kernel spills 8 B with x2 on sm_89)
+    "seamr_d32": {"SEAMR_BLOCK_D": 32, "SEAMR_MAX_T": 8},
     # 8 warps over 128 columns: T=16 is 4 x 32 = 128 programs, one a SM (8-token blocks, 2 x 64 programs at
     # 4 warps: 16 B spill on sm_89, ptxas hoists all 8 tokens' loads)
     "seamr_d128w8": {"SEAMR_BLOCK_D": 128, "SEAMR_WARPS": 8},
@@ -1699,6 +1704,7 @@ CONFIGS = {
         # gemm_waves8 / gemm_m32 (pre-norm GEMM, T=4096): 124.6 / 155.1 us vs prefill 118.9 (H200 run 4): dropped
         **{k: {**_DECODE_90, **_SEAM, **v} for k, v in SEAM_ROWS.items()},
         **{k: {**_DECODE_90, **_SEAM1, **v} for k, v in SEAM1_ROWS.items()},
-        **{k: {**_DECODE_90, **_SEAMR, **v} for k, v in SEAMR_ROWS.items()},
+        # seamr_d32 spills 4 B on sm_90a at T=8 (ptxas stops at 128 registers; 151 / 0 on sm_89): not listed
+        **{k: {**_DECODE_90, **_SEAMR, **v} for k, v in SEAMR_ROWS.items() if k != "seamr_d32"},
     },
 }

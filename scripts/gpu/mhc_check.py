@@ -37,7 +37,8 @@ def runs(table):
     out = []
     for label in K.SEAMR_ROWS:
         if label in table:
-            Ts = (1, 2, 4, 8, 16) if label == "seamr_d64" else (1, 8, 16)
+            top = table[label].get("SEAMR_MAX_T", K.SEAMR_MAX_T)
+            Ts = [T for T in ((1, 2, 4, 8, 16) if label == "seamr_d64" else (1, 8, 16)) if T <= top]
             out += [(label, T, S.FUSED_CASES if T in (1, 16) else _MID_CASES) for T in Ts]
     if "seam1_d64" in table:
         out += [("seam1_d64", T, S.FUSED_CASES) for T in (1, 2, 4)]

@@ -221,7 +221,7 @@ def _seam_key(row: dict, T: int, D: int):
     from ds4lab_kernels import mhc as K
     cpu = torch.device("cpu")
     if "SEAMR_BLOCK_D" in row:
-        if T > K.SEAMR_MAX_T:
+        if T > row.get("SEAMR_MAX_T", K.SEAMR_MAX_T):
             return None
         p = K.seamr_plan(T, D, cpu, row, compiled=True)
         return ("seamr", p["BLOCK_M"], p["BLOCK_D"], p["launches"], p["BLOCK_S"], row["SEAMR_WARPS"])
