@@ -689,6 +689,282 @@ def _mhc_seam1_kernel(
             tl.store(y_row, yb, mask=m2)
 
 
+# ---- the row-tile seam (issue 20, mhc6: `seamr_*` rows) -------------------------------------------
+@triton.jit
+def _norm4_fast(a, b, c, d, eps):
+    """``v / (a + b + c + d + eps)`` with a two-level sum and the approximate division (MUFU.RCP + FMUL,
+    ~2 ulp): the 40 dependent passes of Sinkhorn are its critical path."""
+    inv = tl.math.fdiv(1.0, (a + b) + ((c + d) + eps), ieee_rounding=False)
+    return a * inv, b * inv, c * inv, d * inv
+
+
+@triton.jit
+def _sinkhorn16(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps, n_iters):
+    """Sinkhorn of one 4x4 comb held as 16 per-thread scalars (logits in): row softmax + eps, a column pass,
+    then ``n_iters - 1`` (row pass, column pass), each ``x / (sum + eps)`` (:func:`_norm4_fast`)."""
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, eps)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, eps)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, eps)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, eps)
+    c00, c10, c20, c30 = _norm4_fast(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4_fast(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4_fast(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4_fast(c03, c13, c23, c33, eps)
+    for _ in range(1, n_iters):
+        c00, c01, c02, c03 = _norm4_fast(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4_fast(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4_fast(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4_fast(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4_fast(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4_fast(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4_fast(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4_fast(c03, c13, c23, c33, eps)
+    return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
+
+
+@triton.jit
+def _at(v, c, k):
+    """Entry ``k`` of the 1-D vector ``v`` indexed by ``c`` (a reduction within the threads holding it)."""
+    return tl.sum(tl.where(c == k, v, 0.0), axis=0)
+
+
+@triton.jit
+def _pick4(i, v0, v1, v2, v3):
+    return tl.where(i == 0, v0, tl.where(i == 1, v1, tl.where(i == 2, v2, v3)))
+
+
+@triton.jit
+def _gram_ab(r):
+    """The stream pair (a, b), a <= b, of packed Gram entry r in 0..9: 00 01 02 03 11 12 13 22 23 33."""
+    a = tl.where(r < 4, 0, tl.where(r < 7, 1, tl.where(r < 9, 2, 3)))
+    b = tl.where(r < 4, r, tl.where(r < 7, r - 3, tl.where(r < 9, r - 5, 3)))
+    return a, b
+
+
+@triton.jit
+def _rows_token_a(x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr, part_ptr, tok, valid, dd, dmask,
+                  wa0, wa1, wa2, wa3, wb0, wb1, wb2, wb3, prow,
+                  stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh,
+                  HAS_X2: tl.constexpr):
+    """Phase A of one token: the post (bf16 streams to ``res_out``) and the token's partial row at ``prow``:
+    Gram 0-9 (packed, :func:`_gram_ab`), pre 10-13, post 16-19, comb 20-35, each a sum over this program's
+    columns of a 2-D ``[rows, BLOCK_D]`` tile (fn rows x columns; the stream a broadcast row: no 3-D
+    tiles, the sums over d stay inside a warp)."""
+    m = dmask & valid
+    tok64 = tok.to(tl.int64)
+    x = tl.load(x_ptr + tok64 * stride_xt + dd, mask=m, other=0.0).to(tl.float32)
+    if HAS_X2:
+        x = _add_bf16(x, x2_ptr + tok64 * stride_x2t + dd, m)
+    r_row = res_ptr + tok64 * stride_rt + dd
+    r0 = tl.load(r_row, mask=m, other=0.0).to(tl.float32)
+    r1 = tl.load(r_row + stride_rh, mask=m, other=0.0).to(tl.float32)
+    r2 = tl.load(r_row + 2 * stride_rh, mask=m, other=0.0).to(tl.float32)
+    r3 = tl.load(r_row + 3 * stride_rh, mask=m, other=0.0).to(tl.float32)
+    p_row = post_in_ptr + tok64 * stride_pt
+    c_row = comb_in_ptr + tok64 * stride_ct
+    o_row = res_out_ptr + tok64 * stride_ot + dd
+    n0 = (tl.load(p_row, mask=valid, other=0.0) * x + tl.load(c_row, mask=valid, other=0.0) * r0
+          + tl.load(c_row + 4, mask=valid, other=0.0) * r1 + tl.load(c_row + 8, mask=valid, other=0.0) * r2
+          + tl.load(c_row + 12, mask=valid, other=0.0) * r3).to(tl.bfloat16)
+    n1 = (tl.load(p_row + 1, mask=valid, other=0.0) * x + tl.load(c_row + 1, mask=valid, other=0.0) * r0
+          + tl.load(c_row + 5, mask=valid, other=0.0) * r1 + tl.load(c_row + 9, mask=valid, other=0.0) * r2
+          + tl.load(c_row + 13, mask=valid, other=0.0) * r3).to(tl.bfloat16)
+    n2 = (tl.load(p_row + 2, mask=valid, other=0.0) * x + tl.load(c_row + 2, mask=valid, other=0.0) * r0
+          + tl.load(c_row + 6, mask=valid, other=0.0) * r1 + tl.load(c_row + 10, mask=valid, other=0.0) * r2
+          + tl.load(c_row + 14, mask=valid, other=0.0) * r3).to(tl.bfloat16)
+    n3 = (tl.load(p_row + 3, mask=valid, other=0.0) * x + tl.load(c_row + 3, mask=valid, other=0.0) * r0
+          + tl.load(c_row + 7, mask=valid, other=0.0) * r1 + tl.load(c_row + 11, mask=valid, other=0.0) * r2
+          + tl.load(c_row + 15, mask=valid, other=0.0) * r3).to(tl.bfloat16)
+    tl.store(o_row, n0, mask=m)
+    tl.store(o_row + stride_oh, n1, mask=m)
+    tl.store(o_row + 2 * stride_oh, n2, mask=m)
+    tl.store(o_row + 3 * stride_oh, n3, mask=m)
+    f0 = n0.to(tl.float32)[None, :]
+    f1 = n1.to(tl.float32)[None, :]
+    f2 = n2.to(tl.float32)[None, :]
+    f3 = n3.to(tl.float32)[None, :]
+    ra = tl.arange(0, 8)
+    rb = tl.arange(0, 16)
+    pa = tl.sum(f0 * wa0 + f1 * wa1 + f2 * wa2 + f3 * wa3, axis=1)                      # pre 0-3, post 4-7
+    qb = f0 * wb0 + f1 * wb1 + f2 * wb2 + f3 * wb3
+    pb = tl.sum(qb, axis=1)                                                             # comb 0-15
+    ga, gb = _gram_ab(rb)
+    # rows 10-15 (never stored) take the comb products: the Gram tile then shares the fn tiles' layout (no
+    # conversion of the streams, sums within a warp)
+    gt = _pick4(ga[:, None], f0, f1, f2, f3) * _pick4(gb[:, None], f0, f1, f2, f3)
+    g = tl.sum(tl.where(rb[:, None] < 10, gt, qb), axis=1)
+    tl.store(part_ptr + prow + rb, g, mask=valid & (rb < 10))
+    tl.store(part_ptr + prow + tl.where(ra < 4, 10 + ra, 12 + ra), pa, mask=valid)
+    tl.store(part_ptr + prow + 20 + rb, pb, mask=valid)
+
+
+@triton.jit
+def _rows_token_b(part_ptr, res_out_ptr, w_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, out_ptr,
+                  tok, valid, dd, dmask, prow0, S, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters,
+                  norm_eps, D, stride_ot, stride_oh, stride_yt, last,
+                  BLOCK_S: tl.constexpr, PART_W: tl.constexpr, ROW_STEP: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Phase B of one token: reduce its S partial rows (``prow0 + s * ROW_STEP``), the pre gates and the layer
+    input of this program's columns (``mean(y^2) = pre^T G pre / D`` from the packed Gram entries, as the
+    seam1 kernel); ``last``: also the post gates and Sinkhorn of the comb (16 per-thread scalars)."""
+    m = dmask & valid
+    tok64 = tok.to(tl.int64)
+    o_row = res_out_ptr + tok64 * stride_ot + dd
+    n0 = tl.load(o_row, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    n1 = tl.load(o_row + stride_oh, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    n2 = tl.load(o_row + 2 * stride_oh, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    n3 = tl.load(o_row + 3 * stride_oh, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    c = tl.arange(0, 16)
+    g = tl.zeros((16,), dtype=tl.float32)
+    v = tl.zeros((32,), dtype=tl.float32)
+    c32 = tl.arange(0, 32)
+    for s0 in range(0, S, BLOCK_S):
+        rs = s0 + tl.arange(0, BLOCK_S)
+        rows = prow0 + rs.to(tl.int64) * ROW_STEP
+        lm = (rs < S)[:, None] & valid
+        g += tl.sum(tl.load(part_ptr + rows[:, None] + c[None, :], mask=lm & (c < 14)[None, :], other=0.0,
+                            cache_modifier=".cg"), axis=0)
+        if last:
+            v += tl.sum(tl.load(part_ptr + rows[:, None] + 16 + c32[None, :], mask=lm & (c32 < 20)[None, :],
+                                other=0.0, cache_modifier=".cg"), axis=0)
+    ga, gb = _gram_ab(c)
+    sq = tl.sum(tl.where((c < 10) & (ga == gb), g, 0.0), axis=0)                    # trace(G)
+    rms = tl.math.rsqrt(sq / rms_numel + rms_eps)
+    s0_ = tl.load(scale_ptr)
+    p0 = tl.sigmoid(_at(g, c, 10) * rms * s0_ + tl.load(base_ptr)) + pre_eps
+    p1 = tl.sigmoid(_at(g, c, 11) * rms * s0_ + tl.load(base_ptr + 1)) + pre_eps
+    p2 = tl.sigmoid(_at(g, c, 12) * rms * s0_ + tl.load(base_ptr + 2)) + pre_eps
+    p3 = tl.sigmoid(_at(g, c, 13) * rms * s0_ + tl.load(base_ptr + 3)) + pre_eps
+    wq = _pick4(ga, p0, p1, p2, p3) * _pick4(gb, p0, p1, p2, p3) * tl.where(ga == gb, 1.0, 2.0)
+    ysq = tl.maximum(tl.sum(tl.where(c < 10, g * wq, 0.0), axis=0), 0.0)
+    inv = tl.math.rsqrt(ysq / D + norm_eps)
+    y = (p0 * n0 + p1 * n1 + p2 * n2 + p3 * n3).to(tl.bfloat16)
+    y_row = out_ptr + tok64 * stride_yt + dd
+    if HAS_NORM:
+        wn = tl.load(w_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+        tl.store(y_row, (y.to(tl.float32) * inv * wn).to(tl.bfloat16), mask=m)
+    else:
+        tl.store(y_row, y, mask=m)
+    if last:  # post gates + Sinkhorn: only the next seam reads them
+        post = tl.sigmoid(v * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + 4 + c32, mask=c32 < 4, other=0.0))
+        tl.store(post_ptr + tok64 * 4 + c32, post * post_mult, mask=(c32 < 4) & valid)
+        lg = v * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 4 + c32, mask=c32 < 20, other=0.0)
+        k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33 = _sinkhorn16(
+            _at(lg, c32, 4), _at(lg, c32, 5), _at(lg, c32, 6), _at(lg, c32, 7),
+            _at(lg, c32, 8), _at(lg, c32, 9), _at(lg, c32, 10), _at(lg, c32, 11),
+            _at(lg, c32, 12), _at(lg, c32, 13), _at(lg, c32, 14), _at(lg, c32, 15),
+            _at(lg, c32, 16), _at(lg, c32, 17), _at(lg, c32, 18), _at(lg, c32, 19), sk_eps, n_iters)
+        cr = comb_ptr + tok64 * 16
+        tl.store(cr + 0, k00, mask=valid)
+        tl.store(cr + 1, k01, mask=valid)
+        tl.store(cr + 2, k02, mask=valid)
+        tl.store(cr + 3, k03, mask=valid)
+        tl.store(cr + 4, k10, mask=valid)
+        tl.store(cr + 5, k11, mask=valid)
+        tl.store(cr + 6, k12, mask=valid)
+        tl.store(cr + 7, k13, mask=valid)
+        tl.store(cr + 8, k20, mask=valid)
+        tl.store(cr + 9, k21, mask=valid)
+        tl.store(cr + 10, k22, mask=valid)
+        tl.store(cr + 11, k23, mask=valid)
+        tl.store(cr + 12, k30, mask=valid)
+        tl.store(cr + 13, k31, mask=valid)
+        tl.store(cr + 14, k32, mask=valid)
+        tl.store(cr + 15, k33, mask=valid)
+
+
+@triton.jit
+def _ld_acquire(ptr):
+    """``ld.acquire.gpu`` of one int32 (every thread): a spin read that is also the acquire, so leaving the
+    spin costs no further round trip (``_count_sync`` re-reads with an acquire atomic). GPU builds only
+    (inline PTX; the interpreter runs the seams as two launches)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _count_sync_acq(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr):
+    """:func:`_count_sync` (the same counter protocol and last-arriver rule) with the waiters spinning on
+    :func:`_ld_acquire`: one L2 round trip less between the last arrival and the waiters' partial reads."""
+    tl.debug_barrier()  # the whole CTA's stores precede thread 0's release below
+    inc = tl.where(pid_s == 0, STEP - (n_programs - 1), 1)
+    old = tl.atomic_add(cnt_ptr, inc, sem="acq_rel")
+    target = old - (old & (STEP - 1)) + STEP
+    last = old + inc == target
+    if old + inc != target:
+        cur = _ld_acquire(cnt_ptr)
+        while cur != target:
+            cur = _ld_acquire(cnt_ptr)
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def _mhc_seam_rows_kernel(
+    x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
+    fn_ptr, scale_ptr, base_ptr, w_ptr, part_ptr, cnt_ptr,
+    post_ptr, comb_ptr, out_ptr,
+    T, D, S, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps,
+    stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh, stride_fn,
+    stride_yt,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PART_W: tl.constexpr,
+    STEP: tl.constexpr, HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``. One program (m, s) owns tokens
+    ``[m*BLOCK_M, +BLOCK_M)`` (1-4, or 8 at most; one token after the other) x hidden columns
+    ``[s*BLOCK_D, +BLOCK_D)`` of all 4 streams: the seam1 protocol (every fn load first, one counter sync per
+    token block, the last arriver runs the post gates and Sinkhorn), with
+
+    - 2-D tiles only: the fn rows of the program's columns ``[8|16, BLOCK_D]`` stay in their load layout and
+      every stream is a broadcast row, so no fn tile crosses shared memory (the 3-D tiles of the seam1
+      kernel converted all 24 KiB of them) and the sums over d stay within a warp;
+    - the Gram matrix packed (10 entries): a partial row is 36 fp32 (Gram 0-9, pre 10-13, post 16-19,
+      comb 20-35); the collapsing programs read 16 of them, the last arriver 36, in one load per chunk;
+    - Sinkhorn on 16 per-thread scalars taken from the reduced row in registers (no global round trip of
+      the logits), with two-level sums and the approximate division (~2 ulp per pass);
+    - the layer input per token from the new streams re-read (L2) beside the partial rows.
+
+    Token blocks have their own counters, so several run in one launch: the launcher keeps the grid within
+    the programs that are resident at once (2 per SM at 4 warps: at most 255 x 128 registers each).
+    PHASE 0: one launch (GPU). PHASE 1 / 2: phase A / B as two launches (the interpreter, grids above the
+    resident limit); program s = 0 is then the one that runs Sinkhorn.
+    """
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    dd = pid_s * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    blk = (pid_m * S + pid_s).to(tl.int64) * BLOCK_M  # this program's first partial row
+    if PHASE != 2:
+        ra = tl.arange(0, 8)
+        rb = tl.arange(0, 16)
+        wa_row = fn_ptr + ra[:, None] * stride_fn + dd[None, :]                 # pre + post rows [8, BD]
+        wb_row = fn_ptr + (8 + rb)[:, None] * stride_fn + dd[None, :]           # comb rows [16, BD]
+        wa0 = tl.load(wa_row, mask=dmask[None, :], other=0.0)
+        wa1 = tl.load(wa_row + D, mask=dmask[None, :], other=0.0)
+        wa2 = tl.load(wa_row + 2 * D, mask=dmask[None, :], other=0.0)
+        wa3 = tl.load(wa_row + 3 * D, mask=dmask[None, :], other=0.0)
+        wb0 = tl.load(wb_row, mask=dmask[None, :], other=0.0)
+        wb1 = tl.load(wb_row + D, mask=dmask[None, :], other=0.0)
+        wb2 = tl.load(wb_row + 2 * D, mask=dmask[None, :], other=0.0)
+        wb3 = tl.load(wb_row + 3 * D, mask=dmask[None, :], other=0.0)
+        for t in tl.static_range(BLOCK_M):
+            tok = pid_m * BLOCK_M + t
+            _rows_token_a(x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr, part_ptr, tok, tok < T,
+                          dd, dmask, wa0, wa1, wa2, wa3, wb0, wb1, wb2, wb3, (blk + t) * PART_W,
+                          stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh,
+                          HAS_X2)
+    if PHASE == 0:
+        last = _count_sync_acq(cnt_ptr + pid_m * 32, pid_s, S, STEP)
+    else:
+        last = pid_s == 0
+    if PHASE != 1:
+        for t in tl.static_range(BLOCK_M):
+            tok = pid_m * BLOCK_M + t
+            _rows_token_b(part_ptr, res_out_ptr, w_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, out_ptr,
+                          tok, tok < T, dd, dmask, (pid_m.to(tl.int64) * S * BLOCK_M + t) * PART_W, S, rms_numel,
+                          rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps, D, stride_ot, stride_oh,
+                          stride_yt, last, BLOCK_S, PART_W, BLOCK_M * PART_W, HAS_NORM)
+
+
 # ---- input checks --------------------------------------------------------------------------------
 def _check_hidden(name, D):
     if D % 16 or D <= 0 or D > 16384:
@@ -741,7 +1017,9 @@ def _check_residual(name, residual):
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
 GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seam1_d64"), "sm_90": ("decode", "prefill", "fused_m64k16", "seam1_d64")}
-#: the largest token count the one-launch seam1 row serves by default (seam1 rows run ``decode`` above 4)
+#: the one-launch seam row pick_config(fused=True) returns up to SEAM_DEFAULT_MAX_T tokens (seam1 rows run
+#: ``decode`` above 4; a seamr row serves up to SEAMR_MAX_T = 16 in one launch: mhc6, untimed)
+SEAM_DEFAULT = "seam1_d64"
 SEAM_DEFAULT_MAX_T = 4
 
 
@@ -755,7 +1033,7 @@ def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> d
         # H200 (issue 20, session 5; results/issue20/s5/mhc_bench.csv): mhc_fused_post_pre TP4, sm_89 build /
         # native, us: seam1_d64 T=1 10.62 / 10.67, T=2 11.89 / 11.92, T=4 16.19 / 16.20 vs decode 17.65 /
         # 17.7, 18.08 / 17.87, 17.87 / 18.1 and seam_d64 13.36 / 13.38, 17.03 / 17.05, 20.9 / 20.84
-        cfg = table["seam1_d64"]
+        cfg = table[SEAM_DEFAULT]
     if fused and num_tokens > 64 and device.type == "cuda" and arch_of(device) == "sm_90":
         # H200 run 4: fused_m64k16 63.4 us at T=512 and 247.6 us at T=2048 vs prefill 83.4 / 312.7 us
         cfg = table["fused_m64k16"]
@@ -1001,6 +1279,69 @@ def _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weig
     return res_cur, post, comb, out
 
 
+SEAMR_MAX_T = 16   # seamr rows: 1-16 tokens (token blocks of SEAMR_BLOCK_M); above, the two-pass kernels (`decode`)
+SEAMR_PART_W = 48  # fp32 per partial row: Gram 0-9, pre 10-13, post 16-19, comb 20-35 (192-byte rows)
+
+
+def resident_per_sm(num_warps: int) -> int:
+    """Programs of a seam kernel resident per SM at once, whatever its register count: 4 warps x 255
+    registers (256 allocated per thread) are 32,768 of the 65,536 registers of an sm_89 / sm_90 / sm_120
+    SM, and the seam kernels' 2 KiB of shared memory never limit; 8 warps: 1 at up to 255 registers."""
+    return 2 if num_warps <= 4 else 1
+
+
+def seamr_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dict:
+    """Launch plan of ``_mhc_seam_rows_kernel``: token block (``min(next_pow2(T), SEAMR_BLOCK_M)``), token
+    blocks, column split, launches (1 with the counter sync; 2 on the interpreter, for ``SEAMR_LAUNCHES = 2``
+    rows, or when the grid exceeds the programs resident at once: :func:`resident_per_sm` x SMs), partial
+    rows reduced per load. ``compiled`` as :func:`seam_plan`."""
+    top = cfg.get("SEAMR_MAX_T", SEAMR_MAX_T)
+    if not 1 <= T <= top:
+        raise ValueError(f"num_tokens={T}: this seamr row serves 1..{top} tokens")
+    BM = min(triton.next_power_of_2(T), cfg["SEAMR_BLOCK_M"])
+    BD = cfg["SEAMR_BLOCK_D"]
+    S = triton.cdiv(D, BD)
+    mt = triton.cdiv(T, BM)
+    launches = cfg.get("SEAMR_LAUNCHES", 1)
+    interp = _interpreting() if compiled is None else not compiled
+    if (interp or mt * S > resident_per_sm(cfg["SEAMR_WARPS"]) * num_sms(device) or S > SEAM1_STEP
+            or mt > SEAM_MAX_TILES):
+        launches = 2
+    BS = min(triton.next_power_of_2(S), cfg["SEAMR_PART_ROWS"])
+    return {"BLOCK_M": BM, "BLOCK_D": BD, "S": S, "m_tiles": mt, "launches": launches, "BLOCK_S": BS}
+
+
+def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, pre_eps, sk_eps,
+               post_mult, n_iters, norm_eps, cfg):
+    T, _, D = residual.shape
+    dev = residual.device
+    res_cur = torch.empty_like(residual)
+    out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
+    post = torch.empty((T, HC, 1), dtype=torch.float32, device=dev)
+    comb = torch.empty((T, HC, HC), dtype=torch.float32, device=dev)
+    plan = seamr_plan(T, D, dev, cfg)
+    BM, S, mt = plan["BLOCK_M"], plan["S"], plan["m_tiles"]
+    part = torch.empty((mt * S * BM, SEAMR_PART_W), dtype=torch.float32, device=dev)
+    cnt = _count_buffer(dev) if plan["launches"] == 1 else part
+    args = (x, x2 if x2 is not None else x, residual, post_mix, comb_mix, res_cur,
+            fn, hc_scale, hc_base, norm_weight if norm_weight is not None else out, part, cnt,
+            post, comb, out,
+            T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
+            float(norm_eps),
+            x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
+            post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
+            out.stride(0))
+    meta = dict(BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_W=SEAMR_PART_W,
+                STEP=SEAM1_STEP, HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None,
+                num_warps=cfg["SEAMR_WARPS"], num_stages=1)
+    if plan["launches"] == 1:
+        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=0, **meta)
+    else:
+        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=1, **meta)
+        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=2, **meta)
+    return res_cur, post, comb, out
+
+
 def _check_post_inputs(x, residual, post_mix, comb_mix, x2=None):
     T, D = _check_residual("residual", residual)
     check.tensor("x", x, torch.bfloat16, 2)
@@ -1233,6 +1574,9 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
                    hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
     _check_precision(precision)
     cfg = config or pick_config(T, residual.device, fused=True)
+    if cfg.get("SEAMR_BLOCK_D") and 1 <= T <= cfg.get("SEAMR_MAX_T", SEAMR_MAX_T):
+        return _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps,
+                          hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg)
     if cfg.get("SEAM1_BLOCK_D") and 1 <= T <= SEAM1_MAX_T:
         return _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
                       hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg)
@@ -1322,6 +1666,20 @@ SEAM1_ROWS = {
     # 4-8 B in its phase-2 kernel at T=2/4 (sm_89 / sm_90), so its partial sums group differently at T >= 2
     "seam1x2_d64": {"SEAM1_LAUNCHES": 2, "SEAM1_PART_ELEMS": 1024},
 }
+# SEAMR_*: the row-tile seam (_mhc_seam_rows_kernel, 1-16 tokens; above, the two-pass `decode` kernels):
+#   cdiv(D, SEAMR_BLOCK_D) column programs per token block of SEAMR_BLOCK_M tokens, SEAMR_WARPS warps, one
+#   counter per token block (one launch while the grid fits the resident programs; SEAMR_LAUNCHES 2: the same
+#   kernel as two launches); SEAMR_PART_ROWS bounds the partial rows one phase-B load brings in.
+_SEAMR = {"SEAMR_BLOCK_D": 64, "SEAMR_BLOCK_M": 4, "SEAMR_WARPS": 4, "SEAMR_LAUNCHES": 1, "SEAMR_PART_ROWS": 128}
+SEAMR_ROWS = {
+    "seamr_d64": {},                          # 64 programs a token block: T=16 is 4 x 64 = 256 (2 per SM)
+    # 128 programs a token block: one wave of 128 / 132 SMs at T<=4, 256 at T=8; up to 8 tokens (at 16 its
+    # 512 programs take two launches, whose phase-A kernel spills 8 B with x2 on sm_89)
+    "seamr_d32": {"SEAMR_BLOCK_D": 32, "SEAMR_MAX_T": 8},
+    # 8 warps over 128 columns: T=16 is 4 x 32 = 128 programs, one a SM (8-token blocks, 2 x 64 programs at
+    # 4 warps: 16 B spill on sm_89, ptxas hoists all 8 tokens' loads)
+    "seamr_d128w8": {"SEAMR_BLOCK_D": 128, "SEAMR_WARPS": 8},
+}
 CONFIGS = {
     "sm_89": {
         "decode": _DECODE_89,
@@ -1333,6 +1691,7 @@ CONFIGS = {
         # gemm_waves8 / gemm_m32 (pre-norm GEMM, T=4096): 124.6 / 155.1 us vs prefill 118.9 (H200 run 4): dropped
         **{k: {**_DECODE_89, **_SEAM, **v} for k, v in SEAM_ROWS.items()},
         **{k: {**_DECODE_89, **_SEAM1, **v} for k, v in SEAM1_ROWS.items()},
+        **{k: {**_DECODE_89, **_SEAMR, **v} for k, v in SEAMR_ROWS.items()},
     },
     "sm_90": {
         "decode": _DECODE_90,
@@ -1345,5 +1704,7 @@ CONFIGS = {
         # gemm_waves8 / gemm_m32 (pre-norm GEMM, T=4096): 124.6 / 155.1 us vs prefill 118.9 (H200 run 4): dropped
         **{k: {**_DECODE_90, **_SEAM, **v} for k, v in SEAM_ROWS.items()},
         **{k: {**_DECODE_90, **_SEAM1, **v} for k, v in SEAM1_ROWS.items()},
+        # seamr_d32 spills 4 B on sm_90a at T=8 (ptxas stops at 128 registers; 151 / 0 on sm_89): not listed
+        **{k: {**_DECODE_90, **_SEAMR, **v} for k, v in SEAMR_ROWS.items() if k != "seamr_d32"},
     },
 }

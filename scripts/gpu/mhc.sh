@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # mHC decode seam on the H200 (issue 20: mhc_fused_post_pre <= 5 us at T=1, Sinkhorn off the critical path),
 # from a plain copy of the tree with the image's python3 (torch 2.11, triton 3.6.0; nothing to install):
-#   1. numerics: scripts/gpu/mhc_check.py (decode, seam_d64 at T=1, every seam1_* row at T 1/2/4, every
+#   1. numerics: scripts/gpu/mhc_check.py (every seamr_* row at T 1..16, seam1_d64 at T 1/2/4, decode at 1/2; every
 #      input case incl. x2, D=4096, vs the float64 reference; sync self-reset over eager repeats and
 #      graph replays), ~60-80 s on a fresh machine (the 60 s limit of session 5 cut its last rows: now 90 s);
 #   2. for each build (native, then sm_89 assembled for the H200), its own process:
 #      `python3 -m ds4lab.harness.bench mhc_fused_post_pre --tp 4 --arch B --no-baselines --out $OUT`
-#      (check-then-time decode, seam_d64/seam_d32 and seam1_d64/seam1_d32/seam1x2_d64 at TP=4 T in {1, 2, 4},
-#      decode alone at T=16 (seam1 rows run decode there); cold L2, CUDA-graph replay), ~25 + ~45 s;
+#      (check-then-time at TP=4: decode and every seamr_* row at T in {1, 2, 4, 8, 16}, seam1_d64 at
+#      {1, 2, 4}; cold L2, CUDA-graph replay), ~30 + ~55 s;
 #   3. the table last (p50 us per config x T x build), also written to $OUT/mhc_table.csv; raw rows in
 #      $OUT/bench.csv.
 # Usage: OUT=DIR bash scripts/gpu/mhc.sh    (BUILDS="native sm89" default; 156 s measured on a fresh machine)
@@ -51,7 +51,7 @@ with open(sys.argv[2], "w", newline="") as f:
     for b, c in keys:
         w.writerow([b, c] + [cell.get((b, c, t), "") for t in Ts])
 print(f"\nmhc_fused_post_pre TP=4, p50 us (cold L2, graph replay); target <= 5 us at T=1; '-' = not timed "
-      f"(seam1_* rows run `decode` above 4 tokens)")
+      f"(seam1_* rows run `decode` above 4 tokens; seamr_* rows: one launch up to 16)")
 print(f"{'build':<7} {'config':<13}" + "".join(f"{'T=' + str(t):>9}" for t in Ts))
 for b, c in keys:
     print(f"{b:<7} {c:<13}" + "".join(f"{cell.get((b, c, t), '-'):>9}" for t in Ts))

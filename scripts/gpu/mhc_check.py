@@ -1,12 +1,13 @@
 """GPU numerics for the mHC decode seam (issue 20), run by scripts/gpu/mhc.sh before any timing.
 
-The ``mhc_fused_post_pre`` decode candidates that matter (``decode``, today's T=1 default ``seam_d64``
-at T=1, every ``seam1_*`` row at T 1/2/4) of the table this GPU reads, at the TP=4 rank's real shape
-(D = 4096), on every input case of the registry spec (adversarial rows and the ``x2`` addend; the
-two-launch ``seam1x2_*`` rows on ``random`` only: the CPU interpreter runs exactly their two phases),
-against the float64 reference; then the counter / barrier self-reset: 3 eager calls and a CUDA-graph
-replay x 5 give bit-identical outputs. Prints one line per failure and a summary; exit 1 if anything
-failed. Usage: ``python3 scripts/gpu/mhc_check.py``.
+The ``mhc_fused_post_pre`` decode candidates that matter, new rows first (a timeout then cuts the old ones):
+every ``seamr_*`` row (the row-tile seam, one launch up to 16 tokens: ``seamr_d64`` at T 1/2/4/8/16, the
+others at T 1/8/16; every input case at T 1 and 16, ``random`` / ``x2`` / ``sharp_comb`` between), then the
+default ``seam1_d64`` at T 1/2/4 and ``decode`` at T 1/2 (the other seam_* / seam1_* rows were checked in
+session 5, code unchanged), of the table this GPU reads, at the TP=4 rank's real shape (D = 4096), against
+the float64 reference; then the counter self-reset: 3 eager calls and a CUDA-graph replay x 5 give
+bit-identical outputs. Prints one line per failure and a summary; exit 1 if anything failed.
+Usage: ``python3 scripts/gpu/mhc_check.py``.
 """
 import sys
 import time
@@ -20,19 +21,28 @@ from ds4lab_kernels._arch import arch_of
 
 
 def _plan(cfg, T):
+    dev = torch.device("cuda")
+    if "SEAMR_BLOCK_D" in cfg:
+        return K.seamr_plan(T, 4096, dev, cfg)
     if "SEAM1_BLOCK_D" in cfg:
-        return K.seam1_plan(T, 4096, torch.device("cuda"), cfg)
-    return K.seam_plan(T, 4096, torch.device("cuda"), cfg) if "SEAM_BLOCK_D" in cfg else {}
+        return K.seam1_plan(T, 4096, dev, cfg)
+    return K.seam_plan(T, 4096, dev, cfg) if "SEAM_BLOCK_D" in cfg else {}
+
+
+_MID_CASES = ("random", "x2", "sharp_comb")
 
 
 def runs(table):
-    """(label, T, cases) to check: ~30 s of compiles and float64 references on the H200."""
-    out = [("decode", T, S.FUSED_CASES) for T in (1, 2)] + [("seam_d64", 1, S.FUSED_CASES)]
-    for label in K.SEAM1_ROWS:
+    """(label, T, cases) to check: ~60 s of compiles and float64 references on the H200."""
+    out = []
+    for label in K.SEAMR_ROWS:
         if label in table:
-            cases = S.FUSED_CASES if table[label].get("SEAM1_LAUNCHES", 1) == 1 else ("random",)
-            out += [(label, T, cases) for T in (1, 2, 4)]
-    return out
+            top = table[label].get("SEAMR_MAX_T", K.SEAMR_MAX_T)
+            Ts = [T for T in ((1, 2, 4, 8, 16) if label == "seamr_d64" else (1, 8, 16)) if T <= top]
+            out += [(label, T, S.FUSED_CASES if T in (1, 16) else _MID_CASES) for T in Ts]
+    if "seam1_d64" in table:
+        out += [("seam1_d64", T, S.FUSED_CASES) for T in (1, 2, 4)]
+    return out + [("decode", T, S.FUSED_CASES) for T in (1, 2)]
 
 
 def main() -> int:

@@ -191,14 +191,28 @@ def _bench(ts1, ts4):
 # Issue 20: the decode seam rows (seam_*: the grid-barrier kernel; seam1_*: the one-level kernel, 1-4
 # tokens) against the two-launch `decode`.
 _SEAM_T = (1, 2, 4)  # T=16: `decode` alone (seam_* 27-36 us vs 18.2 there, session 4; seam1_* is `decode` above 4)
-_BENCH_T4 = (1, 2, 4, 16)
+_SEAMR_T = (1, 2, 4, 8, 16)  # the row-tile seam: one launch up to 16 tokens (mhc6)
+_BENCH_T4 = (1, 2, 4, 8, 16)
 SEAM = "seam rows"  # every row with SEAM_BLOCK_D or SEAM1_BLOCK_D (ds4lab_kernels.mhc SEAM_ROWS / SEAM1_ROWS)
-CANDIDATES = {"mhc_fused_post_pre": ((("fused_m64k16",), (512, 2048)), ((SEAM,), _SEAM_T))}
+SEAMR = "seamr rows"  # every row with SEAMR_BLOCK_D (ds4lab_kernels.mhc SEAMR_ROWS)
+# session 6: of the seam_* / seam1_* rows only the default seam1_d64 is timed again (the others measured in
+# session 5, code unchanged: NOTES.md "mHC seam (issue 20, mhc5)"); they stay in the table as candidates
+_SEAM_RETIMED = ("seam1_d64",)
+CANDIDATES = {"mhc_fused_post_pre": ((("fused_m64k16",), (512, 2048)), ((SEAM,), _SEAM_T), ((SEAMR,), _SEAMR_T))}
 
 
 def is_seam(row: dict) -> bool:
     """A decode-seam row of the mhc table (only mhc_fused_post_pre reads its SEAM keys)."""
-    return "SEAM_BLOCK_D" in row or "SEAM1_BLOCK_D" in row
+    return "SEAM_BLOCK_D" in row or "SEAM1_BLOCK_D" in row or "SEAMR_BLOCK_D" in row
+
+
+def _group(labels, table, seam):
+    """A candidate group's labels: SEAM -> the re-timed seam_* / seam1_* rows, SEAMR -> every seamr row."""
+    if labels == (SEAM,):
+        return [c for c in seam if c in _SEAM_RETIMED]
+    if labels == (SEAMR,):
+        return [c for c in seam if "SEAMR_BLOCK_D" in table[c]]
+    return list(labels)
 
 
 def _seam_key(row: dict, T: int, D: int):
@@ -206,6 +220,11 @@ def _seam_key(row: dict, T: int, D: int):
     when the row runs the two-pass `decode` kernels there (a seam1 row above SEAM1_MAX_T tokens)."""
     from ds4lab_kernels import mhc as K
     cpu = torch.device("cpu")
+    if "SEAMR_BLOCK_D" in row:
+        if T > row.get("SEAMR_MAX_T", K.SEAMR_MAX_T):
+            return None
+        p = K.seamr_plan(T, D, cpu, row, compiled=True)
+        return ("seamr", p["BLOCK_M"], p["BLOCK_D"], p["launches"], p["BLOCK_S"], row["SEAMR_WARPS"])
     if "SEAM1_BLOCK_D" in row:
         if T > K.SEAM1_MAX_T:
             return None
@@ -238,9 +257,9 @@ def _config_for_kernel(name):
             return keep
         if shape.get("D") != 4096:
             return labels  # interpreter test shapes / AOT: every row
-        cands = {c for g in CANDIDATES.values() for ls, _ in g for c in (seam if ls == (SEAM,) else ls)}
-        mine = {c for ls, ts in (CANDIDATES.get(name, ())) for c in (seam if ls == (SEAM,) else ls)
-                if shape["T"] in ts}
+        # every seam row is a candidate (timed only where its group lists the shape's T)
+        cands = {c for g in CANDIDATES.values() for ls, _ in g for c in _group(ls, table, seam)} | seam
+        mine = {c for ls, ts in (CANDIDATES.get(name, ())) for c in _group(ls, table, seam) if shape["T"] in ts}
         if name == "mhc_fused_post_pre" and shape["T"] in _BENCH_T4:
             cands.add("prefill")  # never picked at T <= 64; keeps the decode sweep short
             # a seam1 row above its token limit is the two-pass `decode` again: not timed twice
