@@ -1016,11 +1016,14 @@ def _check_residual(name, residual):
 # ---- config plumbing -----------------------------------------------------------------------------
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
-GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seam1_d64"), "sm_90": ("decode", "prefill", "fused_m64k16", "seam1_d64")}
-#: the one-launch seam row pick_config(fused=True) returns up to SEAM_DEFAULT_MAX_T tokens (seam1 rows run
-#: ``decode`` above 4; a seamr row serves up to SEAMR_MAX_T = 16 in one launch: mhc6, untimed)
-SEAM_DEFAULT = "seam1_d64"
-SEAM_DEFAULT_MAX_T = 4
+GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seamr_d64", "seam1_d64"),
+                "sm_90": ("decode", "prefill", "fused_m64k16", "seamr_d64", "seam1_d64")}
+#: the one-launch seam rows pick_config(fused=True) returns: ``(max tokens, label)``, first match wins; above the
+#: last bound the two-pass ``decode`` row. H200, session 6 (results/issue20/s6/mhc_table.csv), TP4 p50 us, sm_89
+#: build / native: seamr_d64 T=1 9.93 / 9.77 vs seam1_d64 10.61 / 10.53 (seamr loses from T=2: 14.42 vs 11.89,
+#: and from T=4 it loses to ``decode``: 25.87 vs 17.48), so the row-tile seam only at one token.
+SEAM_DEFAULTS = ((1, "seamr_d64"), (4, "seam1_d64"))
+SEAM_DEFAULT_MAX_T = SEAM_DEFAULTS[-1][0]
 
 
 def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> dict:
@@ -1033,7 +1036,7 @@ def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> d
         # H200 (issue 20, session 5; results/issue20/s5/mhc_bench.csv): mhc_fused_post_pre TP4, sm_89 build /
         # native, us: seam1_d64 T=1 10.62 / 10.67, T=2 11.89 / 11.92, T=4 16.19 / 16.20 vs decode 17.65 /
         # 17.7, 18.08 / 17.87, 17.87 / 18.1 and seam_d64 13.36 / 13.38, 17.03 / 17.05, 20.9 / 20.84
-        cfg = table[SEAM_DEFAULT]
+        cfg = table[next(label for top, label in SEAM_DEFAULTS if num_tokens <= top)]
     if fused and num_tokens > 64 and device.type == "cuda" and arch_of(device) == "sm_90":
         # H200 run 4: fused_m64k16 63.4 us at T=512 and 247.6 us at T=2048 vs prefill 83.4 / 312.7 us
         cfg = table["fused_m64k16"]

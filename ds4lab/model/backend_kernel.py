@@ -22,7 +22,7 @@ sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
                             wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
-mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T<=4: one-launch seam1_d64)     1 / 2
+mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T=1 seamr_d64, T<=4 seam1_d64) 1 / 2
 hc_head                     ``kernel:mhc.hc_head``                                             2
 gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=4; above: mm + route) 1 / 2
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
