@@ -95,7 +95,8 @@ def _act_load(ptrs, mask, up_off, limit, ACT: tl.constexpr, MASKED: tl.constexpr
 @triton.jit
 def _store_tile(acc, d_ptr, offs_m, offs_n, M, N, stride_dm, ws_ptr, cnt_ptr, tile_id, pid_k,
                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
-    """bf16 store of the fp32 ``acc [BM, BN]`` (rows ``offs_m``, cols ``offs_n``, masked to M x N).
+    """Store of the fp32 ``acc [BM, BN]`` in D's dtype (bf16, or fp32 unrounded; rows ``offs_m``, cols
+    ``offs_n``, masked to M x N).
     ``SPLIT``: split-K in one launch. The program stores its partial to slot ``ws[tile_id, pid_k]``,
     then bumps the tile's arrival counter (acq_rel, gpu scope); the program that arrives last sums
     the ``num_programs(1)`` slots in split order (bitwise deterministic), writes bf16 D and resets
@@ -113,10 +114,10 @@ def _store_tile(acc, d_ptr, offs_m, offs_n, M, N, stride_dm, ws_ptr, cnt_ptr, ti
             tot = tl.zeros((BM, BN), dtype=tl.float32)
             for s in range(0, n_split):
                 tot += tl.load(slot0 + s * (BM * BN) + tile, cache_modifier=".cg")
-            tl.store(d_ptrs, tot.to(tl.bfloat16), mask=mask)
+            tl.store(d_ptrs, tot.to(d_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
     else:
-        tl.store(d_ptrs, acc.to(tl.bfloat16), mask=mask)
+        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -330,17 +331,18 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
         b: ``(N, K)`` float8_e4m3fn weight (``nn.Linear`` layout, NT GEMM), ``b.stride(1) == 1``.
         b_scale: per 128x128 block: ``(ceil(N/128), K/128)`` float32 / uint8 / float8_e8m0fnu, or
             ``(ceil(N/128), ceil(K/512))`` int32 packed. ``N`` need not be a multiple of 128.
-        out: optional ``(num_tokens, N)`` bfloat16 output with ``out.stride(1) == 1``.
+        out: optional ``(num_tokens, N)`` bfloat16 (or float32: D unrounded) output with ``out.stride(1) == 1``.
         config: a row of ``CONFIGS[arch]`` (``BLOCK_M``, ``BLOCK_N``, ``GROUP_M``, ``SPLIT_K`` int
             or ``"auto"``, optional ``SPLIT_PER_SM`` (auto split target, default 2), ``num_warps``,
             ``num_stages``); default picks by ``num_tokens``.
 
     Returns:
-        ``(num_tokens, N)`` bfloat16. NaN in a scale or value propagates to the affected outputs.
+        ``(num_tokens, N)`` bfloat16 (``out``'s dtype when given). NaN in a scale or value propagates to the
+        affected outputs.
 
     Raises:
         TypeError: a non-tensor argument, ``a``/``b`` not float8_e4m3fn, scale dtype not
-            float32/uint8/float8_e8m0fnu/int32, ``out`` not bfloat16.
+            float32/uint8/float8_e8m0fnu/int32, ``out`` not bfloat16/float32.
         ValueError: wrong ranks or shapes, ``K`` not a positive multiple of 128 (the scale block),
             a non-unit last stride, tensors on different devices, a malformed ``config``, a device
             without FP8 tensor cores (compute capability < 8.9, ``_arch.require_fp8``).
@@ -362,11 +364,16 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
     return out
 
 
-def _check_out(out, M: int, N: int, device) -> torch.Tensor:
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check_out(out, M: int, N: int, device, out_dtype=torch.bfloat16) -> torch.Tensor:
     if out is None:
-        return torch.empty((M, N), dtype=torch.bfloat16, device=device)
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16:
-        raise TypeError(f"out: expected a bfloat16 tensor, got {getattr(out, 'dtype', type(out).__name__)}")
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype!r}")
+        return torch.empty((M, N), dtype=out_dtype, device=device)
+    if not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES:
+        raise TypeError(f"out: expected a bfloat16 or float32 tensor, got {getattr(out, 'dtype', type(out).__name__)}")
     if tuple(out.shape) != (M, N) or (M and N and out.stride(1) != 1) or out.device != device:
         raise ValueError(f"out: expected shape ({M}, {N}) on {device} with stride(1)=1, got "
                          f"{tuple(out.shape)} strides {tuple(out.stride())} on {out.device}")
@@ -476,7 +483,7 @@ ACTS = (None, "swiglu_clamp")
 def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                           out: torch.Tensor | None = None, config: dict | None = None,
                           eps: float = 1e-10, fused: bool | None = None, act: str | None = None,
-                          act_limit: float | None = None) -> torch.Tensor:
+                          act_limit: float | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Block-FP8 linear from bf16 activations: ``per_token_group_quant_fp8(x, 128, "ue8m0")`` then
     :func:`fp8_gemm_nt`, with the activation quant fused into the GEMM's prologue for decode.
 
@@ -497,7 +504,10 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
             bfloat16, gate ``[:, :K]`` then up ``[:, K:]``.
         weight: ``(N, K)`` float8_e4m3fn, ``weight.stride(1) == 1``.
         weight_scale: per 128x128 block, any encoding :func:`fp8_gemm_nt` takes for ``b_scale``.
-        out: optional ``(num_tokens, N)`` bfloat16 output with ``out.stride(1) == 1``.
+        out: optional ``(num_tokens, N)`` bfloat16 or float32 output with ``out.stride(1) == 1``.
+        out_dtype: the dtype of the output made when ``out`` is None: bfloat16 (default) or float32 (D
+            stored unrounded from the fp32 accumulator, every path and config: the model's shared-expert
+            down projection, which the routed experts then add into).
         config: a row of ``CONFIGS[arch]`` (an MMA row, or a ``KIND="gemv"`` row); default
             :func:`pick_config` by ``num_tokens``, except that ``17 <= num_tokens <= FUSED_MAX_M``
             takes the ``"decode"`` row (fused) instead of ``"small"`` (64-row tiles, two launches).
@@ -508,7 +518,7 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         act: None, or ``"swiglu_clamp"`` (needs ``act_limit``, a positive float: ``swiglu_limit``).
 
     Returns:
-        ``(num_tokens, N)`` bfloat16. A row group holding NaN or ±inf gets a NaN scale (its UE8M0
+        ``(num_tokens, N)`` ``out_dtype`` (``out``'s dtype when given). A row group holding NaN or ±inf gets a NaN scale (its UE8M0
         byte is 255), so that row of D is NaN, as in the two-launch path.
 
     Raises:
@@ -533,7 +543,7 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     weight_scale, b_fmt = _check_scale("weight_scale", weight_scale, triton.cdiv(N, 128), K // BLOCK_K, x)
     eps = check.fp32_scalar("eps", eps, positive=True)
     require_fp8("x", x.device, "w8a8_block_fp8_linear")
-    out = _check_out(out, M, N, x.device)
+    out = _check_out(out, M, N, x.device, out_dtype)
     if M == 0 or N == 0:
         return out
     cfg = config or pick_config(M, x.device)

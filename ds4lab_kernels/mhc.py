@@ -13,7 +13,8 @@ kernels in ``tilelang_kernels.py`` used by ``models/deepseek_v4/nvidia/model.py`
   ``comb = softmax_rows(mix[8:24] r scale[2] + base[8:24]) + eps``, then column-normalise, then
   ``sinkhorn_iters - 1`` times (row-normalise, column-normalise), each ``x / (sum + eps)``.
 - collapse ``y = bf16(sum_i pre_i res_i)``; with a norm weight ``layer_input = bf16(y rsqrt(mean(y^2) + norm_eps) w)``.
-- post: ``new[:, j] = sum_i comb[:, i, j] res[:, i] + post[:, j] x`` -> bf16; with a second addend ``x2``
+- post: ``new[:, j] = sum_i comb[:, i, j] res[:, i] + post[:, j] x`` -> bf16 (``x`` bf16, or fp32 used
+  unrounded: the MoE's fp32 shared + routed sum); with a second addend ``x2``
   (the MoE's shared expert) ``x`` is first ``bf16(x.float() + x2.float())``, the model's separate add.
 - decode seam (``SEAM_*`` rows, issue 20): post + next pre in one launch, a grid barrier between the
   column programs' partials and their collapse, Sinkhorn in a program of its own (``_mhc_seam_kernel``).
@@ -1347,7 +1348,7 @@ def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_
 
 def _check_post_inputs(x, residual, post_mix, comb_mix, x2=None):
     T, D = _check_residual("residual", residual)
-    check.tensor("x", x, torch.bfloat16, 2)
+    check.tensor("x", x, (torch.bfloat16, torch.float32), 2)   # fp32: the MoE's fp32 sum, used unrounded
     check.shape("x", x, (T, D))
     check.last_dim_contiguous("x", x)
     if x2 is not None:
@@ -1510,7 +1511,8 @@ def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, co
     Semantics: vLLM ``mhc_post_torch`` / ``mhc_post_tilelang``.
 
     Args:
-        x: ``(num_tokens, hidden)`` bfloat16, last dim contiguous (the sublayer output).
+        x: ``(num_tokens, hidden)`` bfloat16 or float32, last dim contiguous (the sublayer output; a float32
+            x, the MoE's shared + routed sum accumulated in fp32 (issue 20 moe1), is used as is, unrounded).
         x2: optional second addend like ``x`` (the MoE's shared-expert output): the post then runs on
             ``(x.float() + x2.float()).to(bfloat16)``, the rounding of the separate add it replaces.
         residual: ``(num_tokens, 4, hidden)`` bfloat16, contiguous.

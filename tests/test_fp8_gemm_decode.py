@@ -117,6 +117,29 @@ def test_swiglu_prologue_is_bit_identical_to_swiglu_kernel_then_linear(label, M)
 
 
 @pytest.mark.interp
+@pytest.mark.parametrize("label,M,split,act", [("decode", 1, 1, False), ("decode", 3, 2, True), ("gemv", 1, 2, True),
+                                              ("gemv_r4", 3, 1, False), ("decode_pf", 1, 2, False)])
+def test_fp32_output_is_the_unrounded_accumulator(label, M, split, act):
+    """``out_dtype=torch.float32`` (the shared expert's down projection the routed experts add into, issue 20
+    moe1): every decode path (MMA / GEMV, split-K tail or not, fused quant, SwiGLU prologue, two-launch)
+    stores the fp32 accumulator; rounded to bf16 it is bit-equal to the bf16 output of the same config."""
+    K, N = 384, 70
+    g = torch.Generator().manual_seed(30 + M)
+    x = (torch.randn(M, 2 * K if act else K, generator=g) * 3).bfloat16().to(DEVICE)
+    w = S.make_linear_inputs({"M": 1, "N": N, "K": K, "b_fmt": "ue8m0"}, "random", 8, DEVICE)
+    cfg = {**T89[label], "SPLIT_K": split, **(NARROW if label.startswith("gemv") else {})}
+    kw = dict(config=cfg, act="swiglu_clamp", act_limit=10.0) if act else dict(config=cfg)
+    for fused in (True, False):
+        b16 = G.w8a8_block_fp8_linear(x, w["weight"], w["weight_scale"], fused=fused, **kw)
+        f32 = G.w8a8_block_fp8_linear(x, w["weight"], w["weight_scale"], fused=fused, out_dtype=torch.float32, **kw)
+        assert f32.dtype == torch.float32 and b16.dtype == torch.bfloat16
+        assert compare_exact(f32.bfloat16(), b16, f"{label} fp32 out rounded vs bf16 out (fused={fused})")
+        assert not torch.equal(f32, b16.float())      # really unrounded
+    with pytest.raises(TypeError, match="out_dtype"):
+        G.w8a8_block_fp8_linear(x, w["weight"], w["weight_scale"], out_dtype=torch.float16, **kw)
+
+
+@pytest.mark.interp
 @pytest.mark.parametrize("kw,exc,match", [
     ({"act": "gelu", "act_limit": 10.0}, ValueError, "act='gelu'"),
     ({"act": "swiglu_clamp"}, ValueError, "act_limit"),

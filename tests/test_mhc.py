@@ -299,6 +299,25 @@ def test_backends_pass_x2():
     _assert_all(S.check_post(rb.mhc_post(*args, "post", x2=inp["x2"]), ref[0], inp), seed)
 
 
+@pytest.mark.parametrize("label", ["decode", "seam_d64", "seam1_d32"])
+def test_fp32_x_is_read_unrounded(label):
+    """x float32 (the MoE's fp32 shared + routed sum, issue 20 moe1; x2 None) in every post path: a bf16-valued
+    fp32 x gives the bf16 x's bits; an fp32 x off the bf16 grid is judged against the reference on it."""
+    inp, seed = _inputs("fused", 2, D=128)
+    inp.pop("x2", None)
+    cfg = K.CONFIGS["sm_89"][label]
+    x32 = inp["x"].float()
+    got, want = K.mhc_fused_post_pre(**dict(inp, x=x32), config=cfg), K.mhc_fused_post_pre(**inp, config=cfg)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), f"seed={seed}"
+    io = (inp["residual"], inp["post_mix"], inp["comb_mix"])
+    assert torch.equal(K.mhc_post(x32, *io), K.mhc_post(inp["x"], *io)), f"seed={seed}"
+    off = dict(inp, x=x32 * (1 + 2 ** -12))            # off the bf16 grid
+    _assert_all(S.check_fused(K.mhc_fused_post_pre(**off, config=cfg), R.mhc_fused_post_pre(**off), off), seed)
+    _assert_all(S.check_post(K.mhc_post(off["x"], *io), R.mhc_post(off["x"], *io), off), seed)
+    with pytest.raises(TypeError, match="x: dtype"):
+        K.mhc_post(inp["x"].half(), *io)
+
+
 def test_x2_bad_inputs():
     inp, _ = _inputs("fused", 3, D=128, case="x2")
     with pytest.raises(TypeError, match="x2: dtype"):

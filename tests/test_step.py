@@ -79,7 +79,7 @@ class KernelChain:
                     q, s = per_token_group_quant_fp8(x, 128, scale_fmt="ue8m0_packed")
                 with op_group("attn.o_proj", "kernel:fp8_gemm_nt"):
                     y = fp8_gemm_nt(q, s, self.b, self.b_scale)
-            with op_group("moe.shared_w2", "torch:add"):
+            with op_group("moe.experts", "torch:add"):
                 x = x + y.sum() * 0
         return y
 
@@ -97,7 +97,7 @@ def test_run_step_cpu_attributes_real_kernel_launches(tmp_path):
     assert step["group"] == S.STEP and step["status"] == "OK", step.get("note")
     by = {r["group"]: r for r in rows[1:]}
     assert by["attn.act_quant"]["launches"] >= 2 and by["attn.o_proj"]["launches"] >= 2   # 2 layers, >= 1 each
-    assert by["moe.shared_w2"]["launches"] == 0                                           # torch: no Triton launch
+    assert by["moe.experts"]["launches"] == 0                                           # torch: no Triton launch
     assert by["attn.o_proj"]["kind"] == "kernel:fp8_gemm_nt"
     # TP=4: an all-reduce stand-in after each o_proj and each MoE sum (2 per layer here)
     assert step["allreduce_copies"] == 4 and by[S.ALLREDUCE_GROUP]["us"] > 0

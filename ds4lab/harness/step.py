@@ -72,11 +72,11 @@ GAPS = "(gaps)"
 ALLREDUCE_GROUP = "comm.all_reduce (device copy)"
 # op groups of ds4lab.model after which the TP ranks all-reduce (vLLM DeepseekV4: the attention
 # output projection, whose wo_b is row-parallel, and the MoE's routed + shared sum) -> how many
-# ``T x hidden`` bf16 tensors that all-reduce carries. ds4lab.model adds the routed and shared outputs
-# inside the next mHC post (x + x2, no add launch), so its MoE all-reduce carries both (one call over
-# a [routed; shared] buffer, after the shared expert's down projection). The recorder matches a
-# group name ending in one of these.
-ALLREDUCE_AFTER = {"attn.o_proj": 1, "moe.shared_w2": 2}
+# ``T x hidden`` bf16 tensors' bytes that all-reduce carries. ds4lab.model runs the shared expert first
+# (fp32 down projection) and the routed experts add into that fp32 buffer (issue 20 moe1), so its MoE
+# all-reduce is one call over the fp32 sum after ``moe.experts`` (2 bf16 tensors' bytes). The recorder
+# matches a group name ending in one of these.
+ALLREDUCE_AFTER = {"attn.o_proj": 1, "moe.experts": 2}
 # ds4lab.model op group -> the decode model's ops (planner.speed.step_bytes) whose bytes it moves;
 # groups not listed have no byte formula yet and get no floor
 GROUP_OPS = {

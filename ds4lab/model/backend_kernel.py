@@ -21,12 +21,15 @@ indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indi
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
                             wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
-mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
+mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x: the MoE's fp32   2 / 1
+                            sum after the MoE)
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T=1 seamr_d64, T<=4 seam1_d64) 1 / 2
 hc_head                     ``kernel:mhc.hc_head``                                             2
 gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=4; above: mm + route) 1 / 2
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
-experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16``                               2 (decode)
+experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16`` (adds into the shared expert's  2 (decode)
+                            fp32 output; the one-launch row up to ``FUSED_MAX_PAIRS`` pairs:      / 3 (prefill)
+                            0 = off on GPUs until timed, the interpreter runs it)                1 (one-launch)
 compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2
                             reads the bf16 GEMM output slice as is)
 compressor_insert, T <= 64  ``kernel:compressor.compress_decode(+fp8_ds_mla|indexer K insert)``  2
@@ -174,9 +177,11 @@ class KernelBackend(Backend):
             fused = x2.shape[0] <= min(FUSE_ACT_QUANT_MAX_M, self.k["gemm"].FUSED_MAX_M)
             with op_group(name, K_LINEAR_FP8_FUSED if fused else K_LINEAR_FP8):
                 cfg = None if x2.is_cuda else _interp_gemm_config(x2.shape[0])
+                # bf16 or fp32 stored by the GEMM itself (fp32: the unrounded accumulator)
+                od = out_dtype if out_dtype in (BF16, F32) else BF16
                 y = self.k["gemm"].w8a8_block_fp8_linear(x2.contiguous(), lin.weight, lin.scale, config=cfg,
-                                                         fused=fused)
-                if out_dtype != BF16:
+                                                         fused=fused, out_dtype=od)
+                if out_dtype != od:
                     y = y.to(out_dtype)
         elif out_dtype == F32:
             with op_group(name, "torch:matmul(fp32)"):
@@ -350,11 +355,15 @@ class KernelBackend(Backend):
             return self.k["route"].sqrtsoftplus_topk(logits.float().contiguous(), bias, topk, scaling,
                                                      ids if hashed else None, tid2eid if hashed else None)
 
-    def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts"):
+    def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts", out=None):
+        """INT4: ``fused_moe_w4a16``; with ``out`` (fp32, the shared expert's output) ``accumulate=True``:
+        up to ``moe_w4a16.FUSED_MAX_PAIRS`` pairs the one-launch row adds the routed experts into it with
+        fp32 atomics (no bf16 store of the routed output, no separate add)."""
         if ex.int4:
             with op_group(name, "kernel:moe_w4a16.fused_moe_w4a16"):
                 return self.k["moe"].fused_moe_w4a16(x.contiguous(), ex.w13_packed, ex.w13_scale, ex.w2_packed,
-                                                     ex.w2_scale, weights.contiguous(), ids.contiguous(), limit)
+                                                     ex.w2_scale, weights.contiguous(), ids.contiguous(), limit,
+                                                     out=out, accumulate=out is not None)
         with op_group(name, "torch:bf16_experts(gather)"):
             # bf16 experts (the tiny checkpoint unquantized): per (token, slot) gathered weights, no sync
             T, D = x.shape
@@ -366,19 +375,21 @@ class KernelBackend(Backend):
             h = _swiglu(gu[:, :I], gu[:, I:], limit).to(BF16).float()
             y = torch.bmm(ex.w2[e].float(), h[:, :, None])[..., 0]
             wt = torch.where(ids.reshape(-1) >= 0, weights.reshape(-1), torch.zeros_like(weights.reshape(-1)))
-            return (y * wt[:, None]).reshape(T, k, D).sum(1).to(BF16)
+            r = (y * wt[:, None]).reshape(T, k, D).sum(1)
+            return r.to(BF16) if out is None else out.add_(r)
 
     def swiglu(self, gu, limit, name):
         with op_group(name, "kernel:norm_rope.swiglu_clamp"):
             return self.k["nr"].swiglu_clamp(gu.to(BF16), float(limit))
 
-    def linear_swiglu(self, gu, lin: Linear, limit, name, act_name):
+    def linear_swiglu(self, gu, lin: Linear, limit, name, act_name, out_dtype=BF16):
         gu2 = gu.reshape(-1, gu.shape[-1])
-        if not (lin.fp8 and gu2.is_cuda and gu2.shape[0] <= min(FUSE_SHARED_ACT_MAX_M, FUSE_ACT_QUANT_MAX_M)):
-            return super().linear_swiglu(gu, lin, limit, name, act_name)
+        if not (lin.fp8 and gu2.is_cuda and gu2.shape[0] <= min(FUSE_SHARED_ACT_MAX_M, FUSE_ACT_QUANT_MAX_M)
+                and out_dtype in (BF16, F32)):
+            return super().linear_swiglu(gu, lin, limit, name, act_name, out_dtype=out_dtype)
         with op_group(name, K_LINEAR_FP8_FUSED_ACT):
             y = self.k["gemm"].w8a8_block_fp8_linear(gu2.to(BF16).contiguous(), lin.weight, lin.scale, fused=True,
-                                                     act="swiglu_clamp", act_limit=float(limit))
+                                                     act="swiglu_clamp", act_limit=float(limit), out_dtype=out_dtype)
         return y.reshape(*gu.shape[:-1], -1)
 
     def add(self, a, b, name):

@@ -181,7 +181,14 @@ class ReferenceBackend(Backend):
         with op_group(name, _k("moe.sqrtsoftplus_topk")):
             return rmoe.sqrtsoftplus_topk(logits, bias, topk, scaling, ids if tid2eid is not None else None, tid2eid)
 
-    def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts"):
+    def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts", out=None):
+        r = self._routed(x, ex, weights, ids, limit, name)
+        if out is None:
+            return r
+        # the MoE's sum as vLLM rounds it: bf16 routed + bf16 shared, one bf16 rounding (its add)
+        return out.copy_(rmhc.add_bf16(r, out.to(BF16)))
+
+    def _routed(self, x, ex: Experts, weights, ids, limit, name):
         if ex.int4:
             with op_group(name, _k("moe.fused_moe_w4a16")):
                 return rmoe.fused_moe_w4a16(x, ex.w13_packed, ex.w13_scale, ex.w2_packed, ex.w2_scale, weights, ids,

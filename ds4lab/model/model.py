@@ -20,8 +20,9 @@ compressor; each writes its boundary entries into its cache), indexer q, logits,
 the three bf16 GEMMs on ``x`` (both compressors' ``wkv_gate``, the indexer's ``weights_proj``) as
 one, ``attn.x_proj``, its column slices read in place] -> sparse MLA with sink over SWA (+
 compressed) -> o_proj -> mHC post -> mHC pre (+ffn_norm) ->
-router (hash ``tid2eid`` in layers < num_hash_layers, else sqrtsoftplus + bias) -> routed
-experts + shared expert (SwiGLU clamp) -> mHC post. Then hc_head, final norm, LM head (bf16
+router (hash ``tid2eid`` in layers < num_hash_layers, else sqrtsoftplus + bias) ->
+shared expert (SwiGLU clamp; fp32 down projection) + routed experts added into it -> mHC post on the fp32
+sum. Then hc_head, final norm, LM head (bf16
 logits, as vLLM's bf16 ``lm_head``). MTP (``vllm/models/deepseek_v4/nvidia/mtp.py``):
 ``x = h_proj(hnorm(h_prev)) + e_proj(enorm(embed(tok) zeroed at pos 0))``, one SWA-only block,
 its own hc_head and norm, the shared head.
@@ -148,10 +149,12 @@ class RankModel:
         o, cfg = self.ops, self.cfg
         w, e = o.gate_route(x, L["gate"], L["bias"], cfg.num_experts_per_tok, cfg.routed_scaling_factor, ids,
                             L["tid2eid"])
-        r = o.experts(x, L["experts"], w, e, cfg.swiglu_limit)
         gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
-        s = o.linear_swiglu(gu, L["shared_w2"], cfg.swiglu_limit, "moe.shared_w2", "moe.shared_act")
-        return r, s   # routed + shared: their bf16-rounded sum is the mHC post's x + x2 (no add launch)
+        # the shared expert first, its down projection in fp32; the routed experts add into that buffer
+        # (the kernel backend: one launch, fp32 atomics); the fp32 sum is the mHC post's x (no add launch)
+        s = o.linear_swiglu(gu, L["shared_w2"], cfg.swiglu_limit, "moe.shared_w2", "moe.shared_act",
+                            out_dtype=torch.float32)
+        return o.experts(x, L["experts"], w, e, cfg.swiglu_limit, out=s)
 
     def _block(self, i, L, resid, ids, pos, req, C, maps, next_n=None, pre=None, nxt=None):
         """One decoder block. ``pre``: this block's ``mhc_pre`` result when the previous block's
@@ -165,12 +168,11 @@ class RankModel:
         a = self._attention(i, L, x, pos, req, C, maps, ids, next_n)
         resid, post, comb, x = o.mhc_post_pre(a, resid, post, comb, L["hc_ffn_fn"], L["hc_ffn_scale"],
                                               L["hc_ffn_base"], L["ffn_norm"], cfg, "mhc.post_attn+pre_ffn")
-        f, f2 = self._moe(L, x, ids)
+        f = self._moe(L, x, ids)
         if nxt is None:
-            return o.mhc_post(f, resid, post, comb, "mhc.post_ffn", x2=f2), None
+            return o.mhc_post(f, resid, post, comb, "mhc.post_ffn"), None
         resid, post, comb, x = o.mhc_post_pre(f, resid, post, comb, nxt["hc_attn_fn"], nxt["hc_attn_scale"],
-                                              nxt["hc_attn_base"], nxt["attn_norm"], cfg, "mhc.post_ffn+pre_attn",
-                                              x2=f2)
+                                              nxt["hc_attn_base"], nxt["attn_norm"], cfg, "mhc.post_ffn+pre_attn")
         return resid, (post, comb, x)
 
     def forward(self, ids, pos, req, caches: Caches, next_n=None):

@@ -245,8 +245,9 @@ class Backend:
         raise NotImplementedError
 
     def mhc_post(self, x, residual, post, comb, name, x2=None):
-        """``new residual (T, 4, D)`` bf16. ``x2``: optional second sublayer output ``(T, D)`` bf16 (the
-        shared expert's), summed into ``x`` as ``(x.float() + x2.float()).to(bf16)`` first (the MoE's add)."""
+        """``new residual (T, 4, D)`` bf16. ``x`` ``(T, D)`` bf16, or fp32 (the MoE's sum from :meth:`experts`
+        with ``out``, used as is). ``x2``: optional second sublayer output ``(T, D)`` bf16, summed into ``x``
+        as ``(x.float() + x2.float()).to(bf16)`` first (a separate add's rounding)."""
         raise NotImplementedError
 
     def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name, x2=None):
@@ -270,18 +271,23 @@ class Backend:
         lg = self.linear(x, gate, "moe.gate", out_dtype=torch.float32)
         return self.route(lg, bias, topk, scaling, ids, tid2eid)
 
-    def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts"):
-        """Routed experts with the SwiGLU clamp -> ``(T, D)`` bf16."""
+    def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts", out=None):
+        """Routed experts with the SwiGLU clamp -> ``(T, D)`` bf16. ``out``: a ``(T, D)`` float32 tensor
+        holding the shared expert's output (:meth:`linear_swiglu` with ``out_dtype=float32``); the routed
+        sum is added into it in place and ``out`` returned, the MoE's output for the mHC post. How the sum
+        rounds is the backend's: the kernel backend keeps it in fp32 (one launch adds the routed experts
+        into it); the reference rounds as vLLM does, ``bf16(bf16(routed) + bf16(shared))``."""
         raise NotImplementedError
 
     def swiglu(self, gu, limit, name):
         """``gu (T, 2I)`` -> ``bf16(silu(min(g, L)) * clamp(u, -L, L))``."""
         raise NotImplementedError
 
-    def linear_swiglu(self, gu, lin: Linear, limit, name, act_name):
-        """``linear(swiglu(gu, limit, act_name), lin, name)``: the shared expert's down projection of
-        its clamped SwiGLU. A backend may fuse the two (the kernel backend's one-launch path)."""
-        return self.linear(self.swiglu(gu, limit, act_name), lin, name)
+    def linear_swiglu(self, gu, lin: Linear, limit, name, act_name, out_dtype=torch.bfloat16):
+        """``linear(swiglu(gu, limit, act_name), lin, name, out_dtype)``: the shared expert's down projection
+        of its clamped SwiGLU (``out_dtype`` float32: the buffer the routed experts add into). A backend may
+        fuse the two (the kernel backend's one-launch path)."""
+        return self.linear(self.swiglu(gu, limit, act_name), lin, name, out_dtype=out_dtype)
 
     def add(self, a, b, name):
         """``bf16(a + b)``."""

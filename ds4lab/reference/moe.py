@@ -120,8 +120,10 @@ def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor
 
 def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor,
                     w2_packed: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, swiglu_limit: float = 10.0, config=None, **_unused):
-    """Reference of ``ds4lab_kernels.moe_w4a16.fused_moe_w4a16``: bf16 ``[T, D]``.
+                    topk_ids: torch.Tensor, swiglu_limit: float = 10.0, config=None, out=None,
+                    accumulate: bool = False, **_unused):
+    """Reference of ``ds4lab_kernels.moe_w4a16.fused_moe_w4a16``: bf16 ``[T, D]``; with ``accumulate``
+    float64 ``out + routed`` (``out`` float ``[T, D]``, not modified; no rounding of the sum).
 
     Only the experts some token picked are dequantized (an untouched expert's weights are never
     read, so NaN there cannot reach the output); ids < 0 contribute nothing. Runs in float64 on
@@ -131,15 +133,17 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     w = topk_weights.double()
     xf = x.double()
     I = w13_packed.shape[1] // 2
-    out = torch.zeros(T, D, dtype=torch.float64, device=x.device)
+    acc = torch.zeros(T, D, dtype=torch.float64, device=x.device)
     for e in torch.unique(ids[ids >= 0]).tolist():
         rows, slots = (ids == e).nonzero(as_tuple=True)
         w13 = dequant_int4(w13_packed[e], w13_scale[e])
         w2 = dequant_int4(w2_packed[e], w2_scale[e])
         gu = xf[rows] @ w13.T
         h = swiglu_clamp(gu[:, :I], gu[:, I:], swiglu_limit)
-        out.index_add_(0, rows, (h @ w2.T) * w[rows, slots][:, None])
-    return out.to(torch.bfloat16)
+        acc.index_add_(0, rows, (h @ w2.T) * w[rows, slots][:, None])
+    if accumulate:
+        return out.double() + acc
+    return acc.to(torch.bfloat16)
 
 
 def dequant_bf16_moe(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids,

@@ -297,5 +297,5 @@ register(KernelSpec(
     bound="memory",
     aot_shape={"T": 16, "E": 8, "D": 4096, "I": 512, "topk": 6},
     sm89_mma={"_prefill_w13_kernel": "HMMA", "_prefill_w2_kernel": "HMMA",
-              "_dec_mma_w13_kernel": "HMMA", "_dec_mma_w2_kernel": "HMMA"},
+              "_dec_mma_w13_kernel": "HMMA", "_dec_mma_w2_kernel": "HMMA", "_dec_fused_kernel": "HMMA"},
 ))
