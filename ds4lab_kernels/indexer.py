@@ -685,12 +685,15 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
 #   over BLOCK_Q query rows, each a [BLOCK_N,128]x[128,64] fp8 dot; q comes from L2.
 # paged (decode, memory bound): one program per (request, TILES consecutive cache blocks); q of the
 #   next_n rows stays in registers; each cache block is one [64,128]x[128,64] fp8 dot per row.
+# SEL_BLOCK 512: the select's histogram passes at 4 entries per thread. 1,024 / 2,048 spill 4-8 B
+# (next_n 1: sm_89 s1024, sm_120 s2048) and 256 spills 24 B (sm_89, next_n 2): not in the table
+# (ds4lab aot on triton 3.7.1; every row below 0 spills on sm_89 / sm_90 / sm_120 at next_n 1 and 2).
 _PAGED_TOPK = {
-    "p2s1024": {"PROGS_PER_SM": 2, "SEL_BLOCK": 1024, "num_warps": 4, "num_stages": 3},
-    "p2s2048": {"PROGS_PER_SM": 2, "SEL_BLOCK": 2048, "num_warps": 4, "num_stages": 3},
-    "p4s2048": {"PROGS_PER_SM": 4, "SEL_BLOCK": 2048, "num_warps": 4, "num_stages": 3},
-    "t2s2048": {"TILES": 2, "SEL_BLOCK": 2048, "num_warps": 4, "num_stages": 3},
-    "t4s2048": {"TILES": 4, "SEL_BLOCK": 2048, "num_warps": 4, "num_stages": 3},
+    "p1s512": {"PROGS_PER_SM": 1, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+    "p2s512": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+    "p4s512": {"PROGS_PER_SM": 4, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+    "t1s512": {"TILES": 1, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+    "t4s512": {"TILES": 4, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
 }
 CONFIGS = {
     # q (decode: T*64 rows of 128): one row per warp; T=1 is 64 rows -> 16-64 programs
@@ -740,7 +743,7 @@ def pick_paged_config(B: int, max_context_len: int, device: torch.device) -> dic
 
 
 # PROVISIONAL, not yet timed (NOTES.md "idx6"): the H200 run (scripts/gpu/idx_topk.sh) times every row
-PAGED_TOPK_DEFAULT = {"sm_89": "p2s2048", "sm_90": "p2s2048"}
+PAGED_TOPK_DEFAULT = {"sm_89": "p2s512", "sm_90": "p2s512"}
 
 
 def paged_topk_tiles(cfg: dict, B: int, n_tiles: int, device: torch.device) -> int:

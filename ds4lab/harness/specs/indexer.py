@@ -394,14 +394,21 @@ def _paged_part(inputs: dict) -> dict:
     return {n: inputs[n] for n in ("q", "kv_cache", "weights", "context_lens", "block_table", "max_context_len")}
 
 
-def paged_topk_two_launch(inputs: dict, logits_fn=None):
+def paged_topk_lengths(inputs: dict) -> torch.Tensor:
+    """``(B*next_n,)`` int32 row limits on the inputs' device, unclamped (what the step hands
+    ``topk_indices``); made on the host, outside any timed call."""
+    nn = inputs["q"].shape[1]
+    return R.paged_row_limits(inputs["context_lens"].cpu(), nn).to(torch.int32).to(inputs["q"].device)
+
+
+def paged_topk_two_launch(inputs: dict, lengths: torch.Tensor | None = None):
     """The path the one launch replaces (``KernelBackend.indexer_topk`` before it): paged logits, then
-    ``topk_indices`` over each row's limit with the offsets added. Returns ``(indices, logits)``."""
+    ``topk_indices`` over each row's limit with the offsets added. Returns ``(indices, logits)``.
+    ``lengths``: :func:`paged_topk_lengths` made beforehand (no host sync in the call)."""
     from ds4lab_kernels.indexer import fp8_paged_mqa_logits
     from ds4lab_kernels.topk import topk_indices
-    lg = (logits_fn or fp8_paged_mqa_logits)(**_paged_part(inputs))
-    nn = inputs["q"].shape[1]
-    lim = R.paged_row_limits(inputs["context_lens"].cpu(), nn).to(torch.int32).to(lg.device)
+    lg = fp8_paged_mqa_logits(**_paged_part(inputs))
+    lim = paged_topk_lengths(inputs) if lengths is None else lengths
     return topk_indices(lg, inputs["k"], lengths=lim, offsets=inputs["offsets"]), lg
 
 
@@ -424,7 +431,8 @@ def check_paged_topk(out, ref, inputs) -> list:
 
 def _paged_topk_baselines():
     def two(inputs):
-        return lambda: paged_topk_two_launch(inputs)[0]
+        lim = paged_topk_lengths(inputs)
+        return lambda: paged_topk_two_launch(inputs, lim)[0]
 
     def logits_torch_topk(inputs):
         from ds4lab_kernels.indexer import fp8_paged_mqa_logits
@@ -439,8 +447,7 @@ def _paged_topk_baselines():
     def topk_only(inputs):         # ds4lab's top-k alone on the same logits
         from ds4lab_kernels.indexer import fp8_paged_mqa_logits
         from ds4lab_kernels.topk import topk_indices
-        lg = fp8_paged_mqa_logits(**_paged_part(inputs))
-        lim = R.paged_row_limits(inputs["context_lens"].cpu(), inputs["q"].shape[1]).to(torch.int32).to(lg.device)
+        lg, lim = fp8_paged_mqa_logits(**_paged_part(inputs)), paged_topk_lengths(inputs)
         return lambda: topk_indices(lg, inputs["k"], lengths=lim, offsets=inputs["offsets"])
     return {"two_launch": two, "paged+torch_topk": logits_torch_topk, "torch_topk_only": torch_topk_only,
             "topk_indices_only": topk_only}
