@@ -9,7 +9,9 @@ Semantics:
 - logits: DeepGEMM ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits``:
   ``logit[t, j] = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) * k_scale[j]``, ``-inf`` outside the row's
   valid range. ``q . k`` is a native fp8 x fp8 ``tl.dot`` with fp32 accumulation (``mma.sync
-  m16n8k32 e4m3``, SASS ``QMMA`` on sm_89; wgmma on sm_90).
+  m16n8k32 e4m3``, SASS ``QMMA`` on sm_89; wgmma on sm_90);
+- decode logits + top-k in one launch (``fp8_paged_mqa_topk``): ``topk.topk_indices`` of the paged
+  logits (vLLM ``top_k_per_row``), the last program of each request selecting in-program.
 
 Indexer K cache layout (SPEC.md §3): uint8 ``(num_blocks, block_size, 132)`` (or
 ``(num_blocks, block_size, 1, 132)``), a byte view only. Block ``b`` starts at byte
