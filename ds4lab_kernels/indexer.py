@@ -9,7 +9,9 @@ Semantics:
 - logits: DeepGEMM ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits``:
   ``logit[t, j] = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) * k_scale[j]``, ``-inf`` outside the row's
   valid range. ``q . k`` is a native fp8 x fp8 ``tl.dot`` with fp32 accumulation (``mma.sync
-  m16n8k32 e4m3``, SASS ``QMMA`` on sm_89; wgmma on sm_90).
+  m16n8k32 e4m3``, SASS ``QMMA`` on sm_89; wgmma on sm_90);
+- decode logits + top-k in one launch (``fp8_paged_mqa_topk``): ``topk.topk_indices`` of the paged
+  logits (vLLM ``top_k_per_row``), the last program of each request selecting in-program.
 
 Indexer K cache layout (SPEC.md §3): uint8 ``(num_blocks, block_size, 132)`` (or
 ``(num_blocks, block_size, 1, 132)``), a byte view only. Block ``b`` starts at byte
@@ -24,6 +26,7 @@ import triton.language as tl
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import quant_rows_e4m3
+from .topk import select_topk_row
 
 # the amax floor of the q quantization (vLLM ``per_token_group_quant_fp8(..., eps=1e-4)`` on the
 # indexer q; the same as the K cache writer's)
@@ -120,28 +123,27 @@ def _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row, lim, offs, omask, stride_qr, 
 
 
 @triton.jit
-def _fp8_paged_mqa_logits_kernel(
-    q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr,
-    max_ctx, num_blocks, bt_width, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr, stride_btb,
-    stride_or,
-    NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILES: tl.constexpr,
-):
-    """Grid ``(batch, cdiv(cdiv(max_context_len, block_size), TILES))``.
-    One program: TILES consecutive cache blocks of one request, for all its next_n query rows (-inf past the limit)."""
-    b = tl.program_id(0)
-    split = tl.program_id(1)
+def _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr, b, t_begin, t_stop,
+                 max_ctx, num_blocks, bt_width, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr,
+                 stride_btb, stride_or,
+                 NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    """Cache blocks ``[t_begin, t_stop)`` of request ``b`` for all its next_n query rows: the logits of
+    each row's valid entries, ``-inf`` past its limit (up to ``max_ctx``). The one home of the paged
+    logits math (``_fp8_paged_mqa_logits_kernel`` and the one-launch ``_fp8_paged_mqa_topk_kernel``).
+    Returns the rows' limits ``(lim0, lim1)`` clamped to ``[0, min(max_ctx, bt_width * BS)]``
+    (``lim1 = lim0`` for next_n = 1)."""
     e = tl.arange(0, BS)
     d = tl.arange(0, D)
     row0 = b * NEXT_N
     # valid entries per row, clamped to the output width and to what the block table can address
     cap = tl.minimum(max_ctx, bt_width * BS)
     lim0 = tl.minimum(tl.maximum(tl.load(lim_ptr + row0), 0), cap)
+    lim1 = lim0
     lim_max = lim0
     if NEXT_N == 2:
         lim1 = tl.minimum(tl.maximum(tl.load(lim_ptr + row0 + 1), 0), cap)
         lim_max = tl.maximum(lim0, lim1)
-    t_begin = split * TILES
-    t_end = tl.minimum(t_begin + TILES, tl.cdiv(max_ctx, BS))
+    t_end = tl.minimum(t_stop, tl.cdiv(max_ctx, BS))
     t_valid = tl.minimum(t_end, tl.cdiv(lim_max, BS))
     for t in range(t_begin, t_valid):
         phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + t).to(tl.int64)
@@ -163,6 +165,60 @@ def _fp8_paged_mqa_logits_kernel(
         omask = offs < max_ctx
         for i in tl.static_range(NEXT_N):
             tl.store(out_ptr + (row0 + i).to(tl.int64) * stride_or + offs, ninf, mask=omask)
+    return lim0, lim1
+
+
+@triton.jit
+def _fp8_paged_mqa_logits_kernel(
+    q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr,
+    max_ctx, num_blocks, bt_width, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr, stride_btb,
+    stride_or,
+    NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILES: tl.constexpr,
+):
+    """Grid ``(batch, cdiv(cdiv(max_context_len, block_size), TILES))``.
+    One program: TILES consecutive cache blocks of one request, for all its next_n query rows (-inf past the limit)."""
+    b = tl.program_id(0)
+    t_begin = tl.program_id(1) * TILES
+    _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr, b, t_begin, t_begin + TILES,
+                 max_ctx, num_blocks, bt_width, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr,
+                 stride_btb, stride_or, NEXT_N, H, D, BS)
+
+
+@triton.jit(do_not_specialize=["tiles"])
+def _fp8_paged_mqa_topk_kernel(
+    q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, cnt_ptr, off_ptr, idx_ptr,
+    max_ctx, num_blocks, bt_width, tiles, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr,
+    stride_btb, stride_wsr, stride_ir,
+    NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
+    KP2: tl.constexpr, HAS_OFF: tl.constexpr, SEL_BLOCK: tl.constexpr,
+):
+    """Grid ``(batch, P)``, ``P = cdiv(cdiv(max_context_len, block_size), tiles)`` (at least 1).
+    One program: ``tiles`` consecutive cache blocks of request ``b``, all its next_n rows, logits into
+    the fp32 workspace ``ws`` (``_paged_tiles``); then a ticket of the request's counter
+    (``atomic_add`` acq_rel, gpu scope, after a CTA barrier so every thread's stores are released).
+    The program that draws the last ticket (``P - 1``) selects each row's top-``K`` from the
+    workspace (``topk.select_topk_row``: the one-program top-k, same tie rule and order), adds
+    ``offsets[row]`` and resets the counter to 0 for the next launch / CUDA-graph replay. No program
+    waits on another."""
+    b = tl.program_id(0)
+    t_begin = tl.program_id(1) * tiles
+    lim0, lim1 = _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, b, t_begin,
+                              t_begin + tiles, max_ctx, num_blocks, bt_width, stride_qr, stride_qh,
+                              stride_blk8, stride_blk32, stride_wr, stride_btb, stride_wsr, NEXT_N, H, D, BS)
+    tl.debug_barrier()  # every thread's logits are written before the arrival is published
+    ticket = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(1) - 1:
+        for i in tl.static_range(NEXT_N):
+            row = (b * NEXT_N + i).to(tl.int64)
+            off = 0
+            if HAS_OFF:
+                off = tl.load(off_ptr + row)
+            L = lim0
+            if i == 1:
+                L = lim1
+            # entries past the row's limit are -inf in the workspace: the select stops at the limit
+            select_topk_row(ws_ptr + row * stride_wsr, idx_ptr + row * stride_ir, L, off, K, KP2, SEL_BLOCK)
+        tl.atomic_xchg(cnt_ptr + b, 0, sem="relaxed", scope="gpu")
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -442,6 +498,48 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple, weights: torch.Tensor, cu_seqlen_
     return out
 
 
+def _paged_args(q, kv_cache, weights, context_lens, block_table, max_context_len, who):
+    """The checks shared by the paged launchers; returns ``(q, kv8, kv32, block stride, block size,
+    B, next_n, H, D)`` (``q`` made contiguous per request where its batch stride is not ``next_n``
+    rows)."""
+    H, D = _check_q(q, 4)
+    kv8, kv32, stride, bs = _cache_views(kv_cache)
+    check.tensor("weights", weights, (torch.float32,), 2)
+    check.tensor("context_lens", context_lens, (torch.int32,), (1, 2))
+    check.tensor("block_table", block_table, (torch.int32,), 2)
+    check.same_device("q", q, kv_cache=kv_cache, weights=weights, context_lens=context_lens, block_table=block_table)
+    require_fp8("q", q.device, who)
+    B, nn = q.shape[0], q.shape[1]
+    if nn not in (1, 2):
+        raise ValueError(f"q: next_n={nn} not supported (1 or 2)")
+    if not isinstance(max_context_len, int) or max_context_len < 0:
+        raise ValueError(f"max_context_len={max_context_len!r}: expected a non-negative int")
+    if tuple(weights.shape) != (B * nn, H):
+        raise ValueError(f"weights: shape {tuple(weights.shape)}, expected ({B * nn}, {H})")
+    if B and weights.stride(1) != 1:
+        raise ValueError(f"weights: last dim must be contiguous, strides {tuple(weights.stride())}")
+    if context_lens.shape[0] != B or (context_lens.dim() == 2 and context_lens.shape[1] != nn):
+        raise ValueError(f"context_lens: shape {tuple(context_lens.shape)}, expected ({B}, {nn}) or ({B},)")
+    if block_table.shape[0] != B or (B and block_table.shape[1] and block_table.stride(1) != 1):
+        raise ValueError(f"block_table: shape {tuple(block_table.shape)} strides {tuple(block_table.stride())}, "
+                         f"expected ({B}, max_blocks) with a contiguous last dim")
+    if q.stride(2) != D and B:
+        raise ValueError(f"q: heads must be {D} apart (q[b, i] a contiguous (heads, 128) tile), "
+                         f"strides {tuple(q.stride())}")
+    if B and q.stride(0) != nn * q.stride(1):
+        q = q.contiguous()
+    return q, kv8, kv32, stride, bs, B, nn, H, D
+
+
+def _paged_limits(context_lens, nn, device):
+    """``(B, next_n)`` int32 per-row limits (the 1-D DeepGEMM convention expanded)."""
+    if context_lens.dim() == 2:
+        return context_lens.contiguous()
+    # DeepGEMM 1-D convention: row i of request b sees ctx - next_n + i + 1 entries
+    lim = context_lens[:, None] - (nn - 1) + torch.arange(nn, device=device, dtype=torch.int32)[None, :]
+    return lim.contiguous()
+
+
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
                          out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
@@ -474,32 +572,8 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     Raises:
         TypeError / ValueError: naming the offending argument.
     """
-    H, D = _check_q(q, 4)
-    kv8, kv32, stride, bs = _cache_views(kv_cache)
-    check.tensor("weights", weights, (torch.float32,), 2)
-    check.tensor("context_lens", context_lens, (torch.int32,), (1, 2))
-    check.tensor("block_table", block_table, (torch.int32,), 2)
-    check.same_device("q", q, kv_cache=kv_cache, weights=weights, context_lens=context_lens, block_table=block_table)
-    require_fp8("q", q.device, "fp8_paged_mqa_logits")
-    B, nn = q.shape[0], q.shape[1]
-    if nn not in (1, 2):
-        raise ValueError(f"q: next_n={nn} not supported (1 or 2)")
-    if not isinstance(max_context_len, int) or max_context_len < 0:
-        raise ValueError(f"max_context_len={max_context_len!r}: expected a non-negative int")
-    if tuple(weights.shape) != (B * nn, H):
-        raise ValueError(f"weights: shape {tuple(weights.shape)}, expected ({B * nn}, {H})")
-    if B and weights.stride(1) != 1:
-        raise ValueError(f"weights: last dim must be contiguous, strides {tuple(weights.stride())}")
-    if context_lens.shape[0] != B or (context_lens.dim() == 2 and context_lens.shape[1] != nn):
-        raise ValueError(f"context_lens: shape {tuple(context_lens.shape)}, expected ({B}, {nn}) or ({B},)")
-    if block_table.shape[0] != B or (B and block_table.shape[1] and block_table.stride(1) != 1):
-        raise ValueError(f"block_table: shape {tuple(block_table.shape)} strides {tuple(block_table.stride())}, "
-                         f"expected ({B}, max_blocks) with a contiguous last dim")
-    if q.stride(2) != D and B:
-        raise ValueError(f"q: heads must be {D} apart (q[b, i] a contiguous (heads, 128) tile), "
-                         f"strides {tuple(q.stride())}")
-    if B and q.stride(0) != nn * q.stride(1):
-        q = q.contiguous()
+    q, kv8, kv32, stride, bs, B, nn, H, D = _paged_args(q, kv_cache, weights, context_lens, block_table,
+                                                         max_context_len, "fp8_paged_mqa_logits")
     M = B * nn
     if out is None:
         out = torch.empty((M, max_context_len), dtype=torch.float32, device=q.device)
@@ -509,11 +583,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                          f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
     if M == 0 or max_context_len == 0:
         return out
-    if context_lens.dim() == 2:
-        lim = context_lens.contiguous()
-    else:  # DeepGEMM 1-D convention: row i of request b sees ctx - next_n + i + 1 entries
-        lim = context_lens[:, None] - (nn - 1) + torch.arange(nn, device=q.device, dtype=torch.int32)[None, :]
-        lim = lim.contiguous()
+    lim = _paged_limits(context_lens, nn, q.device)
     cfg = config or pick_paged_config(B, max_context_len, q.device)
     n_tiles = triton.cdiv(max_context_len, bs)
     grid = (B, triton.cdiv(n_tiles, cfg["TILES"]))
@@ -526,11 +596,133 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     return out
 
 
+# per-request arrival counters of the one-launch logits + top-k, zero between launches (the program
+# that draws a request's last ticket resets it); one buffer per device, grown outside CUDA-graph capture
+_ARRIVALS: dict = {}
+_MIN_ARRIVALS = 1024
+
+
+def paged_topk_arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """The zeroed ``int32`` per-request arrival counters of :func:`fp8_paged_mqa_topk` on ``device``
+    (at least ``n``). Allocated once per device and left zero by every launch, so CUDA-graph replays
+    reuse it. Launches must not run concurrently on two streams of one device (they share it).
+
+    Raises:
+        RuntimeError: the buffer would have to grow while a CUDA graph is being captured (run the
+            same call once before capturing, or pass ``arrivals``)."""
+    key = (device.type, device.index)
+    buf = _ARRIVALS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fp8_paged_mqa_topk: needs {n} arrival counters on {device}; they are "
+                               "allocated on first use, which cannot happen during CUDA-graph capture "
+                               "(run the call once before capturing)")
+        buf = torch.zeros(max(_MIN_ARRIVALS, n), dtype=torch.int32, device=device)
+        _ARRIVALS[key] = buf
+    return buf
+
+
+def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                       context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                       k: int = 512, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       logits: torch.Tensor | None = None, arrivals: torch.Tensor | None = None,
+                       config: dict | None = None) -> torch.Tensor:
+    """Paged FP8 MQA logits and their top-``k`` in ONE launch (decode / MTP verification): exactly
+    ``topk.topk_indices(fp8_paged_mqa_logits(...), k, lengths=limits, offsets=offsets)``, the same
+    indices in the same order, for every ``max_context_len`` (the decode step uses it up to
+    ``KernelBackend``'s bound: the select runs in one program per request).
+
+    Programs ``(b, p)`` split request ``b``'s cache blocks, write the logits of all its next_n rows
+    to an fp32 workspace (``logits``), take a ticket of the request's arrival counter; the last one
+    selects each row's top-``k`` in-program (``topk.select_topk_row``) and re-zeroes the counter.
+    No host sync, no spin-wait; the grid depends only on shapes (CUDA-graph safe).
+
+    Args:
+        q, kv_cache, weights, context_lens, block_table, max_context_len: as
+            :func:`fp8_paged_mqa_logits` (``q`` ``(batch, next_n, heads, 128)`` e4m3, next_n 1 or 2;
+            row ``b*next_n + i``'s limit ``context_lens[b, i]``, or DeepGEMM's 1-D convention).
+        k: indices per row (1..4096; 512 for DeepSeek-V4).
+        offsets: optional ``(batch*next_n,)`` int32 added to every selected index of its row (``-1``
+            padding kept): ``req * n_comp`` makes them compressed-cache slots. The caller keeps
+            ``index + offsets`` within int32.
+        out: optional ``(batch*next_n, k)`` int32 output, last dim contiguous.
+        logits: optional ``(batch*next_n, max_context_len)`` float32 workspace, last dim contiguous;
+            afterwards it holds :func:`fp8_paged_mqa_logits`'s output bit for bit.
+        arrivals: optional zeroed int32 counters, ``>= batch`` of them, left zero (default
+            :func:`paged_topk_arrivals`).
+        config: a row of ``CONFIGS["paged_topk"]``.
+
+    Returns:
+        int32 ``(batch*next_n, k)``: per row ``min(k, #selectable)`` distinct indices ``j < limit``
+        (``+ offsets``) in ascending index order, then ``-1``; NaN / -inf logits are never selected;
+        ties: the lower index wins (``topk_indices``' rule).
+
+    Raises:
+        TypeError / ValueError: naming the offending argument.
+    """
+    q, kv8, kv32, stride, bs, B, nn, H, D = _paged_args(q, kv_cache, weights, context_lens, block_table,
+                                                         max_context_len, "fp8_paged_mqa_topk")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 4096:
+        raise ValueError(f"k={k!r}: expected an int in [1, 4096]")
+    M, N, dev = B * nn, max_context_len, q.device
+    if N >= 2**31 - 1:
+        raise ValueError(f"max_context_len={N}: at most 2^31 - 2 supported")
+    if offsets is not None:
+        check.tensor("offsets", offsets, torch.int32, 1)
+        if offsets.shape[0] != M:
+            raise ValueError(f"offsets: shape {tuple(offsets.shape)}, expected ({M},)")
+        check.same_device("q", q, offsets=offsets)
+        offsets = offsets.contiguous()
+    if out is None:
+        out = torch.empty((M, k), dtype=torch.int32, device=dev)
+    elif out.dtype != torch.int32 or tuple(out.shape) != (M, k) or (M and out.stride(1) != 1) or \
+            out.device != dev:
+        raise ValueError(f"out: expected int32 ({M}, {k}) with a contiguous last dim on {dev}, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {tuple(out.stride())} on {out.device}")
+    if logits is None:
+        logits = torch.empty((M, max(N, 1)), dtype=torch.float32, device=dev)[:, :N]
+    elif logits.dtype != torch.float32 or tuple(logits.shape) != (M, N) or (M and N and logits.stride(1) != 1) \
+            or logits.device != dev:
+        raise ValueError(f"logits: expected float32 ({M}, {N}) with contiguous rows on {dev}, got "
+                         f"{logits.dtype} {tuple(logits.shape)} strides {tuple(logits.stride())} on {logits.device}")
+    if arrivals is None:
+        arrivals = paged_topk_arrivals(dev, B)
+    else:
+        check.tensor("arrivals", arrivals, torch.int32, 1)
+        check.same_device("q", q, arrivals=arrivals)
+        if arrivals.numel() < B or (B and arrivals.stride(0) != 1):
+            raise ValueError(f"arrivals: {arrivals.numel()} contiguous counters, need >= {B} (one per request)")
+    if M == 0:
+        return out
+    lim = _paged_limits(context_lens, nn, dev)
+    cfg = config or pick_paged_topk_config(B, N, dev)
+    n_tiles = triton.cdiv(N, bs)
+    tiles = paged_topk_tiles(cfg, B, n_tiles, dev)
+    grid = (B, max(1, triton.cdiv(n_tiles, tiles)))
+    _fp8_paged_mqa_topk_kernel[grid](
+        q, kv8, kv32, weights, lim, block_table, logits, arrivals, offsets if offsets is not None else lim, out,
+        N, kv_cache.shape[0], block_table.shape[1], tiles, q.stride(1), q.stride(2), stride, stride // 4,
+        weights.stride(0), block_table.stride(0), logits.stride(0), out.stride(0),
+        NEXT_N=nn, H=H, D=D, BS=bs, K=k, KP2=triton.next_power_of_2(k), HAS_OFF=offsets is not None,
+        SEL_BLOCK=cfg["SEL_BLOCK"], num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
+    return out
+
+
 # ---- config tables -----------------------------------------------------------------------------
 # mqa (prefill, compute bound): one program holds a K tile [BLOCK_N, 128] e4m3 (A operand) and loops
 #   over BLOCK_Q query rows, each a [BLOCK_N,128]x[128,64] fp8 dot; q comes from L2.
 # paged (decode, memory bound): one program per (request, TILES consecutive cache blocks); q of the
 #   next_n rows stays in registers; each cache block is one [64,128]x[128,64] fp8 dot per row.
+# SEL_BLOCK 512: the select's histogram passes at 4 entries per thread. 1,024 / 2,048 spill 4-8 B
+# (next_n 1: sm_89 s1024, sm_120 s2048) and 256 spills 24 B (sm_89, next_n 2): not in the table
+# (ds4lab aot on triton 3.7.1; every row below 0 spills on sm_89 / sm_90 / sm_120 at next_n 1 and 2).
+_PAGED_TOPK = {
+    "p1s512": {"PROGS_PER_SM": 1, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+    "p2s512": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+    "p4s512": {"PROGS_PER_SM": 4, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+    "t1s512": {"TILES": 1, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+    "t4s512": {"TILES": 4, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+}
 CONFIGS = {
     # q (decode: T*64 rows of 128): one row per warp; T=1 is 64 rows -> 16-64 programs
     "q": {"sm_89": {"r1": {"ROWS": 1, "num_warps": 1}, "r4": {"ROWS": 4, "num_warps": 4},
@@ -551,6 +743,11 @@ CONFIGS = {
         "sm_90": {"t4": {"TILES": 4, "num_warps": 4, "num_stages": 3},
                   "t16": {"TILES": 16, "num_warps": 4, "num_stages": 3}},
     },
+    # paged_topk (decode, one launch): the paged rows' logits math at 4 warps (the same dot and head
+    #   sum layouts as "paged", so the logits are the same bits), blocks per program from PROGS_PER_SM
+    #   (tiles = cdiv(batch * #blocks, PROGS_PER_SM * #SMs)) or a fixed TILES; the last program of a
+    #   request streams each row SEL_BLOCK entries per step through the radix passes.
+    "paged_topk": {a: dict(_PAGED_TOPK) for a in ("sm_89", "sm_90")},
 }
 
 
@@ -571,3 +768,21 @@ def pick_paged_config(B: int, max_context_len: int, device: torch.device) -> dic
     t = CONFIGS["paged"][arch_of(device)]
     n_tiles = -(-max_context_len // 64)
     return t["t16"] if B * n_tiles >= 16 * 4 * num_sms(device) else t["t4"]
+
+
+# PROVISIONAL, not yet timed (NOTES.md "idx6"): the H200 run (scripts/gpu/idx_topk.sh) times every row
+PAGED_TOPK_DEFAULT = {"sm_89": "p2s512", "sm_90": "p2s512"}
+
+
+def paged_topk_tiles(cfg: dict, B: int, n_tiles: int, device: torch.device) -> int:
+    """Cache blocks per program of the one-launch logits + top-k: ``cfg["TILES"]``, or enough that
+    ``B * #programs`` stays within ``PROGS_PER_SM * #SMs`` (at least 1)."""
+    if "TILES" in cfg:
+        return max(1, int(cfg["TILES"]))
+    return max(1, -(-B * n_tiles // (cfg["PROGS_PER_SM"] * num_sms(device))))
+
+
+def pick_paged_topk_config(B: int, max_context_len: int, device: torch.device) -> dict:
+    """The ``PAGED_TOPK_DEFAULT`` row of ``device``'s build."""
+    arch = arch_of(device)
+    return CONFIGS["paged_topk"][arch][PAGED_TOPK_DEFAULT[arch]]

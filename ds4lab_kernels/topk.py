@@ -108,15 +108,13 @@ def _pad_tail(out_row, k_eff, K: tl.constexpr, KP2: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(x_ptr, len_ptr, off_ptr, out_ptr, N, stride_xr, stride_or,
-                 K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, HAS_OFF: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Grid ``(num_rows,)``.
-    One program: one whole row (4 radix passes, then the output pass)."""
-    r = tl.program_id(0).to(tl.int64)
-    row_ptr = x_ptr + r * stride_xr
-    out_row = out_ptr + r * stride_or
-    L = _row_len(len_ptr, r, N, HAS_LEN)
+def select_topk_row(row_ptr, out_row, L, off, K: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
+    """The exact top-``K`` of entries ``[0, L)`` of one fp32 row, in one program (the one home of the
+    single-row select: ``_topk_kernel`` and the indexer's one-launch logits + top-k both call it).
+
+    Up to 4 radix passes (each streams the row ``BLOCK`` entries at a time), then the output pass:
+    ``out_row[0 : min(K, #selectable)]`` = the selected indices ``+ off`` in ascending index order
+    (ties: the lower index wins), ``-1`` in the slots after them. NaN / -inf are never selected."""
     lane = tl.arange(0, BLOCK)
     # pass 0 counts the selectable entries together with the top-digit histogram
     h = _digit_hist(tl.zeros((256,), tl.int32), row_ptr, lane, 0, L, 0, 0, BLOCK)
@@ -133,11 +131,22 @@ def _topk_kernel(x_ptr, len_ptr, off_ptr, out_ptr, N, stride_xr, stride_or,
                 h = _digit_hist(tl.zeros((256,), tl.int32), row_ptr, lane, 0, L, prefix, lvl, BLOCK)
             prefix, need, T, need_eq, done = _descend(h, need, prefix, T, need_eq, done, lvl)
     # output pass: ascending index order, ties on T resolved by lower index
+    _write_from(row_ptr, row_ptr, out_row, lane, L, T, need_eq, off, False, BLOCK)
+    _pad_tail(out_row, k_eff, K, KP2)
+
+
+@triton.jit
+def _topk_kernel(x_ptr, len_ptr, off_ptr, out_ptr, N, stride_xr, stride_or,
+                 K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, HAS_OFF: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Grid ``(num_rows,)``.
+    One program: one whole row (``select_topk_row``: 4 radix passes, then the output pass)."""
+    r = tl.program_id(0).to(tl.int64)
+    L = _row_len(len_ptr, r, N, HAS_LEN)
     off = 0
     if HAS_OFF:
         off = tl.load(off_ptr + r)
-    _write_from(row_ptr, row_ptr, out_row, lane, L, T, need_eq, off, False, BLOCK)
-    _pad_tail(out_row, k_eff, K, KP2)
+    select_topk_row(x_ptr + r * stride_xr, out_ptr + r * stride_or, L, off, K, KP2, BLOCK)
 
 
 # ---- three-launch variant (config key "VARIANT": "r3"): P programs per row ---------------------

@@ -109,6 +109,12 @@ def paged_mqa_min_bytes(s: dict) -> float:
     return s["B"] * s["ctx"] * (IDX_D + 4) + s["B"] * s["next_n"] * s["ctx"] * 4
 
 
+def paged_topk_min_bytes(s: dict) -> float:
+    """Paged logits + top-k in one launch: the cache bytes read plus the int32 indices written (the
+    logits stay in an L2-resident workspace)."""
+    return s["B"] * s["ctx"] * (IDX_D + 4) + s["B"] * s["next_n"] * s.get("k", 512) * 4
+
+
 # ---- mHC -------------------------------------------------------------------------------------------
 
 def _mhc_dims(s: dict) -> tuple[int, int, int, int]:
@@ -346,6 +352,7 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "indexer_k_cache_insert": _zero,
     "fp8_mqa_logits": mqa_flops,
     "fp8_paged_mqa_logits": paged_mqa_flops,
+    "fp8_paged_mqa_topk": paged_mqa_flops,
     "hc_prenorm_gemm": mhc_flops("gemm"),
     "mhc_pre": mhc_flops("pre"),
     "mhc_pre_broadcast": mhc_flops("broadcast"),
@@ -380,6 +387,7 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "indexer_k_cache_insert": k_insert_min_bytes,
     "fp8_mqa_logits": mqa_min_bytes,
     "fp8_paged_mqa_logits": paged_mqa_min_bytes,
+    "fp8_paged_mqa_topk": paged_topk_min_bytes,
     "hc_prenorm_gemm": mhc_min_bytes("gemm"),
     "mhc_pre": mhc_min_bytes("pre"),
     "mhc_pre_broadcast": mhc_min_bytes("broadcast"),

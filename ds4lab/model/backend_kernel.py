@@ -17,6 +17,8 @@ linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)          
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert`` (cache fill, prefill)       1
 indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert`` (cache fill, prefill)    1
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
+indexer_topk, decode        ``kernel:indexer.fp8_paged_mqa_topk`` (``max_len <=``               1
+                            ``INDEXER_FUSED_MAX_N``; above / prefill: the pair below)
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
@@ -89,6 +91,17 @@ FUSE_ACT_QUANT_MAX_M = 2
 #: fused quant itself stops at FUSE_ACT_QUANT_MAX_M).
 FUSE_SHARED_ACT_MAX_M = 2
 
+#: decode (``next_n`` rows per request) indexer logits + top-k in ONE launch
+#: (``indexer.fp8_paged_mqa_topk``: the last program of a request selects in-program, same indices as the
+#: two-launch path) up to this many compressed positions per request (``max_len``; ctx 32k = 8,192);
+#: above, ``fp8_paged_mqa_logits`` + ``topk_indices`` (the one-program select reads a long row serially,
+#: where the split top-k wins). 0 turns the one-launch path off: OFF on GPUs until the H200 times it (session 6
+#: had no device time left; NOTES.md "idx6": predicted ~6 us at R=1, N=2,048 against ~22 us for the pair;
+#: `OUT=DIR bash scripts/gpu/idx_topk.sh` times both). The interpreter lane uses INDEXER_FUSED_MAX_N_INTERP, so
+#: the model's CPU tests keep exercising it.
+INDEXER_FUSED_MAX_N = 0
+INDEXER_FUSED_MAX_N_INTERP = 8192
+
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
 DECODE_MAX_T = 64
@@ -96,6 +109,8 @@ DECODE_MAX_T = 64
 K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
 K_LINEAR_FP8_FUSED = "kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)"
 K_LINEAR_FP8_FUSED_ACT = "kernel:fp8_gemm.w8a8_block_fp8_linear(fused swiglu_clamp + quant)"
+K_INDEXER_TOPK_FUSED = "kernel:indexer.fp8_paged_mqa_topk"
+K_INDEXER_TOPK = "kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices"
 K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
@@ -268,9 +283,17 @@ class KernelBackend(Backend):
         row group per request reads its blocks once; else one row per token (prefill chunks).
         ``slot_base`` ``(T,)`` int32 (e.g. ``req * n_comp``, made once per step): added to every
         selected index inside the top-k launch (``-1`` padding kept), so the result is already the
-        compressed-cache slots."""
-        with op_group(name, "kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices"):
-            T, H, D = q_fp8.shape
+        compressed-cache slots. Decode up to ``INDEXER_FUSED_MAX_N`` compressed positions: logits and
+        top-k in one launch (``fp8_paged_mqa_topk``, the same indices)."""
+        T, H, D = q_fp8.shape
+        if next_n and int(max_len) <= (INDEXER_FUSED_MAX_N if q_fp8.is_cuda else INDEXER_FUSED_MAX_N_INTERP):
+            with op_group(name, K_INDEXER_TOPK_FUSED):
+                lim = limits.to(torch.int32)
+                B = T // next_n
+                return self.k["idx"].fp8_paged_mqa_topk(
+                    q_fp8.reshape(B, next_n, H, D), cache, w, lim.reshape(B, next_n).contiguous(), block_table[:B],
+                    int(max_len), topk, offsets=slot_base)
+        with op_group(name, K_INDEXER_TOPK):
             lim = limits.to(torch.int32)
             if next_n:
                 B = T // next_n

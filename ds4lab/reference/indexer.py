@@ -23,9 +23,11 @@ import torch
 
 from ds4lab.reference.quant import ceil_pow2, to_e4m3
 from ds4lab.reference.rope import apply_rope
+from ds4lab.reference.topk import topk_indices as _topk_indices
 
 __all__ = ["HEAD_DIM", "indexer_q_rope_quant", "block_bytes", "entry_offsets", "quantize_k", "indexer_k_cache_insert",
-           "read_indexer_k_cache", "gather_indexer_k", "fp8_mqa_logits", "fp8_paged_mqa_logits"]
+           "read_indexer_k_cache", "gather_indexer_k", "fp8_mqa_logits", "fp8_paged_mqa_logits",
+           "fp8_paged_mqa_topk"]
 
 HEAD_DIM = 128
 SCALE_EPS = 1e-4
@@ -178,3 +180,15 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_co
             if L > 0:
                 out[b * nn + i, :L] = lg[i, :L].float()
     return out
+
+
+def fp8_paged_mqa_topk(q, kv_cache, weights, context_lens, block_table, max_context_len, k=512, offsets=None):
+    """Paged decode logits then their top-``k`` (the one-launch ``fp8_paged_mqa_topk``): the
+    composition of :func:`fp8_paged_mqa_logits` and ``reference.topk.topk_indices`` over each row's
+    limit, ``offsets[row]`` added to the selected indices (``-1`` kept). int32 ``(B*next_n, k)``."""
+    lg = fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    lim = paged_row_limits(context_lens, q.shape[1]).clamp(0, max_context_len).to(torch.int32)
+    out = _topk_indices(lg, k, lim)
+    if offsets is not None:
+        out = torch.where(out >= 0, out + offsets.detach().cpu().to(torch.int32)[:, None], out)
+    return out.to(q.device)

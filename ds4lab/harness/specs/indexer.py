@@ -361,3 +361,122 @@ register(KernelSpec(
     aot_shape={"B": 4, "next_n": 2, "ctx": 4096, "H": 64},
     sm89_mma={"_fp8_paged_mqa_logits_kernel": "QMMA"},
 ))
+
+
+# ---- paged decode logits + top-k in one launch -------------------------------------------------
+PAGED_TOPK_CASES = ("decode", "block_boundaries", "short_contexts", "ctx_1d", "all_equal")
+# the decode rows the one-launch path is tuned for: R = B * next_n in {1, 2, 16, 32}, N = ctx / 4 at
+# ctx 8k and 32k (2,048 and 8,192 compressed positions; the indexer is replicated: every TP the same)
+PAGED_TOPK_ROWS = ((1, 1), (1, 2), (2, 1), (16, 1), (8, 2), (32, 1), (16, 2))
+PAGED_TOPK_N = (2048, 8192)
+
+
+def make_paged_topk_inputs(shape: dict, case: str = "decode", seed: int = 0, device="cpu") -> dict:
+    """:func:`make_paged_inputs` plus ``k`` (``shape["k"]``, default 512) and the step's
+    ``offsets = req * ctx`` (global compressed slots). ``all_equal``: every key and scale the same,
+    power-of-two weights: every logit of a row ties (the lower index must win)."""
+    base = "decode" if case == "all_equal" else case
+    if case not in PAGED_TOPK_CASES:
+        raise ValueError(f"case={case!r}: known cases {PAGED_TOPK_CASES}")
+    inp = make_paged_inputs(shape, base, seed, device)
+    B, nn = inp["q"].shape[:2]
+    if case == "all_equal":
+        cache = inp["kv_cache"]
+        nb = cache.shape[0]
+        store = torch.as_strided(cache, (nb, BLOCK_BYTES), (cache.stride(0), 1))
+        store[:, :BS * D] = torch.ones(nb, BS * D, device=device).to(torch.float8_e4m3fn).view(torch.uint8)
+        store[:, BS * D:BS * (D + 4)] = torch.full((nb, BS), 0.125, device=device).view(torch.uint8).reshape(nb, -1)
+        inp["q"] = torch.ones_like(inp["q"], dtype=torch.float32).to(torch.float8_e4m3fn)
+        inp["weights"] = torch.full_like(inp["weights"], 2.0 ** -6)
+    req = torch.arange(B * nn, device=device, dtype=torch.int32) // nn
+    return dict(inp, k=shape.get("k", 512), offsets=(req * shape["ctx"]).to(torch.int32))
+
+
+def _paged_part(inputs: dict) -> dict:
+    return {n: inputs[n] for n in ("q", "kv_cache", "weights", "context_lens", "block_table", "max_context_len")}
+
+
+def paged_topk_lengths(inputs: dict) -> torch.Tensor:
+    """``(B*next_n,)`` int32 row limits on the inputs' device, unclamped (what the step hands
+    ``topk_indices``); made on the host, outside any timed call."""
+    nn = inputs["q"].shape[1]
+    return R.paged_row_limits(inputs["context_lens"].cpu(), nn).to(torch.int32).to(inputs["q"].device)
+
+
+def paged_topk_two_launch(inputs: dict, lengths: torch.Tensor | None = None):
+    """The path the one launch replaces (``KernelBackend.indexer_topk`` before it): paged logits, then
+    ``topk_indices`` over each row's limit with the offsets added. Returns ``(indices, logits)``.
+    ``lengths``: :func:`paged_topk_lengths` made beforehand (no host sync in the call)."""
+    from ds4lab_kernels.indexer import fp8_paged_mqa_logits
+    from ds4lab_kernels.topk import topk_indices
+    lg = fp8_paged_mqa_logits(**_paged_part(inputs))
+    lim = paged_topk_lengths(inputs) if lengths is None else lengths
+    return topk_indices(lg, inputs["k"], lengths=lim, offsets=inputs["offsets"]), lg
+
+
+def check_paged_topk(out, ref, inputs) -> list:
+    """Exactly the two-launch path's indices (same kernels' logits, same select: the fused kernel
+    must return the same bits), the top-k semantics against those logits (multiset of selected
+    scores, distinct, in range, -1 padding), and as many valid indices per row as the fp64
+    reference selects."""
+    from ds4lab.harness.numerics import compare_topk
+    two, lg = paged_topk_two_launch(inputs)
+    nn, L, k = inputs["q"].shape[1], inputs["max_context_len"], inputs["k"]
+    lim = R.paged_row_limits(inputs["context_lens"].cpu(), nn).clamp(0, L)
+    o = out.cpu()
+    off = inputs["offsets"].cpu()[:, None]
+    local = torch.where(o >= 0, o - off, o)
+    counts = compare_exact((o >= 0).sum(1), (ref.cpu() >= 0).sum(1), "valid indices per row vs reference")
+    return [compare_exact(o, two.cpu(), "indices vs two-launch path"), compare_topk(local, lg, k, lim, "topk"),
+            counts]
+
+
+def _paged_topk_baselines():
+    def two(inputs):
+        lim = paged_topk_lengths(inputs)
+        return lambda: paged_topk_two_launch(inputs, lim)[0]
+
+    def logits_torch_topk(inputs):
+        from ds4lab_kernels.indexer import fp8_paged_mqa_logits
+        part, k = _paged_part(inputs), inputs["k"]
+        return lambda: torch.topk(fp8_paged_mqa_logits(**part), k, dim=1, sorted=False)
+
+    def torch_topk_only(inputs):   # the top-k alone on the same logits (made outside the timed call)
+        from ds4lab_kernels.indexer import fp8_paged_mqa_logits
+        lg, k = fp8_paged_mqa_logits(**_paged_part(inputs)), inputs["k"]
+        return lambda: torch.topk(lg, k, dim=1, sorted=False)
+
+    def topk_only(inputs):         # ds4lab's top-k alone on the same logits
+        from ds4lab_kernels.indexer import fp8_paged_mqa_logits
+        from ds4lab_kernels.topk import topk_indices
+        lg, lim = fp8_paged_mqa_logits(**_paged_part(inputs)), paged_topk_lengths(inputs)
+        return lambda: topk_indices(lg, inputs["k"], lengths=lim, offsets=inputs["offsets"])
+    return {"two_launch": two, "paged+torch_topk": logits_torch_topk, "torch_topk_only": torch_topk_only,
+            "topk_indices_only": topk_only}
+
+
+def _paged_topk_bench(cfg, tp):
+    H = _heads(cfg)
+    from ds4lab.geometry import DEFAULT_CONFIG
+    k = (cfg or DEFAULT_CONFIG).index_topk
+    return [{"B": b, "next_n": n, "ctx": c, "H": H, "k": k} for c in PAGED_TOPK_N for b, n in PAGED_TOPK_ROWS]
+
+
+register(KernelSpec(
+    name="fp8_paged_mqa_topk",
+    family="indexer",
+    launcher="ds4lab_kernels.indexer:fp8_paged_mqa_topk",
+    reference="ds4lab.reference.indexer:fp8_paged_mqa_topk",
+    make_inputs=make_paged_topk_inputs,
+    cases=PAGED_TOPK_CASES,
+    test_shapes=[{"B": 2, "next_n": 2, "ctx": 300, "H": 64, "k": 64}, {"B": 3, "next_n": 1, "ctx": 700, "H": 64, "k": 512}],
+    bench_shapes=_paged_topk_bench,
+    flops=costs.FLOPS["fp8_paged_mqa_topk"],
+    min_bytes=costs.MIN_BYTES["fp8_paged_mqa_topk"],  # cache values + scales read, indices written
+    check=check_paged_topk,
+    configs=kernel_configs("indexer", "paged_topk"),
+    baselines=_paged_topk_baselines(),
+    bound="memory",
+    aot_shape=[{"B": 4, "next_n": 1, "ctx": 2048, "H": 64, "k": 512}, {"B": 4, "next_n": 2, "ctx": 8192, "H": 64, "k": 512}],
+    sm89_mma={"_fp8_paged_mqa_topk_kernel": "QMMA"},
+))

@@ -1,0 +1,163 @@
+"""fp8_paged_mqa_topk (paged indexer logits + top-k in one launch) on the GPU, one build per process
+(``--arch native|sm89``, chosen before triton is imported, as the bench does).
+
+Checks (each row PASS/FAIL with a detail; the table prints last), at the decode rows the launch is
+tuned for (R = B * next_n in {1, 2, 16, 32}, N in {2048, 8192}, 64 heads x 128), every case of the
+registry entry, every config row of the build's table:
+- ``exact``: the indices equal the two-launch path's (``fp8_paged_mqa_logits`` + ``topk_indices``,
+  the step's path before) element for element, the logits workspace equals the paged logits bit for
+  bit, the arrival counters are zero after the call;
+- ``registry``: the registry's check (exact vs two-launch, top-k semantics, valid counts vs fp64);
+- ``graph``: 4 calls on different inputs captured in one CUDA graph, replayed 3 times: the eager
+  indices every time, counters zero after (the last program re-zeroes its request's counter);
+- ``torch``: the selected index set equals ``torch.topk``'s on the same logits where the k-th and
+  (k+1)-th logits differ (rows with a tie at the boundary counted, not failed).
+
+Usage (tree root): python3 scripts/gpu/idx_topk_check.py --arch sm89 --out DIR   (exit 1 on any FAIL)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="native", choices=["native", "sm89"])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--quick", action="store_true", help="N = 2048 only, default config only (a CPU smoke run)")
+    args = p.parse_args(argv)
+    from ds4lab.harness.bench import _setup_build
+    _setup_build(args.arch)
+    import torch
+    if not torch.cuda.is_available():   # a smoke run of this script's logic on the interpreter
+        os.environ["TRITON_INTERPRET"] = "1"
+        from ds4lab import interp
+        interp.install()
+    from ds4lab.geometry import DEFAULT_CONFIG
+    from ds4lab.harness.numerics import compare_exact
+    from ds4lab.harness.registry import get
+    from ds4lab.harness.specs import indexer as S
+    from ds4lab_kernels import indexer as K
+    from ds4lab_kernels._arch import arch_of
+    gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if gpu else "cpu")
+    table = arch_of(dev)
+    spec = get("fp8_paged_mqa_topk")
+    H, k = DEFAULT_CONFIG.index_n_heads, DEFAULT_CONFIG.index_topk
+    rows = []
+
+    def row(check, what, ok, detail=""):
+        rows.append({"build": args.arch, "check": check, "what": what, "status": "PASS" if ok else "FAIL",
+                     "detail": str(detail)[:160]})
+        if not ok:
+            print(f"FAIL {check:<9} {what:<60} {rows[-1]['detail']}", flush=True)
+
+    def attempt(check, what, fn):
+        try:
+            ok, detail = fn()
+        except Exception as e:   # one failing candidate must not stop the rest
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        row(check, what, ok, detail)
+
+    def left():
+        return int(sum(int(b.abs().sum()) for b in K._ARRIVALS.values()))
+
+    t0 = time.time()
+    ns = (2048,) if args.quick or not gpu else S.PAGED_TOPK_N
+    shapes = [{"B": b, "next_n": n, "ctx": c, "H": H, "k": k} for c in ns for b, n in S.PAGED_TOPK_ROWS]
+    if not gpu:
+        shapes = [dict(s, ctx=300, k=64) for s in shapes[:2]]
+    labels = [None] + ([] if args.quick or not gpu else list(K.CONFIGS["paged_topk"][table]))
+    for shape in shapes:
+        for case in spec.cases:
+            for lb in (labels if case == spec.cases[0] else [None]):
+                def exact(shape=shape, case=case, lb=lb):
+                    inp = spec.make_inputs(shape, case, 7, dev)
+                    cfg = K.CONFIGS["paged_topk"][table][lb] if lb else None
+                    two, lg = S.paged_topk_two_launch(inp)
+                    ws = torch.empty_like(lg)
+                    out = K.fp8_paged_mqa_topk(**inp, logits=ws, config=cfg)
+                    if gpu:
+                        torch.cuda.synchronize()
+                    r1, r2 = compare_exact(out, two, "indices"), compare_exact(ws, lg, "logits")
+                    n_left = left()
+                    return bool(r1) and bool(r2) and n_left == 0, \
+                        f"indices {r1.n_fail} / logits {r2.n_fail} differing; counters left {n_left}"
+                attempt("exact", f"{shape} {case} {lb or 'auto'}", exact)
+            if case == spec.cases[0] or shape["B"] * shape["next_n"] <= 2:
+                def registry(shape=shape, case=case):
+                    inp = spec.make_inputs(shape, case, 11, dev)
+                    out = spec.launcher_fn()(**inp)
+                    reps = spec.check(out, spec.reference_fn()(**inp), inp)
+                    bad = [r.summary() for r in reps if not r]
+                    return not bad, "; ".join(bad) or f"{len(reps)} reports ok"
+                attempt("registry", f"{shape} {case}", registry)
+        def vs_torch(shape=shape):
+            inp = spec.make_inputs(shape, "decode", 13, dev)
+            k = shape["k"]
+            out = K.fp8_paged_mqa_topk(**inp)
+            lg = K.fp8_paged_mqa_logits(**S._paged_part(inp)).nan_to_num(nan=float("-inf"))
+            tk = torch.topk(lg, k + 1 if lg.shape[1] > k else k, dim=1)
+            off = inp["offsets"][:, None]
+            bad = ties = 0
+            for r in range(out.shape[0]):
+                if lg.shape[1] > k and tk.values[r, k - 1] == tk.values[r, k]:
+                    ties += 1
+                    continue
+                want = set(tk.indices[r, :k][torch.isfinite(tk.values[r, :k])].tolist())
+                got = set((out[r][out[r] >= 0] - off[r]).tolist())
+                bad += want != got
+            return bad == 0, f"{bad} rows differ from torch.topk; {ties} rows with a tie at the k-th place skipped"
+        attempt("torch", f"{shape}", vs_torch)
+        if gpu and shape["ctx"] == ns[0]:
+            def graph(shape=shape):
+                sets = [spec.make_inputs(shape, c, 19 + i, dev)
+                        for i, c in enumerate(("decode", "all_equal", "decode", "short_contexts"))]
+                want = [K.fp8_paged_mqa_topk(**s) for s in sets]
+                torch.cuda.synchronize()
+                outs = [None] * len(sets)
+                st = torch.cuda.Stream()
+                st.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(st):
+                    for i, s in enumerate(sets):
+                        outs[i] = K.fp8_paged_mqa_topk(**s)
+                torch.cuda.current_stream().wait_stream(st)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for i, s in enumerate(sets):
+                        outs[i] = K.fp8_paged_mqa_topk(**s)
+                bad = 0
+                for _ in range(3):
+                    g.replay()
+                    torch.cuda.synchronize()
+                    bad += sum(not compare_exact(o, w) for o, w in zip(outs, want))
+                n_left = left()
+                return bad == 0 and n_left == 0, f"{bad} differing outputs over 3 replays; counters left {n_left}"
+            attempt("graph", f"{shape}", graph)
+
+    secs = time.time() - t0
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"idx_topk_check_{args.arch}.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    fails = [r for r in rows if r["status"] != "PASS"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["check"], [0, 0])[r["status"] == "PASS"] += 1
+    print(f"\nbuild {args.arch} (table {table})\n{'check':<10} {'pass':>5} {'fail':>5}")
+    for c, (nf, npass) in by.items():
+        print(f"{c:<10} {npass:>5} {nf:>5}")
+    print(f"{len(rows)} checks, {len(fails)} failing, {secs:.1f} s -> {path}")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
