@@ -99,8 +99,10 @@ def _sparse_mla_split_kernel(
     hmask = offs_h < H
     offs_d = tl.arange(0, D)
     if Q_NORM:
-        q = head_rmsnorm_rope(q_ptr + tok * stride_qt + offs_h * stride_qh, hmask,
-                              tl.load(pos_ptr + tok).to(tl.int64), cs_ptr, max_pos, q_eps, D, R).to(tl.bfloat16)
+        p = tl.load(pos_ptr + tok).to(tl.int64)
+        q = head_rmsnorm_rope(q_ptr + tok * stride_qt + offs_h * stride_qh, hmask, p, cs_ptr, max_pos, q_eps,
+                              D, R).to(tl.bfloat16)
+        pos_ok = (p >= 0) & (p < max_pos)   # outside the table: NaN out (the den > 0 guard would zero NaN q)
     else:
         q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                     mask=hmask[:, None], other=0.0)
@@ -136,6 +138,8 @@ def _sparse_mla_split_kernel(
         den = l_i * f + tl.exp2(sink - mx)
         den_safe = tl.where(den > 0, den, 1.0)
         o = tl.where((den > 0)[:, None], acc * (f / den_safe)[:, None], 0.0)
+        if Q_NORM:
+            o = tl.where(pos_ok, o, float("nan"))
         tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  o.to(tl.bfloat16), mask=hmask[:, None])
         if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
@@ -152,15 +156,16 @@ def _sparse_mla_split_kernel(
 
 @triton.jit
 def _sparse_mla_merge_kernel(
-    out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S,
+    out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S, pos_ptr, max_pos,
     SB: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, D: tl.constexpr, Q_NORM: tl.constexpr,
 ):
     """Grid ``(cdiv(num_heads, BLOCK_H), D // BLOCK_D, num_tokens)``.
     One program: BLOCK_H heads x BLOCK_D dims of one token: merges the S split partials with the
     sink. The (max, sum) pairs and the partials are read SB splits at a time as
     ``(SB, BLOCK_H, BLOCK_D)`` tiles, so a token's merge is D // BLOCK_D programs wide and a few
-    dependent loads deep (not one program walking S x 512 floats)."""
+    dependent loads deep (not one program walking S x 512 floats). ``Q_NORM``: a token whose
+    position is outside the fused q norm's table (``[0, max_pos)``) gets NaN, as the one-split path."""
     hg = tl.program_id(0)
     dg = tl.program_id(1)
     tok = tl.program_id(2).to(tl.int64)
@@ -194,6 +199,9 @@ def _sparse_mla_merge_kernel(
         o += tl.sum(x * f[:, :, None], 0)
     den_safe = tl.where(den > 0, den, 1.0)
     o = tl.where((den > 0)[:, None], o / den_safe[:, None], 0.0)
+    if Q_NORM:
+        p = tl.load(pos_ptr + tok)
+        o = tl.where((p >= 0) & (p < max_pos), o, float("nan"))
     tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              o.to(tl.bfloat16), mask=hmask[:, None])
     if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
@@ -313,8 +321,9 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None):
         bd = cfg.get("MERGE_BD", 32)
         _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), D // bd, T)](
             out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)), H, out.stride(0),
-            out.stride(1), S, SB=cfg.get("MERGE_SB", 8), HAS_LSE=return_lse, BLOCK_H=bhm,
-            BLOCK_D=bd, D=D, num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1)
+            out.stride(1), S, pos, cs.shape[0] if q_norm is not None else 0, SB=cfg.get("MERGE_SB", 8),
+            HAS_LSE=return_lse, BLOCK_H=bhm, BLOCK_D=bd, D=D, Q_NORM=q_norm is not None,
+            num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1)
     return (out, stats) if return_lse else out
 
 
@@ -356,8 +365,8 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
             :func:`ds4lab_kernels.norm_rope.head_rmsnorm_rope`, the same operations as
             ``rmsnorm_rope(q, None, eps, positions, cos_sin)``) and rounds to bfloat16 before the
             attention, replacing that launch. Requires ``positions`` ``(num_tokens,)`` int32/int64
-            (a position outside ``[0, cos_sin.shape[0])`` gives NaN rope dims, hence NaN output for
-            that token, as ``rmsnorm_rope`` does) and ``cos_sin`` float32 ``(max_pos, R)`` ``cos || sin``
+            (a position outside ``[0, cos_sin.shape[0])`` makes that token's output NaN, every head,
+            never a finite value from an unrotated q; no host sync to check it) and ``cos_sin`` float32 ``(max_pos, R)`` ``cos || sin``
             (:func:`ds4lab.reference.rope.cos_sin_cache`, R = 64 here, a power of two <= 512).
 
     Returns:

@@ -19,6 +19,8 @@ indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert``           
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
+  with ``q_norm``           ``kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)``: the q    1-2
+                            head norm + RoPE in the q load (``FUSE_Q_NORM``; no q_norm_rope launch)
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
                             wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post``                   2 / 1
@@ -31,6 +33,7 @@ compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write +
                             reads the bf16 GEMM output slice as is)
 q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
+  (q: only unfused)
 rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
 add (bf16 + bf16)           ``torch:add`` (one bf16 add: fp32 math, one rounding)              1
 compressor T > 64 / embed   ``torch:compressor`` / ``torch:embedding``
@@ -79,6 +82,11 @@ FUSE_ACT_QUANT_MAX_M = 2
 #: fused quant itself stops at FUSE_ACT_QUANT_MAX_M).
 FUSE_SHARED_ACT_MAX_M = 2
 
+#: ``sparse_mla(q_norm=...)``: the q head RMSNorm + RoPE in sparse_mla_decode's q load (one launch a
+#: layer fewer, the same bf16 q: norm_rope's helpers) when True; False runs rmsnorm_rope then the
+#: attention (the A/B switch for the step; scripts/gpu/qmla.py times both at the kernel level)
+FUSE_Q_NORM = True
+
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
 DECODE_MAX_T = 64
@@ -90,6 +98,8 @@ K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
 K_Q_KV_NORM_ROPE = "kernel:norm_rope.q_kv_rmsnorm_rope"
+K_SPARSE_MLA = "kernel:sparse_mla.sparse_mla_decode"
+K_SPARSE_MLA_Q_NORM = "kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -233,12 +243,22 @@ class KernelBackend(Backend):
 
     # ---- attention -------------------------------------------------------------------------
     def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
-                   swa_block, comp_block, scale, name="attn.sparse_mla"):
-        with op_group(name, "kernel:sparse_mla.sparse_mla_decode"):
+                   swa_block, comp_block, scale, name="attn.sparse_mla", q_norm=None):
+        """``q_norm`` with ``FUSE_Q_NORM``: the raw q (any token stride, read in place) is normed and
+        rotated inside the attention launch; else :meth:`normed_q` first (its own launch)."""
+        fused = q_norm is not None and FUSE_Q_NORM
+        if not fused:
+            q = self.normed_q(q, q_norm).contiguous()
+        kw = {}
+        if fused:
+            positions, cos_sin, eps = q_norm
+            kw = {"q_norm_eps": eps, "positions": positions, "cos_sin": cos_sin}
+        with op_group(name, K_SPARSE_MLA_Q_NORM if fused else K_SPARSE_MLA):
             return self.k["smla"].sparse_mla_decode(
-                q.contiguous(), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
+                q.to(BF16), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
                 sink, comp_cache, None if comp_slots is None else comp_slots.to(torch.int32).contiguous(),
-                None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale)
+                None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale,
+                **kw)
 
     def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
         """FP8 ``wo_a``/``wo_b`` at decode: ``o_proj.pick_o_proj_config`` (``DECODE_DEFAULT`` on a GPU: the
