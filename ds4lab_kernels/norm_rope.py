@@ -62,18 +62,22 @@ def head_rmsnorm_rope(row_ptr, rmask, p, cs_ptr, max_pos, eps, D: tl.constexpr, 
     """``(M, D)`` float32: the weight-free RMSNorm of ``M`` bf16 rows of ``D`` values (``row_ptr``
     ``(M,)`` pointers to each row's first value, ``rmask`` ``(M,)`` which rows exist; masked rows are
     zeros), then GPT-J RoPE on the last ``R`` dims at table row ``p``: the same float32 operations as
-    ``_rmsnorm_rope_kernel`` (``x * rstd``, pairs rotated from the normed values), one tile in the
-    caller's layout (each element also loads its pair partner ``d ^ 1``, masked to the rope tail)."""
+    ``_rmsnorm_rope_kernel`` (``x * rstd``, then each (even, odd) pair of the tail rotated by
+    :func:`rope_rotate`), on one tile in the caller's layout. The pairs are the tile's last axis split
+    in two (``tl.split`` of ``(M, D/2, 2)``: no second load, no partner copy in registers)."""
     d = tl.arange(0, D)
-    rope = d >= D - R
-    ptr = row_ptr[:, None] + d[None, :]
-    x = tl.load(ptr, mask=rmask[:, None], other=0.0).to(tl.float32)
-    xp = tl.load(row_ptr[:, None] + (d ^ 1)[None, :], mask=rmask[:, None] & rope[None, :], other=0.0).to(tl.float32)
-    rstd = tl.where(rmask, rms_rstd(x, D, eps, 1), 0.0)[:, None]
-    c, s = rope_cos_sin(cs_ptr, p, max_pos, tl.maximum(d - (D - R), 0) // 2, R)
-    y = x * rstd
-    rot = rope_rotate(y, xp * rstd, c[None, :], s[None, :], (d % 2 == 0)[None, :])
-    return tl.where(rope[None, :], rot, y)
+    xb = tl.load(row_ptr[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
+    rstd = tl.where(rmask, rms_rstd(xb.to(tl.float32), D, eps, 1), 0.0)[:, None]
+    ev, od = tl.split(tl.reshape(xb, (xb.shape[0], D // 2, 2)))          # (M, D/2) pair halves, bf16
+    ev = ev.to(tl.float32) * rstd
+    od = od.to(tl.float32) * rstd
+    j = tl.arange(0, D // 2)
+    rope = (j >= (D - R) // 2)[None, :]
+    c, s = rope_cos_sin(cs_ptr, p, max_pos, tl.maximum(j - (D - R) // 2, 0), R)
+    c, s = c[None, :], s[None, :]
+    ev2 = tl.where(rope, rope_rotate(ev, od, c, s, True), ev)
+    od2 = tl.where(rope, rope_rotate(od, ev, c, s, False), od)
+    return tl.reshape(tl.join(ev2, od2), (xb.shape[0], D))
 
 
 @triton.jit

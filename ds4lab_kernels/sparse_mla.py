@@ -102,7 +102,6 @@ def _sparse_mla_split_kernel(
         p = tl.load(pos_ptr + tok).to(tl.int64)
         q = head_rmsnorm_rope(q_ptr + tok * stride_qt + offs_h * stride_qh, hmask, p, cs_ptr, max_pos, q_eps,
                               D, R).to(tl.bfloat16)
-        pos_ok = (p >= 0) & (p < max_pos)   # outside the table: NaN out (the den > 0 guard would zero NaN q)
     else:
         q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                     mask=hmask[:, None], other=0.0)
@@ -139,7 +138,11 @@ def _sparse_mla_split_kernel(
         den_safe = tl.where(den > 0, den, 1.0)
         o = tl.where((den > 0)[:, None], acc * (f / den_safe)[:, None], 0.0)
         if Q_NORM:
-            o = tl.where(pos_ok, o, float("nan"))
+            # a position outside the table: NaN for the token (the q's NaN rope dims would become NaN
+            # scores, which the den > 0 guard zeroes). Reloaded here (volatile: not CSE'd with the first
+            # load into a value live across the tile loop; keeping it live spilled 4 B in h16n32s2, sm_90a)
+            p_end = tl.load(pos_ptr + tok, volatile=True)
+            o = tl.where((p_end >= 0) & (p_end < max_pos), o, float("nan"))
         tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  o.to(tl.bfloat16), mask=hmask[:, None])
         if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
