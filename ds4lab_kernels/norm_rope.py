@@ -63,21 +63,23 @@ def head_rmsnorm_rope(row_ptr, rmask, p, cs_ptr, max_pos, eps, D: tl.constexpr, 
     ``(M,)`` pointers to each row's first value, ``rmask`` ``(M,)`` which rows exist; masked rows are
     zeros), then GPT-J RoPE on the last ``R`` dims at table row ``p``: the same float32 operations as
     ``_rmsnorm_rope_kernel`` (``x * rstd``, then each (even, odd) pair of the tail rotated by
-    :func:`rope_rotate`), on one tile in the caller's layout. The pairs are the tile's last axis split
-    in two (``tl.split`` of ``(M, D/2, 2)``: no second load, no partner copy in registers)."""
-    d = tl.arange(0, D)
-    xb = tl.load(row_ptr[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
-    rstd = tl.where(rmask, rms_rstd(xb.to(tl.float32), D, eps, 1), 0.0)[:, None]
-    ev, od = tl.split(tl.reshape(xb, (xb.shape[0], D // 2, 2)))          # (M, D/2) pair halves, bf16
-    ev = ev.to(tl.float32) * rstd
-    od = od.to(tl.float32) * rstd
+    :func:`rope_rotate`), on one tile in the caller's layout. The even and odd elements load as two
+    ``(M, D/2)`` halves, joined back for the sum of squares and the result (a full-tile load + ``tl.split``
+    or a second partner-tile load spilled 8-24 B in sparse_mla's split kernel on sm_90a / sm_120)."""
     j = tl.arange(0, D // 2)
+    pair = row_ptr[:, None] + 2 * j[None, :]
+    ev = tl.load(pair, mask=rmask[:, None], other=0.0).to(tl.float32)          # (M, D/2) even elements
+    od = tl.load(pair + 1, mask=rmask[:, None], other=0.0).to(tl.float32)      # (M, D/2) odd elements
+    x = tl.reshape(tl.join(ev, od), (ev.shape[0], D))
+    rstd = tl.where(rmask, rms_rstd(x, D, eps, 1), 0.0)[:, None]
+    ev = ev * rstd
+    od = od * rstd
     rope = (j >= (D - R) // 2)[None, :]
     c, s = rope_cos_sin(cs_ptr, p, max_pos, tl.maximum(j - (D - R) // 2, 0), R)
     c, s = c[None, :], s[None, :]
     ev2 = tl.where(rope, rope_rotate(ev, od, c, s, True), ev)
     od2 = tl.where(rope, rope_rotate(od, ev, c, s, False), od)
-    return tl.reshape(tl.join(ev2, od2), (xb.shape[0], D))
+    return tl.reshape(tl.join(ev2, od2), (ev.shape[0], D))
 
 
 @triton.jit
