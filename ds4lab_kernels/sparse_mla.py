@@ -139,10 +139,8 @@ def _sparse_mla_split_kernel(
         o = tl.where((den > 0)[:, None], acc * (f / den_safe)[:, None], 0.0)
         if Q_NORM:
             # a position outside the table: NaN for the token (the q's NaN rope dims would become NaN
-            # scores, which the den > 0 guard zeroes). Reloaded here (volatile: not CSE'd with the first
-            # load into a value live across the tile loop; keeping it live spilled 4 B in h16n32s2, sm_90a)
-            p_end = tl.load(pos_ptr + tok, volatile=True)
-            o = tl.where((p_end >= 0) & (p_end < max_pos), o, float("nan"))
+            # scores, which the den > 0 guard zeroes)
+            o = tl.where((p >= 0) & (p < max_pos), o, float("nan"))
         tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  o.to(tl.bfloat16), mask=hmask[:, None])
         if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
