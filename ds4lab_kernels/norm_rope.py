@@ -26,7 +26,62 @@ from . import mla_cache
 from ._arch import arch_of
 from .mla_cache import fp8_ds_mla_pack
 
-__all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "swiglu_clamp", "CONFIGS"]
+__all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "swiglu_clamp", "CONFIGS", "rms_rstd", "rope_cos_sin",
+           "rope_rotate", "head_rmsnorm_rope"]
+
+
+# ---- shared @triton.jit helpers: the one home of the norm and the RoPE convention ----------------
+# (also read by sparse_mla's fused q load, so both paths compute the same float32 numbers)
+@triton.jit
+def rms_rstd(x, D, eps, AXIS: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` of float32 ``x`` along ``AXIS`` (``D`` the true width: masked lanes
+    load 0)."""
+    return tl.math.rsqrt(tl.sum(x * x, axis=AXIS) / D + eps)
+
+
+@triton.jit
+def rope_cos_sin(cs_ptr, p, max_pos, i, R: tl.constexpr):
+    """``(cos, sin)`` of pair ``i`` (ints in ``[0, R/2)``, any shape) at row ``p`` (int64 scalar) of the
+    float32 ``(max_pos, R)`` ``cos || sin`` table; NaN when ``p`` is outside ``[0, max_pos)`` (an
+    out-of-table position never reads a wrong angle; no host sync to check it)."""
+    ok = (p >= 0) & (p < max_pos)
+    pc = tl.where(ok, p, 0)
+    c = tl.where(ok, tl.load(cs_ptr + pc * R + i), float("nan"))
+    s = tl.where(ok, tl.load(cs_ptr + pc * R + R // 2 + i), float("nan"))
+    return c, s
+
+
+@triton.jit
+def rope_rotate(x, partner, c, s, even):
+    """GPT-J interleaved RoPE of one element of the pair ``(2i, 2i+1)``, ``partner`` the other one:
+    the even element ``x0 -> x0 cos - x1 sin``, the odd ``x1 -> x1 cos + x0 sin`` (``even`` a bool,
+    scalar or tensor)."""
+    return tl.where(even, x * c - partner * s, x * c + partner * s)
+
+
+@triton.jit
+def head_rmsnorm_rope(row_ptr, rmask, p, cs_ptr, max_pos, eps, D: tl.constexpr, R: tl.constexpr):
+    """``(M, D)`` float32: the weight-free RMSNorm of ``M`` bf16 rows of ``D`` values (``row_ptr``
+    ``(M,)`` pointers to each row's first value, ``rmask`` ``(M,)`` which rows exist; masked rows are
+    zeros), then GPT-J RoPE on the last ``R`` dims at table row ``p``: the same float32 operations as
+    ``_rmsnorm_rope_kernel`` (``x * rstd``, then each (even, odd) pair of the tail rotated by
+    :func:`rope_rotate`), on one tile in the caller's layout. The even and odd elements load as two
+    ``(M, D/2)`` halves, joined back for the sum of squares and the result (a full-tile load + ``tl.split``
+    or a second partner-tile load spilled 8-24 B in sparse_mla's split kernel on sm_90a / sm_120)."""
+    j = tl.arange(0, D // 2)
+    pair = row_ptr[:, None] + 2 * j[None, :]
+    ev = tl.load(pair, mask=rmask[:, None], other=0.0).to(tl.float32)          # (M, D/2) even elements
+    od = tl.load(pair + 1, mask=rmask[:, None], other=0.0).to(tl.float32)      # (M, D/2) odd elements
+    x = tl.reshape(tl.join(ev, od), (ev.shape[0], D))
+    rstd = tl.where(rmask, rms_rstd(x, D, eps, 1), 0.0)[:, None]
+    ev = ev * rstd
+    od = od * rstd
+    rope = (j >= (D - R) // 2)[None, :]
+    c, s = rope_cos_sin(cs_ptr, p, max_pos, tl.maximum(j - (D - R) // 2, 0), R)
+    c, s = c[None, :], s[None, :]
+    ev2 = tl.where(rope, rope_rotate(ev, od, c, s, True), ev)
+    od2 = tl.where(rope, rope_rotate(od, ev, c, s, False), od)
+    return tl.reshape(tl.join(ev2, od2), (ev.shape[0], D))
 
 
 @triton.jit
@@ -55,7 +110,7 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
             xrow = (r // rows_per_token).to(tl.int64) * stride_xt + (r % rows_per_token) * D
             x = tl.load(x_ptr + xrow + cols, mask=dmask, other=0.0).to(tl.float32)
             if NORM:
-                rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+                rstd = rms_rstd(x, D, eps, 0)
             else:
                 rstd = 1.0
             y = x * rstd
@@ -69,16 +124,9 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
                 if HAS_W:
                     ev = ev * tl.load(w_ptr + e_off).to(tl.float32)
                     od = od * tl.load(w_ptr + e_off + 1).to(tl.float32)
-                p = tl.load(pos_ptr + r // rows_per_token).to(tl.int64)
-                ok = (p >= 0) & (p < max_pos)            # out-of-table position: NaN, never a wrong angle
-                pc = tl.where(ok, p, 0)
-                c = tl.load(cs_ptr + pc * R + half)
-                s = tl.load(cs_ptr + pc * R + R // 2 + half)
-                nan = float("nan")
-                c = tl.where(ok, c, nan)
-                s = tl.where(ok, s, nan)
-                tl.store(y_ptr + row + e_off, (ev * c - od * s).to(tl.bfloat16))
-                tl.store(y_ptr + row + e_off + 1, (od * c + ev * s).to(tl.bfloat16))
+                c, s = rope_cos_sin(cs_ptr, tl.load(pos_ptr + r // rows_per_token).to(tl.int64), max_pos, half, R)
+                tl.store(y_ptr + row + e_off, rope_rotate(ev, od, c, s, True).to(tl.bfloat16))
+                tl.store(y_ptr + row + e_off + 1, rope_rotate(od, ev, c, s, False).to(tl.bfloat16))
 
 
 @triton.jit
@@ -99,14 +147,14 @@ def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_pt
         cq = tl.arange(0, BLOCK_Q)
         mq = cq < DQ
         xq = tl.load(xrow + cq, mask=mq, other=0.0).to(tl.float32)
-        rq = tl.math.rsqrt(tl.sum(xq * xq, axis=0) / DQ + eps)
+        rq = rms_rstd(xq, DQ, eps, 0)
         wq = tl.load(wq_ptr + cq, mask=mq, other=0.0).to(tl.float32)
         tl.store(q_ptr + t.to(tl.int64) * DQ + cq, (xq * rq * wq).to(tl.bfloat16), mask=mq)
     else:
         ck = tl.arange(0, BLOCK_KV)
         mk = ck < DKV
         xk = tl.load(xrow + DQ + ck, mask=mk, other=0.0).to(tl.float32)
-        rk = tl.math.rsqrt(tl.sum(xk * xk, axis=0) / DKV + eps)
+        rk = rms_rstd(xk, DKV, eps, 0)
         wk = tl.load(wkv_ptr + ck, mask=mk, other=0.0).to(tl.float32)
         body = (xk * rk * wk).to(tl.bfloat16)
         half = tl.arange(0, R // 2)
@@ -116,13 +164,9 @@ def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_pt
               * tl.load(wkv_ptr + e_off).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
         od = (tl.load(xrow + DQ + e_off + 1).to(tl.float32) * rk
               * tl.load(wkv_ptr + e_off + 1).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-        p = tl.load(pos_ptr + t).to(tl.int64)
-        ok = (p >= 0) & (p < max_pos)            # out-of-table position: NaN, never a wrong angle
-        pc = tl.where(ok, p, 0)
-        cs = tl.where(ok, tl.load(cs_ptr + pc * R + half), float("nan"))
-        sn = tl.where(ok, tl.load(cs_ptr + pc * R + R // 2 + half), float("nan"))
-        r_ev = (ev * cs - od * sn).to(tl.bfloat16)
-        r_od = (od * cs + ev * sn).to(tl.bfloat16)
+        cs, sn = rope_cos_sin(cs_ptr, tl.load(pos_ptr + t).to(tl.int64), max_pos, half, R)
+        r_ev = rope_rotate(ev, od, cs, sn, True).to(tl.bfloat16)
+        r_od = rope_rotate(od, ev, cs, sn, False).to(tl.bfloat16)
         if CACHE:
             # the entry as 8 tiles of 64: the 7 NoPE tiles of the body, then the rotated pairs in dim order
             g = tl.arange(0, 8)

@@ -23,6 +23,7 @@ from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import ue8m0_to_fp32
 from .mla_cache import check_cache, flat_views
+from .norm_rope import head_rmsnorm_rope
 
 HEAD_DIM = 512
 LOG2E = 1.4426950408889634
@@ -81,20 +82,29 @@ def _sparse_mla_split_kernel(
     a_u8_ptr, a_bf16_ptr, a_idx_ptr, a_len_ptr, a_stride_blk, a_slots, a_stride_it, a_n,
     b_u8_ptr, b_bf16_ptr, b_idx_ptr, b_len_ptr, b_stride_blk, b_slots, b_stride_it, b_n,
     H, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale, tiles_per_split,
+    pos_ptr, cs_ptr, max_pos, q_eps,
     A_BS: tl.constexpr, B_BS: tl.constexpr, HAS_B: tl.constexpr, KV_FP8: tl.constexpr,
     A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr, SPLITS, ONE_SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, Q_NORM: tl.constexpr, R: tl.constexpr,
 ):
     """Grid ``(cdiv(num_heads, BLOCK_H), SPLITS, num_tokens)``.
-    One program: BLOCK_H heads of one token over one contiguous split of its candidate tiles."""
+    One program: BLOCK_H heads of one token over one contiguous split of its candidate tiles.
+    ``Q_NORM``: q is the raw ``wq_b`` output; the program norms its BLOCK_H heads (weight-free RMSNorm,
+    ``q_eps``) and rotates their last ``R`` dims at ``positions[tok]`` (norm_rope's helper, the same
+    float32 operations as ``rmsnorm_rope``), then rounds to bf16 as that launch's output would be."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     tok = tl.program_id(2).to(tl.int64)
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=hmask[:, None], other=0.0)
+    if Q_NORM:
+        p = tl.load(pos_ptr + tok).to(tl.int64)
+        q = head_rmsnorm_rope(q_ptr + tok * stride_qt + offs_h * stride_qh, hmask, p, cs_ptr, max_pos, q_eps,
+                              D, R).to(tl.bfloat16)
+    else:
+        q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                    mask=hmask[:, None], other=0.0)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -127,6 +137,10 @@ def _sparse_mla_split_kernel(
         den = l_i * f + tl.exp2(sink - mx)
         den_safe = tl.where(den > 0, den, 1.0)
         o = tl.where((den > 0)[:, None], acc * (f / den_safe)[:, None], 0.0)
+        if Q_NORM:
+            # a position outside the table: NaN for the token (the q's NaN rope dims would become NaN
+            # scores, which the den > 0 guard zeroes)
+            o = tl.where((p >= 0) & (p < max_pos), o, float("nan"))
         tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
                  o.to(tl.bfloat16), mask=hmask[:, None])
         if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
@@ -143,15 +157,16 @@ def _sparse_mla_split_kernel(
 
 @triton.jit
 def _sparse_mla_merge_kernel(
-    out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S,
+    out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S, pos_ptr, max_pos,
     SB: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, D: tl.constexpr, Q_NORM: tl.constexpr,
 ):
     """Grid ``(cdiv(num_heads, BLOCK_H), D // BLOCK_D, num_tokens)``.
     One program: BLOCK_H heads x BLOCK_D dims of one token: merges the S split partials with the
     sink. The (max, sum) pairs and the partials are read SB splits at a time as
     ``(SB, BLOCK_H, BLOCK_D)`` tiles, so a token's merge is D // BLOCK_D programs wide and a few
-    dependent loads deep (not one program walking S x 512 floats)."""
+    dependent loads deep (not one program walking S x 512 floats). ``Q_NORM``: a token whose
+    position is outside the fused q norm's table (``[0, max_pos)``) gets NaN, as the one-split path."""
     hg = tl.program_id(0)
     dg = tl.program_id(1)
     tok = tl.program_id(2).to(tl.int64)
@@ -185,6 +200,9 @@ def _sparse_mla_merge_kernel(
         o += tl.sum(x * f[:, :, None], 0)
     den_safe = tl.where(den > 0, den, 1.0)
     o = tl.where((den > 0)[:, None], o / den_safe[:, None], 0.0)
+    if Q_NORM:
+        p = tl.load(pos_ptr + tok)
+        o = tl.where((p >= 0) & (p < max_pos), o, float("nan"))
     tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              o.to(tl.bfloat16), mask=hmask[:, None])
     if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
@@ -237,8 +255,32 @@ def _splits(n_base: int, n_tiles: int, device, cfg: dict) -> int:
     return max(1, triton.cdiv(n_tiles, per))
 
 
-def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False):
-    """srcs: [(u8, bf16, idx, lens, stride_blk, n_slots, block_size)] (one or two sources)."""
+def _check_q_norm(q, q_norm_eps, positions, cos_sin):
+    """The fused q norm's arguments -> ``(eps, positions, cos_sin)`` (contiguous) or None (no norm)."""
+    if q_norm_eps is None:
+        for n, t in (("positions", positions), ("cos_sin", cos_sin)):
+            if t is not None:
+                raise ValueError(f"{n}: given without q_norm_eps (the fused q norm + RoPE is off)")
+        return None
+    eps = check.fp32_scalar("q_norm_eps", q_norm_eps, nonnegative=True)
+    T, _, D = q.shape
+    if positions is None or cos_sin is None:
+        raise ValueError(f"{'positions' if positions is None else 'cos_sin'}: required with q_norm_eps")
+    check.tensor("positions", positions, (torch.int32, torch.int64))
+    if tuple(positions.shape) != (T,):
+        raise ValueError(f"positions: expected shape ({T},) (num_tokens), got {tuple(positions.shape)}")
+    check.tensor("cos_sin", cos_sin, torch.float32)
+    R = cos_sin.shape[1] if cos_sin.dim() == 2 else 0
+    if cos_sin.dim() != 2 or cos_sin.shape[0] < 1 or R < 2 or R > D or R & (R - 1):
+        raise ValueError(f"cos_sin: expected a float32 (max_pos >= 1, R) cos || sin table with R a power of "
+                         f"two in 2..{D}; got shape {tuple(cos_sin.shape)}")
+    check.same_device("q", q, positions=positions, cos_sin=cos_sin)
+    return eps, positions.contiguous(), cos_sin.contiguous()
+
+
+def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None):
+    """srcs: [(u8, bf16, idx, lens, stride_blk, n_slots, block_size)] (one or two sources);
+    q_norm: None or ``(eps, positions, cos_sin)`` from :func:`_check_q_norm`."""
     T, H, D = q.shape
     if out is None:
         out = torch.empty((T, H, D), dtype=torch.bfloat16, device=q.device)
@@ -264,21 +306,25 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False):
     sink = attn_sink.contiguous()
     a_len = a[3] if a[3] is not None else a[2]
     b_len = b[3] if b[3] is not None else b[2]
+    eps, pos, cs = q_norm if q_norm is not None else (0.0, sink, sink)
     _sparse_mla_split_kernel[(n_hg, S, T)](
         q, out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)),
         a[0], a[1], a[2], a_len, a[4], a[5], a[2].stride(0), a[2].shape[1],
         b[0], b[1], b[2], b_len, b[4], b[5], b[2].stride(0), b[2].shape[1],
         H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E, tps,
+        pos, cs, cs.shape[0] if q_norm is not None else 0, float(eps),
         A_BS=a[6], B_BS=b[6], HAS_B=len(srcs) > 1, KV_FP8=a[0] is not None and a[0].dtype == torch.uint8,
         A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S, ONE_SPLIT=S == 1, HAS_LSE=return_lse,
-        BLOCK_H=BH, BLOCK_N=BN, D=D, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
+        BLOCK_H=BH, BLOCK_N=BN, D=D, Q_NORM=q_norm is not None, R=cs.shape[1] if q_norm is not None else 2,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     if S > 1:
         bhm = min(cfg.get("MERGE_BH", 16), triton.next_power_of_2(H))
         bd = cfg.get("MERGE_BD", 32)
         _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), D // bd, T)](
             out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)), H, out.stride(0),
-            out.stride(1), S, SB=cfg.get("MERGE_SB", 8), HAS_LSE=return_lse, BLOCK_H=bhm,
-            BLOCK_D=bd, D=D, num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1)
+            out.stride(1), S, pos, cs.shape[0] if q_norm is not None else 0, SB=cfg.get("MERGE_SB", 8),
+            HAS_LSE=return_lse, BLOCK_H=bhm, BLOCK_D=bd, D=D, Q_NORM=q_norm is not None,
+            num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1)
     return (out, stats) if return_lse else out
 
 
@@ -288,13 +334,16 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
                       comp_lens: torch.Tensor | None = None, swa_block_size: int = 64,
                       comp_block_size: int = 64, scale: float = DEFAULT_SCALE,
                       out: torch.Tensor | None = None, config: dict | None = None,
-                      return_lse: bool = False):
+                      return_lse: bool = False, q_norm_eps: float | None = None,
+                      positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None):
     """Sparse MLA decode over fp8_ds_mla caches (SWA window + compressed candidates) with a sink.
 
     Args:
-        q: ``(num_tokens, num_heads, 512)`` bfloat16 (num_heads = 64/TP), last dim contiguous.
+        q: ``(num_tokens, num_heads, 512)`` bfloat16 (num_heads = 64/TP), last dim contiguous, any
+            token and head strides (e.g. a column slice of a fused GEMM output, viewed per head).
             MTP verification: the ``next_n`` query rows of a request are consecutive tokens, each
-            with its own indices and lengths (``num_tokens = batch * next_n``).
+            with its own indices and lengths (``num_tokens = batch * next_n``). With ``q_norm_eps``:
+            the raw ``wq_b`` output, normed and rotated in the kernel's q load (below).
         swa_cache: uint8 fp8_ds_mla cache ``(num_blocks, block_bytes)`` or
             ``(num_blocks, swa_block_size, 584)`` (per-block bytes contiguous; block stride from
             ``stride(0)``).
@@ -311,6 +360,15 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
         out: optional ``(num_tokens, num_heads, 512)`` bfloat16 output.
         config: a row of ``CONFIGS`` to force.
         return_lse: also return the log-sum-exp of the scores (FlashMLA convention).
+        q_norm_eps: None (q used as given), or the epsilon of DeepSeek-V4's per-head q RMSNorm: each
+            program loads its heads' raw q, computes ``q * rsqrt(mean(q^2) + eps)`` (no weight) and
+            the GPT-J interleaved RoPE of the last ``R`` dims at ``positions`` in float32 (the helper
+            :func:`ds4lab_kernels.norm_rope.head_rmsnorm_rope`, the same operations as
+            ``rmsnorm_rope(q, None, eps, positions, cos_sin)``) and rounds to bfloat16 before the
+            attention, replacing that launch. Requires ``positions`` ``(num_tokens,)`` int32/int64
+            (a position outside ``[0, cos_sin.shape[0])`` makes that token's output NaN, every head,
+            never a finite value from an unrotated q; no host sync to check it) and ``cos_sin`` float32 ``(max_pos, R)`` ``cos || sin``
+            (:func:`ds4lab.reference.rope.cos_sin_cache`, R = 64 here, a power of two <= 512).
 
     Returns:
         ``(num_tokens, num_heads, 512)`` bfloat16:
@@ -325,10 +383,12 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
         TypeError / ValueError naming the argument on wrong dtypes, shapes, strides, devices.
 
     Semantics: FlashMLA ``flash_mla_with_kvcache`` (sparse, FP8 KV, ``attn_sink``), vLLM
-    DeepSeek-V4 sparse attention (SWA window + compressed top-k). CUDA-graph safe: no host sync,
-    allocations depend on shapes only.
+    DeepSeek-V4 sparse attention (SWA window + compressed top-k); the fused q norm is the Q side
+    of vLLM's ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``. CUDA-graph safe: no host
+    sync, allocations depend on shapes only.
     """
     _check_q(q, attn_sink, scale)
+    q_norm = _check_q_norm(q, q_norm_eps, positions, cos_sin)
     T, H, _ = q.shape
     dev = q.device
     sw_stride = check_cache("swa_cache", swa_cache, swa_block_size)
@@ -349,7 +409,7 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
     elif comp_indices is not None:
         raise ValueError("comp_indices: given without comp_cache")
     cfg = config or pick_config(H, dev, num_tokens=T)
-    res = _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=bool(return_lse))
+    res = _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=bool(return_lse), q_norm=q_norm)
     return (res[0], res[1][1]) if return_lse else res
 
 

@@ -226,3 +226,100 @@ def test_t1_candidates_split_one_tile_each(label):
     # the parallel merge; window and top-k at their boundary lengths
     inputs = _decode_inputs(_gen(), 1, 16, 128, 512, 64, [127], [511])
     _ok(sparse_mla_decode(**inputs, config=CONFIGS["sm_90"][label]), inputs)
+
+
+# ---- the fused q head norm + RoPE (sparse_mla_decode(q_norm_eps=, positions=, cos_sin=)) ----------------
+def _q_norm_case(g, T, H, Kc, cbs, max_pos=64):
+    """Raw q as a strided view (per-head columns of a wider GEMM output, row stride > H*512) with
+    adversarial rows: huge (2^40) and tiny (2^-30) heads, an all-zero head (the epsilon alone), and
+    positions 0 and the table's last row."""
+    from ds4lab.reference.rope import cos_sin_cache
+    inp = _decode_inputs(g, T, H, 128 if Kc != 24 else 16, Kc, cbs, [128, 127, 5][:T], [511, 512, 3][:T])
+    if not Kc:
+        for k in ("comp_cache", "comp_indices", "comp_lens", "comp_block_size"):
+            inp.pop(k, None)
+    wide = torch.randn(T, H * 512 + 96, generator=g) * 3.0
+    q = wide[:, :H * 512].reshape(T, H, 512)
+    q[0, 1] *= 2.0 ** 40
+    q[0, 2] *= 2.0 ** -30
+    q[-1, 3] = 0.0
+    wide = wide.bfloat16().to(DEVICE)
+    pos = torch.tensor([max_pos - 1, 0, 17][:T], dtype=torch.int32, device=DEVICE)
+    cs = cos_sin_cache(max_pos, 64, 160000.0, 16.0, 65536, device=DEVICE)
+    inp["q"] = wide[:, :H * 512].reshape(T, H, 512)
+    assert T == 1 or inp["q"].stride(0) == H * 512 + 96
+    return inp, {"q_norm_eps": 1e-6, "positions": pos, "cos_sin": cs}
+
+
+def _same_as_unfused(fused, unfused):
+    if DEVICE == "cpu":        # the interpreter reduces both sums of squares in one order: bit-identical
+        assert torch.equal(fused, unfused)
+        return
+    # a GPU may order the fp32 sum of squares differently in the two layouts (one fp32 ulp of rstd, a
+    # rare bf16 ulp of q): the split/merge budget (2 bf16 ulps relative + 2^-6 absolute)
+    a, b = fused.float(), unfused.float()
+    assert ((a - b).abs() - (2**-6 + 2**-6 * torch.maximum(a.abs(), b.abs()))).max() <= 0
+
+
+@pytest.mark.parametrize("T,H,Kc,cbs,cfg", [
+    (3, 16, 512, 64, {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "SPLITS": 3}),    # C4A, split + merge
+    (3, 16, 512, 64, {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "SPLITS": 1}),    # C4A, one split
+    (2, 24, 24, 2, {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "SPLITS": 2}),      # C128A, partial head group
+    (2, 32, 0, 64, {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "SPLITS": 1}),      # SWA-only, 32-head block
+    (1, 16, 512, 64, "h16n16m1"),                                                     # the T=1 default row
+])
+def test_fused_q_norm_equals_rmsnorm_rope_then_attention(T, H, Kc, cbs, cfg):
+    from ds4lab_kernels.norm_rope import rmsnorm_rope
+    cfg = CONFIGS["sm_89"][cfg] if isinstance(cfg, str) else cfg
+    inp, qn = _q_norm_case(_gen(), T, H, Kc, cbs)
+    fused = sparse_mla_decode(**inp, config=cfg, **qn)
+    q = rmsnorm_rope(inp["q"], None, qn["q_norm_eps"], qn["positions"], qn["cos_sin"])
+    unfused = sparse_mla_decode(**{**inp, "q": q}, config=cfg)
+    _same_as_unfused(fused, unfused)
+    _ok(fused, {**inp, **qn})           # and the composed reference (norm_rope + sparse_mla references)
+    # a broken fused path fails that check: q not normed, or rotated at the wrong position
+    want = ref.sparse_mla_decode(**inp, **qn)
+    for bad in (ref.sparse_mla_decode(**inp), ref.sparse_mla_decode(**{**inp, **qn, "positions": (qn["positions"] + 1) % 64})):
+        assert not all(check(bad.bfloat16(), want, {**inp, **qn})), "a broken q norm passed the check"
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fused_q_norm_position_outside_table_is_nan_for_that_token_only(splits):
+    # rmsnorm_rope's NaN rope dims would reach the attention as NaN scores, which its den > 0 guard turns
+    # into zeros: the fused path says NaN instead (split and one-split forms), never a finite output
+    inp, qn = _q_norm_case(_gen(), 3, 16, 24, 2)
+    qn["positions"] = torch.tensor([64, 3, -1], dtype=torch.int32, device=DEVICE)    # 64 = max_pos, -1: outside
+    cfg = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "SPLITS": splits}
+    out = sparse_mla_decode(**inp, config=cfg, **qn)
+    assert out[0].isnan().all() and out[2].isnan().all() and torch.isfinite(out[1].float()).all()
+    ok = {"q_norm_eps": 1e-6, "positions": qn["positions"][1:2], "cos_sin": qn["cos_sin"]}
+    one = {k: v[1:2] if isinstance(v, torch.Tensor) and k not in ("swa_cache", "comp_cache", "attn_sink") else v
+           for k, v in inp.items()}
+    _same_as_unfused(out[1:2], sparse_mla_decode(**one, config=cfg, **ok))
+
+
+def _qn_good():
+    from ds4lab.reference.rope import cos_sin_cache
+    return _good(), {"q_norm_eps": 1e-6, "positions": torch.zeros(2, dtype=torch.int32),
+                     "cos_sin": cos_sin_cache(8, 64, 10000.0)}
+
+
+@pytest.mark.parametrize("mut,exc,match", [
+    (lambda q: q.update(q_norm_eps=-1.0), ValueError, "q_norm_eps"),
+    (lambda q: q.update(q_norm_eps=float("nan")), ValueError, "q_norm_eps"),
+    (lambda q: q.update(q_norm_eps="1e-6"), ValueError, "q_norm_eps"),           # _checks.fp32_scalar
+    (lambda q: q.update(positions=q["positions"].float()), TypeError, "positions"),
+    (lambda q: q.update(positions=q["positions"][:1]), ValueError, "positions"),
+    (lambda q: q.update(positions=None), ValueError, "positions"),
+    (lambda q: q.update(cos_sin=None), ValueError, "cos_sin"),
+    (lambda q: q.update(cos_sin=q["cos_sin"].double()), TypeError, "cos_sin"),
+    (lambda q: q.update(cos_sin=q["cos_sin"][:, :48]), ValueError, "cos_sin"),     # R not a power of two
+    (lambda q: q.update(cos_sin=torch.zeros(8, 1024)), ValueError, "cos_sin"),     # R > 512
+    (lambda q: q.update(cos_sin=q["cos_sin"][0]), ValueError, "cos_sin"),          # 1-d
+    (lambda q: q.update(q_norm_eps=None), ValueError, "positions"),                # table given, norm off
+])
+def test_bad_q_norm_args_raise(mut, exc, match):
+    d, qn = _qn_good()
+    mut(qn)
+    with pytest.raises(exc, match=match):
+        sparse_mla_decode(**d, **qn)

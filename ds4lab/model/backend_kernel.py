@@ -18,9 +18,11 @@ mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert`` (cache fill, 
 indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert`` (cache fill, prefill)    1
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
 indexer_topk, decode        ``kernel:indexer.fp8_paged_mqa_topk`` (``max_len <=``               1
-                            ``INDEXER_FUSED_MAX_N``; above / prefill: the pair below)
+                            ``INDEXER_FUSED_MAX_N``, 0 = off on GPUs until timed; else the pair)
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
+  with ``q_norm``           ``kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)``: the q    1-2
+                            head norm + RoPE in the q load (``FUSE_Q_NORM``: off on GPUs until timed)
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
                             wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x: the MoE's fp32   2 / 1
@@ -40,6 +42,7 @@ compressor_insert, T <= 64  ``kernel:compressor.compress_decode(+fp8_ds_mla|inde
 q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
                             (``swa_cache=``: ``(+fp8_ds_mla insert)``, the SWA entry in the launch)
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
+  (q: only unfused)
 rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
 index_maps (once a step)    ``kernel:step_maps.step_index_maps`` (all the step's maps)     1
 add (bf16 + bf16)           ``torch:add`` (one bf16 add: fp32 math, one rounding)              1
@@ -101,6 +104,13 @@ FUSE_SHARED_ACT_MAX_M = 2
 #: the model's CPU tests keep exercising it.
 INDEXER_FUSED_MAX_N = 0
 INDEXER_FUSED_MAX_N_INTERP = 8192
+#: ``sparse_mla(q_norm=...)``: the q head RMSNorm + RoPE in sparse_mla_decode's q load (one launch a
+#: layer fewer, the same bf16 q: norm_rope's helpers) when True; False runs rmsnorm_rope then the
+#: attention. OFF on GPUs until the H200 times it (session 6 had no device time left; NOTES.md "qmla6":
+#: predicted -1.5 to -2.2 us a layer; `OUT=DIR bash scripts/gpu/qmla.sh` times both); the interpreter lane
+#: uses FUSE_Q_NORM_INTERP so the model's CPU tests keep exercising the fused load.
+FUSE_Q_NORM = False
+FUSE_Q_NORM_INTERP = True
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
@@ -120,6 +130,8 @@ K_Q_KV_NORM_ROPE_INSERT = "kernel:norm_rope.q_kv_rmsnorm_rope(+fp8_ds_mla insert
 #: [fp8_ds_mla (hd 512), indexer K (hd 128)]
 K_COMPRESS_INSERT = ("kernel:compressor.compress_decode(+fp8_ds_mla insert)",
                      "kernel:compressor.compress_decode(+indexer K insert)")
+K_SPARSE_MLA = "kernel:sparse_mla.sparse_mla_decode"
+K_SPARSE_MLA_Q_NORM = "kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -307,12 +319,23 @@ class KernelBackend(Backend):
 
     # ---- attention -------------------------------------------------------------------------
     def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
-                   swa_block, comp_block, scale, name="attn.sparse_mla"):
-        with op_group(name, "kernel:sparse_mla.sparse_mla_decode"):
+                   swa_block, comp_block, scale, name="attn.sparse_mla", q_norm=None):
+        """``q_norm`` with ``FUSE_Q_NORM`` (GPU) / ``FUSE_Q_NORM_INTERP`` (interpreter): the raw q (any token
+        stride, read in place) is normed and rotated inside the attention launch; else :meth:`normed_q`
+        first (its own launch)."""
+        fused = q_norm is not None and (FUSE_Q_NORM if q.is_cuda else FUSE_Q_NORM_INTERP)
+        if not fused:
+            q = self.normed_q(q, q_norm).contiguous()
+        kw = {}
+        if fused:
+            positions, cos_sin, eps = q_norm
+            kw = {"q_norm_eps": eps, "positions": positions, "cos_sin": cos_sin}
+        with op_group(name, K_SPARSE_MLA_Q_NORM if fused else K_SPARSE_MLA):
             return self.k["smla"].sparse_mla_decode(
-                q.contiguous(), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
+                q.to(BF16), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
                 sink, comp_cache, None if comp_slots is None else comp_slots.to(torch.int32).contiguous(),
-                None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale)
+                None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale,
+                **kw)
 
     def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
         """FP8 ``wo_a``/``wo_b`` at decode: ``o_proj.pick_o_proj_config`` (``DECODE_DEFAULT`` on a GPU: the

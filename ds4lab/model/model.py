@@ -14,11 +14,12 @@ glue.
 Per layer (vLLM ``models/deepseek_v4/cpu/model.py`` ``DeepseekV4DecoderLayer``,
 ``attention.py`` ``DeepseekV4Attention``, ``cpu/cpu_sparse.py``):
 mHC pre (+attn_norm) -> ``wqkv_a`` -> q_norm, kv_norm + RoPE (one op, ``q_kv_norm_rope``) ->
-``wq_b`` (C4A: fused with the indexer's ``wq_b``, one GEMM on ``qr``) -> per-head RMSNorm + RoPE
-(q); the kv's fp8_ds_mla SWA entry is written by the q/kv norm op -> [compressor (+ indexer
-compressor; each writes its boundary entries into its cache), indexer q, logits, top-512); C4A:
-the three bf16 GEMMs on ``x`` (both compressors' ``wkv_gate``, the indexer's ``weights_proj``) as
-one, ``attn.x_proj``, its column slices read in place] -> sparse MLA with sink over SWA (+
+``wq_b`` (C4A: fused with the indexer's ``wq_b``, one GEMM on ``qr``); the kv's fp8_ds_mla SWA entry
+is written by the q/kv norm op -> [compressor (+ indexer compressor; each writes its boundary entries
+into its cache), indexer q, logits, top-512); C4A: the three bf16 GEMMs on ``x`` (both compressors'
+``wkv_gate``, the indexer's ``weights_proj``) as one, ``attn.x_proj``, its column slices read in place]
+-> per-head q RMSNorm + RoPE (``sparse_mla(q_norm=...)``: in the attention's q load on the kernel
+backend) and sparse MLA with sink over SWA (+
 compressed) -> o_proj -> mHC post -> mHC pre (+ffn_norm) ->
 router (hash ``tid2eid`` in layers < num_hash_layers, else sqrtsoftplus + bias) ->
 shared expert (SwiGLU clamp; fp32 down projection) + routed experts added into it -> mHC post on the fp32
@@ -106,7 +107,7 @@ class RankModel:
         else:
             q = o.linear(qr, L["wq_b"], "attn.wq_b")
             iq = o.linear(qr, L["idx"]["wq_b"], "indexer.wq_b") if idx else None
-        q = o.q_norm_rope(q.reshape(T, self.H, hd), pos, cs, cfg.rms_norm_eps)
+        q = q.reshape(T, self.H, hd)      # raw: its head norm + RoPE run in the attention's q load (q_norm)
         comp_cache = comp_slots = comp_lens = None
         if ratio:
             cm = maps["comp"][(ratio, C.n_comp)]
@@ -135,7 +136,7 @@ class RankModel:
             else:
                 comp_slots, comp_lens = cm["slots"], cm["lens"]
         a = o.sparse_mla(q, C.swa, maps["swa_idx"], maps["swa_lens"], L["attn_sink"], comp_cache, comp_slots,
-                         comp_lens, 64, C.comp_block, hd ** -0.5)
+                         comp_lens, 64, C.comp_block, hd ** -0.5, q_norm=(pos, cs, cfg.rms_norm_eps))
         return o.o_proj(a, pos, cs, L["wo_a"], L["wo_b"], self.G)
 
     def _compress(self, P, ks, pos, win, state, ratio, cs, name, cache, slots, block, insert_name):

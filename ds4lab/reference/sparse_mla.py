@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ds4lab.reference.mla_cache import dequant_slots
+from ds4lab.reference.norm_rope import rmsnorm_rope
 
 DEFAULT_SCALE = 512 ** -0.5
 
@@ -50,12 +51,24 @@ def attend(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, attn_sink: to
     return torch.where((den > 0)[..., None], out, torch.zeros_like(out))
 
 
+def normed_q(q, q_norm_eps=None, positions=None, cos_sin=None) -> torch.Tensor:
+    """The q the attention reads: ``q`` itself, or with ``q_norm_eps`` the bf16 output of the per-head
+    weight-free RMSNorm + GPT-J RoPE (:func:`ds4lab.reference.norm_rope.rmsnorm_rope` in float64, then
+    the one bf16 rounding the kernels' q has, as the separate ``rmsnorm_rope`` launch rounds there)."""
+    if q_norm_eps is None:
+        return q
+    return rmsnorm_rope(q, None, q_norm_eps, positions.cpu(), cos_sin.cpu()).to(torch.bfloat16)
+
+
 def sparse_mla_decode(q, swa_cache, swa_indices, swa_lens, attn_sink, comp_cache=None, comp_indices=None,
                       comp_lens=None, swa_block_size: int = 64, comp_block_size: int = 64,
-                      scale: float = DEFAULT_SCALE, abs_values: bool = False) -> torch.Tensor:
+                      scale: float = DEFAULT_SCALE, abs_values: bool = False, q_norm_eps=None, positions=None,
+                      cos_sin=None) -> torch.Tensor:
     """fp64 reference of :func:`ds4lab_kernels.sparse_mla.sparse_mla_decode` (same arguments) ->
     ``(T, H, 512)`` float64. Reads the same cache bytes the kernel reads (``dequant_slots``).
-    ``abs_values``: ``sum_j p_j |v_j|`` instead (see :func:`attend`)."""
+    ``abs_values``: ``sum_j p_j |v_j|`` instead (see :func:`attend`). ``q_norm_eps`` (with
+    ``positions``, ``cos_sin``): the fused q norm + RoPE, :func:`normed_q` composed before the attention."""
+    q = normed_q(q.detach().cpu(), q_norm_eps, positions, cos_sin)
     shp = q.shape
     q = q.reshape(-1, *shp[-2:])
     T = q.shape[0]

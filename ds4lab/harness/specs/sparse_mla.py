@@ -53,12 +53,15 @@ def make_decode_inputs(shape: dict, case: str = "random", seed: int = 0, device=
     ``[T,W]`` window, and (Kc > 0) a compressed cache (block ``comp_bs``: 64 C4, 2 C128) with
     ``[T,Kc]`` candidates. Adversarial: lengths at n-1/n/n+1/0/1 and every residue mod 4, scattered
     -1 and out-of-cache slots, rows with no candidate, one candidate, very peaked scores (q x 24),
-    sinks of +30 / -inf."""
+    sinks of +30 / -inf. ``shape["q_norm"]`` true: q is the raw ``wq_b`` output instead (per-head scales
+    2^-20..2^20, a zero head), normed + rotated in the kernel (``q_norm_eps``, ``positions`` up to the
+    table's last row, the C4A/C128A YaRN table; :func:`q_norm_args`); "peaked" then sharpens the scores
+    through ``scale`` x 24 (the norm takes a q scale out)."""
     T, H, W, Kc = shape["T"], shape["H"], shape["W"], shape["Kc"]
     cbs = shape.get("comp_bs", 64)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(T, H, 512, generator=g)
-    if case == "peaked":
+    if case == "peaked" and not shape.get("q_norm"):
         q *= 24.0
     sink = torch.randn(H, generator=g)
     if case == "sink_extremes":
@@ -76,7 +79,31 @@ def make_decode_inputs(shape: dict, case: str = "random", seed: int = 0, device=
             ci[0] = -1
         out.update(comp_cache=cc.to(device), comp_indices=ci.to(device), comp_lens=cl.to(device),
                    comp_block_size=cbs)
+    if shape.get("q_norm"):
+        out.update(q_norm_args(T, H, g, device))
+        if case == "peaked":
+            out["scale"] = 24.0 * 512 ** -0.5
     return out
+
+
+Q_NORM_MAX_POS = 4096   # the test table: positions up to its last row (the kernels NaN past it)
+
+
+def q_norm_args(T: int, H: int, g: torch.Generator, device="cpu") -> dict:
+    """A raw (pre-norm) q ``(T, H, 512)`` bf16 with per-head magnitudes 2^-20..2^20 (head 0 of token 0
+    all zeros: the epsilon alone), ``positions (T,)`` int32 including 0 and the table's last row, a
+    compressed-layer (YaRN) ``cos_sin`` table and ``q_norm_eps`` for :func:`sparse_mla_decode`'s fused q norm."""
+    from ds4lab.reference.rope import cos_sin_cache
+    mag = torch.exp2(torch.randint(-20, 21, (T, H, 1), generator=g).float())
+    q = torch.randn(T, H, 512, generator=g) * mag
+    q[0, 0] = 0.0
+    pos = torch.randint(0, Q_NORM_MAX_POS, (T,), generator=g, dtype=torch.int32)
+    pos[0] = Q_NORM_MAX_POS - 1
+    if T > 1:
+        pos[1] = 0
+    cs = cos_sin_cache(Q_NORM_MAX_POS, 64, 160000.0, 16.0, 65536)
+    return {"q": q.to(torch.bfloat16).to(device), "positions": pos.to(device), "cos_sin": cs.to(device),
+            "q_norm_eps": 1e-6}
 
 
 def make_prefill_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu") -> dict:
@@ -186,6 +213,7 @@ register(KernelSpec(
     make_inputs=make_decode_inputs,
     cases=CASES,
     test_shapes=[{"T": 3, "H": 16, "W": 20, "Kc": 37, "comp_bs": 2},
+                 {"T": 2, "H": 16, "W": 20, "Kc": 37, "comp_bs": 64, "q_norm": 1},
                  {"T": 2, "H": 64, "W": 33, "Kc": 0}],
     bench_shapes=decode_bench_shapes,
     flops=costs.FLOPS["sparse_mla_decode"],      # QK^T and PV over the 512-d latent
@@ -197,8 +225,13 @@ register(KernelSpec(
     bound="memory",
     # C4A (64-entry compressed blocks, top-512) and C128A (2-entry blocks, every compressed entry:
     # ~4096 at 512K context; a different B_BS specialisation of the split kernel)
+    # with the fused q norm (q_norm=1): the same two split shapes, SWA-only, and the one-split form (T=128)
     aot_shape=[{"T": 4, "H": 64, "W": 128, "Kc": 512, "comp_bs": 64},
-               {"T": 4, "H": 16, "W": 128, "Kc": 4098, "comp_bs": 2}],
+               {"T": 4, "H": 16, "W": 128, "Kc": 4098, "comp_bs": 2},
+               {"T": 4, "H": 64, "W": 128, "Kc": 512, "comp_bs": 64, "q_norm": 1},
+               {"T": 4, "H": 16, "W": 128, "Kc": 4098, "comp_bs": 2, "q_norm": 1},
+               {"T": 1, "H": 16, "W": 128, "Kc": 0, "q_norm": 1},
+               {"T": 128, "H": 16, "W": 128, "Kc": 512, "comp_bs": 64, "q_norm": 1}],
     sm89_mma={"_sparse_mla_split_kernel": "HMMA"},
 ))
 
