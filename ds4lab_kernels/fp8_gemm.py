@@ -129,7 +129,7 @@ def _fp8_gemm_nt_kernel(
     kb_per_split, eps, limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_BF16: tl.constexpr, SPLIT: tl.constexpr,
-    A_ROWS: tl.constexpr, ACT: tl.constexpr = 0, SCALE_PF: tl.constexpr = 0,
+    A_ROWS: tl.constexpr, ACT: tl.constexpr = 0, SCALE_PF: tl.constexpr = 0, Q_CVT: tl.constexpr = 0,
 ):
     """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split)``: output tiles in GROUP_M order x k splits.
     One program: a BLOCK_M x BLOCK_N tile of D over its split's k-blocks.
@@ -195,11 +195,11 @@ def _fp8_gemm_nt_kernel(
             if A_ROWS == 1:
                 xr = x_next
                 x_next = _act_load(a_ptrs + BLOCK_K, (kb + 1 < kb_hi), K, limit, ACT, True)
-                a, sa = quant_rows_e4m3_pow2(xr, eps)  # one row, not BLOCK_M copies of it
+                a, sa = quant_rows_e4m3_pow2(xr, eps, Q_CVT)  # one row, not BLOCK_M copies of it
                 a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
                 sa = tl.broadcast_to(sa, (BLOCK_M,))
             else:
-                a, sa = quant_rows_e4m3_pow2(_act_load(a_ptrs, None, K, limit, ACT, False), eps)
+                a, sa = quant_rows_e4m3_pow2(_act_load(a_ptrs, None, K, limit, ACT, False), eps, Q_CVT)
             sa = ue8m0_to_fp32(fp32_pow2_to_ue8m0(sa))
         else:
             a = tl.load(a_ptrs)
@@ -237,7 +237,7 @@ def _fp8_gemv_kernel(
     kb_per_split, eps, limit,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KTILE: tl.constexpr,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, A_BF16: tl.constexpr, SPLIT: tl.constexpr,
-    ACT: tl.constexpr = 0,
+    ACT: tl.constexpr = 0, Q_CVT: tl.constexpr = 0,
 ):
     """Decode GEMV (M <= 4): grid ``(cdiv(M, ROWS) * cdiv(N, BLOCK_N), split)``. One program: ``ROWS``
     rows x ``BLOCK_N`` columns of D over its split's k-blocks, in chunks of ``KTILE`` columns (one
@@ -282,7 +282,7 @@ def _fp8_gemv_kernel(
             m = tl.minimum(pid_m * ROWS + r, M - 1).to(tl.int64)
             if A_BF16:
                 x = _act_load(a_ptr + m * stride_am + cols, cmask, K, limit, ACT, True)
-                q, sa = quant_rows_e4m3_pow2(tl.reshape(x, (G_T, 128)), eps)
+                q, sa = quant_rows_e4m3_pow2(tl.reshape(x, (G_T, 128)), eps, Q_CVT)
                 sa = ue8m0_to_fp32(fp32_pow2_to_ue8m0(sa))
             else:
                 q = tl.reshape(tl.load(a_ptr + m * stride_am + cols, mask=cmask, other=0.0), (G_T, 128))
@@ -426,6 +426,11 @@ def _launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out, cfg, a_bf16: bool, eps: f
         cnt = splitk_counters(a.device, tiles)
     else:
         ws = cnt = out  # unused
+    # a row with Q_CVT=1 (the m16 rows) rounds the fused quant with the hardware cast where that is exact:
+    # bf16 / fp16 activations (and the bf16-rounded SwiGLU); fp32 ones keep to_e4m3 (_fp8.quant_rows_e4m3_pow2,
+    # CVT). Rows without the key keep to_e4m3: the same bits, but their H200 times were measured with it and the
+    # cast's speed-up is untimed (session 6: no device time; NOTES.md "m16").
+    q_cvt = int(a_bf16 and (act or a.dtype != torch.float32) and bool(cfg.get("Q_CVT", 0)))
     sa = a if a_scale is None else a_scale
     sa_strides = (0, 0) if a_scale is None else (a_scale.stride(0), a_scale.stride(1))
     args = (a, b, sa, b_scale, out, ws, cnt, M, N, K, a.stride(0), b.stride(0), out.stride(0),
@@ -433,12 +438,13 @@ def _launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out, cfg, a_bf16: bool, eps: f
     if gemv:
         _fp8_gemv_kernel[(tiles, split)](
             *args, ROWS=BM, BLOCK_N=BN, KTILE=gemv_ktile(cfg, BN, kb_per), A_FMT=a_fmt, B_FMT=b_fmt,
-            A_BF16=a_bf16, SPLIT=split > 1, ACT=act, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            A_BF16=a_bf16, SPLIT=split > 1, ACT=act, Q_CVT=q_cvt, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
         return
     _fp8_gemm_nt_kernel[(tiles, split)](
         *args, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK_K, GROUP_M=cfg.get("GROUP_M", 1), A_FMT=a_fmt, B_FMT=b_fmt,
         A_BF16=a_bf16, SPLIT=split > 1, A_ROWS=_a_rows(a, BM) if a_bf16 else BM, ACT=act,
-        SCALE_PF=int(cfg.get("SCALE_PREFETCH", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SCALE_PF=int(cfg.get("SCALE_PREFETCH", 0)), Q_CVT=q_cvt, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def gemv_block_n(cfg: dict, M: int, N: int, device) -> int:
@@ -508,9 +514,8 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         out_dtype: the dtype of the output made when ``out`` is None: bfloat16 (default) or float32 (D
             stored unrounded from the fp32 accumulator, every path and config: the model's shared-expert
             down projection, which the routed experts then add into).
-        config: a row of ``CONFIGS[arch]`` (an MMA row, or a ``KIND="gemv"`` row); default
-            :func:`pick_config` by ``num_tokens``, except that ``17 <= num_tokens <= FUSED_MAX_M``
-            takes the ``"decode"`` row (fused) instead of ``"small"`` (64-row tiles, two launches).
+        config: a row of ``CONFIGS[arch]`` (an MMA row, or a ``KIND="gemv"`` row); default: on the
+            fused path :func:`pick_fused_config`, else :func:`pick_config`, by ``num_tokens``.
         eps: the quant's amax floor (a positive normal float32), as in ``per_token_group_quant_fp8``.
         fused: force the fused (True) or two-launch (False) path; None: fused iff
             ``num_tokens <= FUSED_MAX_M`` and the config's ``BLOCK_M <= FUSED_MAX_M`` (the small /
@@ -546,11 +551,12 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     out = _check_out(out, M, N, x.device, out_dtype)
     if M == 0 or N == 0:
         return out
-    cfg = config or pick_config(M, x.device)
-    if config is None and fused is not False and M <= FUSED_MAX_M and cfg["BLOCK_M"] > FUSED_MAX_M:
-        # 17..32 tokens: pick_config's "small" row (64-row tiles) cannot take the fused quant; the
-        # decode row can (two 16-row tiles; scripts/gpu/gemm.sh times it against quant + "small")
-        cfg = CONFIGS[arch_of(x.device)]["decode"]
+    if config is not None:
+        cfg = config
+    elif fused is not False and M <= FUSED_MAX_M:
+        cfg = pick_fused_config(M, x.device)   # the fused launch's own rows (pick_config's "small" cannot fuse)
+    else:
+        cfg = pick_config(M, x.device)
     BM, _ = _check_config(cfg)
     if fused is None:
         fused = M <= FUSED_MAX_M and BM <= FUSED_MAX_M
@@ -617,18 +623,24 @@ def _check_config(cfg: dict) -> tuple[int, int]:
     s = cfg.get("SPLIT_K", "auto")
     if s != "auto" and (not isinstance(s, int) or s < 1):
         raise ValueError(f"config={cfg!r}: SPLIT_K must be 'auto' or a positive int")
+    sb = cfg.get("SPLIT_BELOW", 1.0)
+    if isinstance(sb, bool) or not isinstance(sb, (int, float)) or not sb > 0:
+        raise ValueError(f"config={cfg!r}: SPLIT_BELOW must be a positive number (waves of SMs)")
+    if cfg.get("Q_CVT", 0) not in (0, 1):
+        raise ValueError(f"config={cfg!r}: Q_CVT must be 0 or 1")
     return BM, BN
 
 
 def _split_k(cfg: dict, tiles: int, kblocks: int, device: torch.device) -> int:
-    """``SPLIT_K='auto'``: split only when the output tiles cannot fill one wave of SMs; aim at
+    """``SPLIT_K='auto'``: split only when the output tiles cannot fill ``SPLIT_BELOW`` (default 1.0)
+    waves of SMs (0.5: a grid of at least one program per two SMs runs unsplit); aim at
     ``SPLIT_PER_SM`` (default 2) programs per SM, keeping at least ``SPLIT_MIN_KB`` (default 2)
     k-blocks per split (so the pipeline has work and the split-K tail is paid for)."""
     s = cfg.get("SPLIT_K", "auto")
     if s != "auto":
         return max(1, min(int(s), kblocks))
     sms = num_sms(device)
-    if tiles >= sms:
+    if tiles >= float(cfg.get("SPLIT_BELOW", 1.0)) * sms:
         return 1
     min_kb = int(cfg.get("SPLIT_MIN_KB", 2))
     return max(1, min(triton.cdiv(int(cfg.get("SPLIT_PER_SM", 2)) * sms, tiles), kblocks // min_kb))
@@ -673,6 +685,8 @@ CONFIGS = {
         "gemv_p8": _gemv(1, PROGS_PER_SM=8, TILE_BYTES=8192),
         "gemv_r4": _gemv(4, PROGS_PER_SM=4, TILE_BYTES=8192),
         "gemv_w8": _gemv(1, w=8, PROGS_PER_SM=2, TILE_BYTES=32768),
+        "fq_16x32": _d(16, 32, 4, 4, SCALE_PREFETCH=1, SPLIT_MIN_KB=4, Q_CVT=1),
+        "fq_16x64": _d(16, 64, 4, 4, SCALE_PREFETCH=1, SPLIT_MIN_KB=4, SPLIT_BELOW=0.5, Q_CVT=1),
     },
     "sm_90": {
         "decode": _d(16, 32, 4, 6),
@@ -682,17 +696,21 @@ CONFIGS = {
         "decode_16x64": _d(16, 64, 4, 5),
         "decode_16x128": _d(16, 128, 4, 4),
         "decode_32x32": _d(32, 32, 4, 5),
+        "fq_16x32": _d(16, 32, 4, 4, SCALE_PREFETCH=1, SPLIT_MIN_KB=4, Q_CVT=1),
+        "fq_16x64": _d(16, 64, 4, 4, SCALE_PREFETCH=1, SPLIT_MIN_KB=4, SPLIT_BELOW=0.5, Q_CVT=1),
     },
 }
 
 # the decode labels a benchmark times at num_tokens <= 4, <= 16 and <= 32 (rows missing from an
 # architecture's table are skipped there)
-DECODE_CANDIDATES = {4: ("decode", "decode_16x64", "decode_pf", "decode_64pf", "gemv", "gemv_p8", "gemv_r4", "gemv_w8"),
-                     16: ("decode", "decode_16x64", "decode_16x128", "decode_pf", "decode_64pf"),
-                     32: ("decode", "decode_16x64", "decode_16x128", "decode_32x32", "decode_32x32_pf")}
+DECODE_CANDIDATES = {4: ("decode", "decode_16x64", "decode_pf", "decode_64pf", "gemv", "gemv_p8", "gemv_r4", "gemv_w8",
+                         "fq_16x32", "fq_16x64"),
+                     16: ("decode", "decode_16x64", "decode_16x128", "decode_pf", "decode_64pf", "fq_16x32", "fq_16x64"),
+                     32: ("decode", "decode_16x64", "decode_16x128", "decode_32x32", "decode_32x32_pf", "fq_16x32",
+                          "fq_16x64")}
 # the rows pick_config can return on a GPU (the compile report builds these for sm_120)
-GPU_DEFAULTS = {"sm_89": ("gemv_w8", "decode_16x64", "decode", "small", "mid", "prefill"),
-                "sm_90": ("decode_16x64", "decode", "small", "mid", "prefill")}
+GPU_DEFAULTS = {"sm_89": ("gemv_w8", "decode_16x64", "fq_16x64", "decode", "small", "mid", "prefill"),
+                "sm_90": ("decode_16x64", "fq_16x64", "decode", "small", "mid", "prefill")}
 
 
 def decode_candidates(M: int, arch: str | None = None) -> tuple[str, ...]:
@@ -731,3 +749,27 @@ def config_label(M: int, arch: str = "sm_89") -> str:
 def pick_config(M: int, device: torch.device) -> dict:
     arch = arch_of(device)
     return CONFIGS[arch][config_label(M, arch if device.type == "cuda" else "interp")]
+
+
+# the fused-quant launch (w8a8_block_fp8_linear, num_tokens <= FUSED_MAX_M) by num_tokens: M <= 2 as _PICK;
+# 3..32 tokens fq_16x64 (issue 20, m16; a prediction until the H200 sweep times it, NOTES.md "m16"): with
+# the hardware-cast quant (Q_CVT) each program's 16 x 128 quant is ~140 PTX instructions a k-block (was ~400)
+# and the 16x64 tiles halve the programs that repeat it; wq_b's 128 tiles run unsplit (SPLIT_BELOW 0.5), the
+# N <= 1536 shapes split in-launch, shared_down (4 k-blocks) never.
+_PICK_FUSED = {"sm_89": ((1, "gemv_w8"), (2, "decode_16x64"), (None, "fq_16x64")),
+               "sm_90": ((2, "decode_16x64"), (None, "fq_16x64")),
+               "interp": ((None, "decode"),)}
+
+
+def fused_config_label(M: int, arch: str = "sm_89") -> str:
+    """The fused-quant launch's default label of ``arch``'s table (``"sm_89"``, ``"sm_90"``, ``"interp"``)
+    at ``num_tokens = M <= FUSED_MAX_M``."""
+    for hi, label in _PICK_FUSED[arch]:
+        if hi is None or M <= hi:
+            return label
+    raise AssertionError
+
+
+def pick_fused_config(M: int, device: torch.device) -> dict:
+    arch = arch_of(device)
+    return CONFIGS[arch][fused_config_label(M, arch if device.type == "cuda" else "interp")]

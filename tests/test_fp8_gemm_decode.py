@@ -181,7 +181,7 @@ def test_gemv_tiles_and_split_floor_at_the_tp4_shapes():
         assert G._split_k(T89["decode"], 4096 // 32, 4, dev) == 2          # the current default splits
         assert G._split_k(T89["decode_pf"], 1536 // 32, 32, dev) == 6      # wq_a_wkv: still 6
     assert G.gemv_ktile({**T89["gemv"], "TILE_BYTES": 8192}, 32, 32) == 256
-    assert G.decode_candidates(1, "sm_90") == ("decode", "decode_16x64")
+    assert G.decode_candidates(1, "sm_90") == ("decode", "decode_16x64", "fq_16x32", "fq_16x64")
     assert "gemv" in G.decode_candidates(4, "sm_89") and "gemv" not in G.decode_candidates(16, "sm_89")
     # session 5's H200 rows made gemv_w8 the sm_89 M=1 default; the other new rows stay candidates
     assert set(G.GPU_DEFAULTS["sm_89"]) & {"gemv", "gemv_p8", "gemv_r4", "gemv_w8", "decode_pf"} == {"gemv_w8"}

@@ -7,11 +7,11 @@ GPU, torch glue counted as the CUDA kernels it issues, approximately):
 ==========================  =============================================================  ========
 op (Backend method)         kind                                                           launches
 ==========================  =============================================================  ========
-linear, FP8 weight, T<=2    ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
-                            (``FUSE_ACT_QUANT_MAX_M``; sm_89 T=1: the GEMV row ``gemv_w8``)
-linear, FP8 weight, T>2     ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
+linear, FP8 weight, T<=32   ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
+                            (``FUSE_ACT_QUANT_MAX_M``; sm_89 T=1: the GEMV row ``gemv_w8``, T>2 ``fq_16x64``)
+linear, FP8 weight, T>32    ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
 shared down (SwiGLU input)  ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused swiglu_clamp + quant)`` up to
-                            ``FUSE_SHARED_ACT_MAX_M`` (2) tokens, else swiglu_clamp + the linear          1
+                            ``FUSE_SHARED_ACT_MAX_M`` (32) tokens, else swiglu_clamp + the linear         1
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
   (C4A: ``attn.x_proj`` = compressor + indexer-compressor wkv_gate + weights_proj, one GEMM)
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert`` (cache fill, prefill)       1
@@ -29,7 +29,7 @@ mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x:
                             sum after the MoE)
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T=1 seamr_d64, T<=4 seam1_d64) 1 / 2
 hc_head                     ``kernel:mhc.hc_head``                                             2
-gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=4; above: mm + route) 1 / 2
+gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=16; above: mm + route) 1 / 2
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16`` (adds into the shared expert's  2 (decode)
                             fp32 output; the one-launch row up to ``FUSED_MAX_PAIRS`` pairs:      / 3 (prefill)
@@ -72,7 +72,11 @@ from ds4lab.model.ops import Backend, Experts, Linear, op_group
 BF16 = torch.bfloat16
 F32 = torch.float32
 
-#: the fused router gate + top-k kernel up to this many tokens (see ``KernelBackend.gate_route``)
+#: the fused router gate + top-k kernel up to this many tokens (see ``KernelBackend.gate_route``).
+#: m16: 4 -> 16 with the token-spread rows path (``moe_gate`` r4w8t2 at 3..16 tokens; predicted 7-9 us at T=16
+#: against the cuBLAS mm + route pair's 11.0 in the bench, 9.7 us of kernels a layer in the batch-16 step;
+#: NOTES.md "m16"). UNTIMED (session 6 had no device time left), so it stays 4 until the H200
+#: (``scripts/gpu/route.sh --gate``) says r4w8t2 wins at 8 / 16 tokens; the rows are in the tables as candidates.
 GATE_FUSED_MAX_T = 4
 
 #: up to this many tokens the 1x128 activation quant runs in the FP8 GEMM's prologue
@@ -82,6 +86,11 @@ GATE_FUSED_MAX_T = 4
 #: are within +-1 us either way (fused 5.9-9.8, pair 6.9-9.7), so the pair stays there. Session 5: M=4
 #: fused 43.1 us summed over the five TP=4 shapes vs the pair's 44.8, and in the MTP verify step (T=2) the
 #: pair's extra launch per linear is ~0.5 us of launch gap each: fused up to 2 tokens (M=2: H200 call 5).
+#: m16: 2 -> 32 (= fp8_gemm.FUSED_MAX_M) with the hardware-cast quant prologue (~140 PTX instructions per
+#: 16 x 128 k-block, was ~400) and the fused launch's own row ``fq_16x64`` at 3..32 tokens: predicted
+#: 6.6-8.0 us per linear at M=16 vs the pair's 6.8-9.4 (NOTES.md "m16"); pending the H200 sweep
+#: (``MS=4,8,16,32 scripts/gpu/gemm.sh``): lower it to the largest M where ``ds4lab_fused[fq_16x64]`` beats
+#: ``ds4lab_quant+gemm`` summed over the five shapes. UNTIMED (session 6 had no device time left): stays 2.
 FUSE_ACT_QUANT_MAX_M = 2
 
 #: the shared expert's clamped SwiGLU in the down projection's prologue
@@ -91,7 +100,8 @@ FUSE_ACT_QUANT_MAX_M = 2
 #: (NOTES.md "FP8 GEMM decode (issue 20, gemm5)"); set it to 1 if the fused row is lower at M=1.
 #: H200 sm_89 build, session 5 (results/issue20/s5/gemm_decode.csv): at M=1 the SwiGLU-prologue launch
 #: 3.60 us (gemv_w8) vs swiglu_clamp + the fused linear 6.64 us; at M=4 5.36 vs 8.30 (not used: the
-#: fused quant itself stops at FUSE_ACT_QUANT_MAX_M).
+#: fused quant itself stops at FUSE_ACT_QUANT_MAX_M). m16: 2 -> 32 with FUSE_ACT_QUANT_MAX_M (predicted M=16
+#: shared_down 4.5-5.0 us vs swiglu_clamp + the linear's 7.75); untimed: stays 2 with FUSE_ACT_QUANT_MAX_M.
 FUSE_SHARED_ACT_MAX_M = 2
 
 #: decode (``next_n`` rows per request) indexer logits + top-k in ONE launch
@@ -379,7 +389,8 @@ class KernelBackend(Backend):
         """Up to :data:`GATE_FUSED_MAX_T` tokens: the gate GEMV + routing in one launch
         (``moe_gate.gate_sqrtsoftplus_topk``); above, vLLM's cuBLAS tier (bf16 x bf16 -> fp32
         ``torch.mm``) then ``sqrtsoftplus_topk`` (H200, TP4 batch 16: the fused kernel's single
-        reducing program made it 50 us a call against ~23 us for the unfused pair)."""
+        reducing program made it 50 us a call against ~23 us for the unfused pair; m16's token-spread
+        rows path serves up to 16 tokens)."""
         if gate.fp8:   # an FP8 gate (no DeepSeek-V4 checkpoint has one): the unfused pair
             return super().gate_route(x, gate, bias, topk, scaling, ids, tid2eid, name)
         if x.shape[0] > GATE_FUSED_MAX_T:

@@ -2,13 +2,13 @@
 
 One build per process (``--arch native|sm89``, set before triton is imported, as the bench does):
 1. numerics (each row PASS/FAIL): the default config AND every rows-path candidate (gate5,
-   ``ROWS_CANDIDATES``, at T <= 4) on every registry case (random, ties, nonfinite, hash) at T in
-   {1, 2, 4, 16}, judged by the registry's check; ``route``: the ids equal and the weights equal
+   ``ROWS_CANDIDATES``, at T <= 4; the token-spread ``SPREAD_CANDIDATES`` also at T 8, 16) on every
+   registry case (random, ties, nonfinite, hash) at T in {1, 2, 4, 8, 16}, judged by the registry's check; ``route``: the ids equal and the weights equal
    (NaN where NaN) to ``sqrtsoftplus_topk`` run on the kernel's own logits; determinism (two calls,
    same bits) and CUDA-graph replay (4 input sets in one graph, 3 replays = eager bits, counters
    left zeroed) at T in {1, 2, 16} for the default and the rows candidates at T <= 2;
 2. timing with the registry bench (check, then CUDA graph over rotating input sets, cold L2) of
-   ``gate_sqrtsoftplus_topk`` at the TP=4 shapes T in {1, 2, 4, 16}: the candidate configs of each
+   ``gate_sqrtsoftplus_topk`` at the TP=4 shapes T in {1, 2, 4, 8, 16}: the candidate configs of each
    size plus the baselines (``cublas_out_fp32+route``: torch.mm bf16 -> fp32 + sqrtsoftplus_topk,
    the path ``KernelBackend.gate_route`` takes above GATE_FUSED_MAX_T; the fp32 glue);
 3. ``--steplike`` (T in {1, 2}): the timer of ``ds4lab step`` instead of the bench's: CUPTI kernel
@@ -31,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-TS = (1, 2, 4, 16)
+TS = (1, 2, 4, 8, 16)
 STEPLIKE_TS = (1, 2)
 #: timed step-like only: the session-4 in-step default (17.0 us a call in results/decode_step.csv)
 STEPLIKE_EXTRA = ("e32k16",)
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from ds4lab.harness.numerics import compare_exact
     from ds4lab.harness.registry import get
     from ds4lab_kernels._arch import arch_of
-    from ds4lab_kernels.moe_gate import _ARRIVALS, ROWS_CANDIDATES, gate_sqrtsoftplus_topk
+    from ds4lab_kernels.moe_gate import _ARRIVALS, ROWS_CANDIDATES, SPREAD_CANDIDATES, gate_sqrtsoftplus_topk
     spec = get("gate_sqrtsoftplus_topk")
     dev = torch.device("cuda" if gpu else "cpu")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
 
     def cands(T):   # (label, config): the default, and the rows candidates where they apply
         return [(None, None)] + [(lb, spec.configs[table][lb]) for lb in ROWS_CANDIDATES
-                                 if T <= 4 and lb in spec.configs[table]]
+                                 if (T <= 4 or lb in SPREAD_CANDIDATES) and lb in spec.configs[table]]
 
     for shape in shapes:
         for case in spec.cases:

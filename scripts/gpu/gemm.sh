@@ -6,9 +6,9 @@
 #      config in CONFIGS, plus the SwiGLU-prologue launcher on NaN / inf / beyond-clamp gate-up rows;
 #   2. for each build (default sm89 only: the sm_89 build assembled for the H200), one process:
 #      `python3 -m ds4lab.harness.gemm_sweep` at the TP=4 shapes, M in {1,4,16,32}: ours (the current
-#      defaults and the gemm5 candidates: the CUDA-core GEMV rows gemv / gemv_p8 / gemv_r4 / gemv_w8 at
-#      M <= 4, the scale-prefetch MMA rows decode_pf / decode_64pf / decode_32x32_pf; fused-quant and
-#      plain), the old quant+gemm pair, for shared_down also the SwiGLU-prologue launcher
+#      defaults and the candidates: the CUDA-core GEMV row gemv_w8 at M <= 4, the scale-prefetch MMA rows
+#      decode_pf / decode_64pf, m16's fused-quant rows fq_16x32 / fq_16x64 (the fused launch's default at
+#      3..32 tokens); fused-quant and plain), the quant+gemm pair at pick_config's row, for shared_down also the SwiGLU-prologue launcher
 #      (ds4lab_fused+act) against swiglu_clamp + the linear (ds4lab_act+fused, today's step),
 #      vLLM's Triton block-FP8 GEMM at the three configs that won anywhere in the session-4 7-config
 #      sweeps (16x32_w4_s4, 16x32_w2_s5, 16x64_w4_s4), cuBLAS tensorwise / bf16 dequant as labelled
@@ -41,7 +41,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 BUILDS=${BUILDS:-sm89}
 MS=${MS:-1,4,16,32}
-DEFAULT_CONFIGS=decode,decode_16x64,decode_16x128,decode_32x32,decode_pf,decode_64pf,decode_32x32_pf,gemv,gemv_p8,gemv_r4,gemv_w8,16x32_w4_s4,16x32_w2_s5,16x64_w4_s4
+# m16: the rows that won or served a default somewhere in session 5 plus the fused-quant rows fq_16x32 /
+# fq_16x64 (the fused launch's default at 3..32 tokens); dropped from the default list (still in CONFIGS=all):
+# gemv / gemv_p8 / gemv_r4 (lost at M=4), decode_16x128 and decode_32x32_pf (never best), so that
+# MS=4,8,16,32 BUILDS="sm89 native" stays within ~120 s
+DEFAULT_CONFIGS=decode,decode_16x64,decode_32x32,decode_pf,decode_64pf,gemv_w8,fq_16x32,fq_16x64,16x32_w4_s4,16x32_w2_s5,16x64_w4_s4
 CONFIGS=${CONFIGS:-$DEFAULT_CONFIGS}
 peer_args=""; [ -n "$PEER_SRC" ] && peer_args="--peer-src $PEER_SRC"
 [ "$CONFIGS" != all ] && peer_args="$peer_args --configs $CONFIGS"

@@ -14,10 +14,11 @@
 #
 # --gate: the fused gate alone, short (scripts/gpu/gate_fast.py): per build (sm89, then native)
 # numerics of the default and of every rows-path candidate (gate5), then every candidate and the
-# torch.mm(bf16 -> fp32) + sqrtsoftplus_topk pair timed at TP=4, T in {1, 2, 4, 16}; sm89 also with
+# torch.mm(bf16 -> fp32) + sqrtsoftplus_topk pair timed at TP=4, T in {1, 2, 4, 8, 16} (m16: the token-spread
+# rows r4w8t2 / r2w4t2 / r4w8 also at T 8 and 16, checked and timed next to e32k16w8 and the pair); sm89 also with
 # the step's timer (CUPTI kernel durations, with and without an L2 + TLB thrash; T in {1, 2}). The
 # kernels of both builds compile first (one process per build x candidate, 17 in parallel).
-#   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~60-80 s (timeouts 25 + 40 + 22: at most 87 s).
+#   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~65-90 s (timeouts 25 + 45 + 30: at most 100 s).
 # Rows: $OUT/bench.csv, $OUT/gate_fast_<build>.csv (numerics), $OUT/gate_steplike_sm89.csv.
 set -u
 : "${OUT:?set OUT to an output folder}"
@@ -42,9 +43,9 @@ if [ "${1:-}" = "--gate" ]; then
   done
   for p in "${pids[@]}"; do wait "$p" || echo "warm-up pid $p: exit $? (that build compiles inline)"; done
   echo "compiled: $((SECONDS - t0)) s"
-  timeout 40 python3 scripts/gpu/gate_fast.py --arch sm89 --steplike --out "$OUT" > "$OUT/gate_fast_sm89.log" 2>&1 \
+  timeout 45 python3 scripts/gpu/gate_fast.py --arch sm89 --steplike --out "$OUT" > "$OUT/gate_fast_sm89.log" 2>&1 \
     || { echo "gate_fast --arch sm89: exit $?"; rc=1; }
-  timeout 22 python3 scripts/gpu/gate_fast.py --arch native --out "$OUT" > "$OUT/gate_fast_native.log" 2>&1 \
+  timeout 30 python3 scripts/gpu/gate_fast.py --arch native --out "$OUT" > "$OUT/gate_fast_native.log" 2>&1 \
     || { echo "gate_fast --arch native: exit $?"; rc=1; }
   for build in sm89 native; do
     echo "== $build: numerics =="; echo "PASS rows: $(grep -c '^PASS' "$OUT/gate_fast_${build}.log")"

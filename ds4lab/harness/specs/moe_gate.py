@@ -11,7 +11,7 @@ from ds4lab.harness.registry import KernelSpec, kernel_configs, register
 from ds4lab.harness.specs.moe import check_route, hash_case
 
 GATE_CASES = ("random", "ties", "nonfinite", "hash")
-DECODE_T = (1, 2, 4, 16, 32)
+DECODE_T = (1, 2, 4, 8, 16, 32)
 #: logits budget: |out - ref| <= LOGIT_RTOL * sum_k |x_k w_k| (fp32 accumulation of exact bf16 x bf16
 #: products; worst-case pairwise-ish summation error is a few 2^-24 of that sum, 2^-17 leaves margin
 #: and still fails any wrong term, which moves a logit by O(its sum))
@@ -90,7 +90,7 @@ def _bench(cfg, tp):
 
 def _config_for(arch, shape):
     """Bench shapes (the real D) time the path's candidates; test / AOT shapes build every row."""
-    from ds4lab_kernels.moe_gate import CONFIGS, DECODE_CANDIDATES, ROWS_CANDIDATES
+    from ds4lab_kernels.moe_gate import CONFIGS, DECODE_CANDIDATES, ROWS_CANDIDATES, SPREAD_CANDIDATES
     if shape.get("D", 0) < 4096:   # every row; of the rows path one (r2w4): the interpreter runs its
         # EPP / warp variants the same way and one program at a time (r1w1 took 21 s here; tests/test_moe_gate.py)
         one = "r2w4" if "r2w4" in CONFIGS[arch] else "r2w2"   # sm_90 has no r2w4 (it spills there)
@@ -99,8 +99,10 @@ def _config_for(arch, shape):
         return ["prefill"]
     if shape["T"] <= 4:   # the rows path (no split-K) next to the split default at T <= 4
         return [lb for lb in ROWS_CANDIDATES if lb in CONFIGS[arch]] + ["e32k16t4"]
-    if shape["T"] <= 16:   # e32k16 (the session-4 default) lost to both at T = 1, 2, 16: timed only step-like
-        return [lb for lb in DECODE_CANDIDATES if lb not in ROWS_CANDIDATES]
+    if shape["T"] <= 16:   # e32k16 (the session-4 default) lost to both at T = 1, 2, 16: timed only step-like;
+        # the token-spread rows (m16) next to the split-K rows
+        return [lb for lb in SPREAD_CANDIDATES if lb in CONFIGS[arch]] + \
+            [lb for lb in DECODE_CANDIDATES if lb not in ROWS_CANDIDATES]
     return ["t32e32k8", "e32k16"]
 
 
