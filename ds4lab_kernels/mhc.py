@@ -731,6 +731,7 @@ def _at(v, c, k):
 
 @triton.jit
 def _pick4(i, v0, v1, v2, v3):
+    """``v_i`` for ``i`` in 0..3 (any shape, broadcast): one of the 4 residual streams' values, no indexing."""
     return tl.where(i == 0, v0, tl.where(i == 1, v1, tl.where(i == 2, v2, v3)))
 
 
@@ -910,8 +911,8 @@ def _mhc_seam_rows_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PART_W: tl.constexpr,
     STEP: tl.constexpr, HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
 ):
-    """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``. One program (m, s) owns tokens
-    ``[m*BLOCK_M, +BLOCK_M)`` (1-4, or 8 at most; one token after the other) x hidden columns
+    """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``.
+    One program (m, s) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` (1-4, or 8 at most; one token after the other) x hidden columns
     ``[s*BLOCK_D, +BLOCK_D)`` of all 4 streams: the seam1 protocol (every fn load first, one counter sync per
     token block, the last arriver runs the post gates and Sinkhorn), with
 
