@@ -196,7 +196,7 @@ register(KernelSpec(
     min_bytes=costs.MIN_BYTES["compress_decode_insert"],
     check=check_comp,
     configs=kernel_configs("compressor"),
-    config_for=lambda arch, s: [f"c{s['ratio']}_hd{s['hd']}"],
+    config_for=comp_spec.config_labels,
     baselines={"unfused": _unfused_comp},
     bound="memory",
     aot_shape=[{"T": 4, "ratio": 4, "hd": 512}, {"T": 4, "ratio": 128, "hd": 512},

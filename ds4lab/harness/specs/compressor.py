@@ -76,6 +76,12 @@ def bench_shapes(cfg, tp: int) -> list[dict]:
     return [{"T": t, "ratio": r, "hd": h} for (r, h) in ((4, hd), (128, hd), (4, ihd)) for t in (1, 16, 64)]
 
 
+def config_labels(arch: str, s: dict) -> list[str]:
+    """The table rows at a shape: the two-launch default and its one-launch twin (``_1l``, bit-identical)."""
+    base = f"c{s['ratio']}_hd{s['hd']}"
+    return [base, base + "_1l"]
+
+
 def _torch_eager(inputs):
     """The torch path the model ran before this kernel (``backend_kernel.compress``, ~tens of launches)."""
     from ds4lab.model.backend_kernel import compress
@@ -99,7 +105,7 @@ register(KernelSpec(
     min_bytes=costs.MIN_BYTES["compress_decode"],
     check=check,
     configs=kernel_configs("compressor"),
-    config_for=lambda arch, s: [f"c{s['ratio']}_hd{s['hd']}"],
+    config_for=config_labels,
     baselines={"torch_eager": _torch_eager},
     bound="memory",
     aot_shape=[{"T": 4, "ratio": 4, "hd": 512}, {"T": 4, "ratio": 128, "hd": 512},
