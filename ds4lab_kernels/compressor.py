@@ -39,7 +39,8 @@ __all__ = ["compress_decode", "CONFIGS", "pick_config"]
 
 RATIOS = (4, 128)
 HEAD_DIMS = (128, 512)
-#: the one-launch path searches this launch's state slots in blocks of up to this many tokens (decode: one block)
+#: the one-launch path searches this launch's state slots in blocks of 16, 32 or 64 tokens (decode: one block;
+#: three specialisations instead of one per power of two)
 MAX_BLOCK_T = 64
 
 
@@ -291,9 +292,13 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
                            hd if mode else out.stride(0), eps, slots, u8, f8, bf, f32, cstride, cstride // 4,
                            n_slots, kv_score, state_slots, ape, kv_score.stride(0), ape.stride(0), state.shape[0], T,
                            RATIO=ratio, COFF=coff, HD=hd, ROPE=R, BLOCK_W=bw, CACHE=mode, CACHE_BLOCK=cblock,
-                           FUSED=int(fused), BLOCK_T=min(triton.next_power_of_2(T), MAX_BLOCK_T) if fused else 1,
+                           FUSED=int(fused), BLOCK_T=_block_t(T) if fused else 1,
                            num_warps=cfg["num_warps"], num_stages=1)
     return out
+
+
+def _block_t(T: int) -> int:
+    return min(max(triton.next_power_of_2(T), 16), MAX_BLOCK_T)
 
 
 def _cache_args(cache, cache_slots, block_size, hd: int, T: int, kv_score):

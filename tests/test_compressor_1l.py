@@ -152,3 +152,13 @@ def test_kernel_backend_picks_the_row(monkeypatch, one):
     assert n["attn.compressor"] == (1 if one else 2)
     compress_decode(**b, config=_row(4, 512, 2))
     assert torch.equal(_bytes(a["cache"]), _bytes(b["cache"])) and torch.equal(a["state"], b["state"])
+
+
+def test_more_tokens_than_one_search_block():
+    """T = 70 > MAX_BLOCK_T (a prefill-sized call): the state-slot search walks two blocks."""
+    from ds4lab_kernels.compressor import MAX_BLOCK_T
+    T = MAX_BLOCK_T + 6
+    d = make_step_inputs({"T": T, "ratio": 4, "hd": 128, "next_n": 2, "shuffle": True}, seed=70, device=DEVICE)
+    a, b = _clone(d), _clone(d)
+    assert torch.equal(compress_decode(**b, config=_row(4, 128, 1)), compress_decode(**a, config=_row(4, 128, 2)))
+    assert torch.equal(b["state"], a["state"])
