@@ -68,7 +68,8 @@ def _state_row_write(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, stri
 @triton.jit
 def _state_write_kernel(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows,
                         RATIO: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(T,)`` (the two-launch path's first launch): program ``t`` writes token ``t``'s state row."""
+    """Grid ``(T,)`` (the two-launch path's first launch).
+    One program writes token ``t``'s state row (:func:`_state_row_write`)."""
     _state_row_write(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows,
                      tl.program_id(0), RATIO, WIDTH, BLOCK)
 
