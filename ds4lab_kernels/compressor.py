@@ -20,8 +20,9 @@ The split is the only cross-token dependency: an MTP step's second token's windo
 token's row, written by launch 1. The one-launch rows (``launches`` 1, ``<name>_1l``) remove it: launch 2
 alone, each program first writes its own token's row, and a window row whose slot is one this launch
 writes (``state_slots[u]``, found by comparing the chunk's slots with all ``T`` state slots) is built in
-registers from ``kv_score[u]`` + ``ape[positions[u] % r]`` with the state write's operations, so no
-program reads what another writes; same values, same chunks, same fp32 order: bit-identical to the pair.
+registers from ``kv_score[u]`` + ``ape[positions[u] % r]`` with the state write's operations (replacing
+the ring's value), so no result depends on another program's write; same values, same chunks, same fp32
+order: bit-identical to the pair.
 Dims are handled as ``(hd/2, 2)`` pairs so the RoPE rotation of an (even, odd) pair stays inside one program.
 """
 import torch
@@ -91,7 +92,8 @@ def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
     (:func:`_state_row_write`); a window row whose (clamped) slot is ``state_slots[u]`` of a token ``u`` of
     this launch (a valid slot; ``u`` = the largest such index, searched in ``BLOCK_T`` blocks of the
     ``n_tok`` slots) is built from ``kv_score[u]`` and ``ape[positions[u] % RATIO]`` with the state write's
-    own operations instead of read from the ring, so no program reads a row another one writes."""
+    own operations and replaces what the ring load read there, so no result depends on another program's
+    write (the ring load is issued unmasked by the search, keeping the search off its latency path)."""
     t = tl.program_id(0)
     if FUSED:
         _state_row_write(ks_ptr, pos_ptr, ss_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows, t,
@@ -119,7 +121,12 @@ def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
             else:
                 col = tl.zeros_like(i)
             base = st_ptr + slot[:, None, None] * stride_st + col[:, None, None] + d[None, :, :]
+            ok3 = ok[:, None, None] & (d[None, :, :] >= 0)
+            kv = tl.load(base, mask=ok3, other=0.0)
+            sc = tl.load(base + WIDTH, mask=ok3, other=float("-inf"))
             if FUSED:        # rows this launch writes: from kv_score + ape (the state write's math), not the ring
+                # (the ring loads above stay off the search's critical path; where a row is this launch's,
+                # whatever they read is replaced)
                 u = tl.full((BLOCK_W,), -1, tl.int32)
                 tq = tl.arange(0, BLOCK_T)
                 for u0 in range(0, n_tok, BLOCK_T):
@@ -128,11 +135,6 @@ def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
                     hit = (slot[:, None] == ss[None, :]) & ((ss >= 0) & (ss < n_rows))[None, :]
                     u = tl.maximum(u, tl.max(tl.where(hit, uu[None, :], -1), axis=1))
                 mine = ok & (u >= 0)
-                ok = ok & (u < 0)
-            ok3 = ok[:, None, None] & (d[None, :, :] >= 0)
-            kv = tl.load(base, mask=ok3, other=0.0)
-            sc = tl.load(base + WIDTH, mask=ok3, other=float("-inf"))
-            if FUSED:
                 if tl.max(mine.to(tl.int32), axis=0) > 0:      # only the chunks that hold such rows
                     u64 = tl.maximum(u, 0).to(tl.int64)
                     a_row = tl.load(pos_ptr + u64, mask=mine, other=0).to(tl.int64) % RATIO
