@@ -135,18 +135,18 @@ def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
                     hit = (slot[:, None] == ss[None, :]) & ((ss >= 0) & (ss < n_rows))[None, :]
                     u = tl.maximum(u, tl.max(tl.where(hit, uu[None, :], -1), axis=1))
                 mine = ok & (u >= 0)
-                if tl.max(mine.to(tl.int32), axis=0) > 0:      # only the chunks that hold such rows
-                    u64 = tl.maximum(u, 0).to(tl.int64)
-                    a_row = tl.load(pos_ptr + u64, mask=mine, other=0).to(tl.int64) % RATIO
-                    mine3 = mine[:, None, None] & (d[None, :, :] >= 0)
-                    off = col[:, None, None] + d[None, :, :]
-                    src = ks_ptr + u64[:, None, None] * stride_ks + off
-                    kv_u = tl.load(src, mask=mine3, other=0.0).to(tl.float32)
-                    sc_u = tl.load(src + WIDTH, mask=mine3, other=0.0).to(tl.float32)
-                    a_u = tl.load(ape_ptr + a_row[:, None, None] * stride_ape + off, mask=mine3,
-                                  other=0.0).to(tl.float32)
-                    kv = tl.where(mine3, kv_u, kv)
-                    sc = tl.where(mine3, sc_u + a_u, sc)
+                # masked loads in every chunk: a scalar "any such row in this chunk" branch put an 8-byte
+                # stack frame (2 LDL/STL) on sm_120 c4_hd512_1l with the fp8_ds_mla write
+                u64 = tl.maximum(u, 0).to(tl.int64)
+                a_row = tl.load(pos_ptr + u64, mask=mine, other=0).to(tl.int64) % RATIO
+                mine3 = mine[:, None, None] & (d[None, :, :] >= 0)
+                off = col[:, None, None] + d[None, :, :]
+                src = ks_ptr + u64[:, None, None] * stride_ks + off
+                kv_u = tl.load(src, mask=mine3, other=0.0).to(tl.float32)
+                sc_u = tl.load(src + WIDTH, mask=mine3, other=0.0).to(tl.float32)
+                a_u = tl.load(ape_ptr + a_row[:, None, None] * stride_ape + off, mask=mine3, other=0.0).to(tl.float32)
+                kv = tl.where(mine3, kv_u, kv)
+                sc = tl.where(mine3, sc_u + a_u, sc)
             m_new = tl.maximum(m, tl.max(sc, axis=0))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_use)

@@ -117,9 +117,9 @@ FUSE_Q_NORM_INTERP = True
 #: decode ``compressor`` / ``compressor_insert`` in ONE launch (``compress_decode``'s ``<name>_1l`` rows: each
 #: program writes its own state row and builds the window rows this launch writes from kv_score + ape;
 #: bit-identical to the state write + compress pair) when True; False = the pair (2 launches). OFF on GPUs
-#: until the H200 times it (NOTES.md "comp1": predicted -1 launch, ~-1.5 to -2.5 us a call, ~62 calls a step at
-#: batch 1; `python3 scripts/gpu/cache_fused_check.py --arch sm89 --out DIR` checks and times both); the interpreter
-#: lane uses COMPRESS_ONE_LAUNCH_INTERP so the model's CPU tests keep exercising it.
+#: until the H200 times it (NOTES.md "comp1": predicted -1 launch and ~-1.5 to -2.5 us a C4 call, ~62 calls a
+#: step at batch 1; `OUT=DIR bash scripts/gpu/compress_1l.sh` checks and times both); the interpreter lane uses
+#: COMPRESS_ONE_LAUNCH_INTERP so the model's CPU tests keep exercising it.
 COMPRESS_ONE_LAUNCH = False
 COMPRESS_ONE_LAUNCH_INTERP = True
 
