@@ -5,7 +5,7 @@ Semantics: vLLM 0.32 ``models/deepseek_v4/compressor.py`` ``DeepseekCompressor.f
 reference is :mod:`ds4lab.reference.compressor`. Ratio ``r`` (4 or 128), ``coff = 2`` with overlap
 (ratio 4) else 1, state rows ``kv || score`` of width ``2*coff*hd`` (float32).
 
-Two launches per call:
+Two launches per call (the default rows, ``launches`` 2):
 
 1. ``_state_write_kernel``, grid ``(T,)``: program ``t`` writes token ``t``'s state row
    ``kv || score + ape[pos % r]`` into ``state[state_slots[t]]``.
@@ -17,8 +17,13 @@ Two launches per call:
    forward GPT-J RoPE on the last ``cos_sin.shape[1]`` dims at position ``(pos // r) * r``, bf16.
 
 The split is the only cross-token dependency: an MTP step's second token's window holds the first
-token's row, written by launch 1. Dims are handled as ``(hd/2, 2)`` pairs so the RoPE rotation of
-an (even, odd) pair stays inside one program.
+token's row, written by launch 1. The one-launch rows (``launches`` 1, ``<name>_1l``) remove it: launch 2
+alone, each program first writes its own token's row, and a window row whose slot is one this launch
+writes (``state_slots[u]``, found by comparing the chunk's slots with all ``T`` state slots) is built in
+registers from ``kv_score[u]`` + ``ape[positions[u] % r]`` with the state write's operations (replacing
+the ring's value), so no result depends on another program's write; same values, same chunks, same fp32
+order: bit-identical to the pair.
+Dims are handled as ``(hd/2, 2)`` pairs so the RoPE rotation of an (even, odd) pair stays inside one program.
 """
 import torch
 import triton
@@ -35,15 +40,17 @@ __all__ = ["compress_decode", "CONFIGS", "pick_config"]
 
 RATIOS = (4, 128)
 HEAD_DIMS = (128, 512)
+#: the one-launch path searches this launch's state slots in blocks of 16, 32 or 64 tokens (decode: one block;
+#: three specialisations instead of one per power of two)
+MAX_BLOCK_T = 64
 
 
 @triton.jit
-def _state_write_kernel(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows,
-                        RATIO: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(T,)``.
-    One program owns token ``t``'s state row ``state[state_slots[t]]`` (``2*WIDTH`` fp32): ``kv`` copied,
-    ``score + ape[pos % RATIO]``; a slot outside ``[0, n_rows)`` is skipped."""
-    t = tl.program_id(0)
+def _state_row_write(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows, t,
+                     RATIO: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Token ``t``'s state row ``state[state_slots[t]]`` (``2*WIDTH`` fp32): ``kv`` copied,
+    ``score + ape[pos % RATIO]``; a slot outside ``[0, n_rows)`` is skipped. The one home of the row's math
+    (the fused kernel's window loads of this launch's rows repeat exactly these operations)."""
     slot = tl.load(slot_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < n_rows):
@@ -60,17 +67,37 @@ def _state_write_kernel(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, s
 
 
 @triton.jit
+def _state_write_kernel(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows,
+                        RATIO: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(T,)`` (the two-launch path's first launch).
+    One program writes token ``t``'s state row (:func:`_state_row_write`)."""
+    _state_row_write(ks_ptr, pos_ptr, slot_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows,
+                     tl.program_id(0), RATIO, WIDTH, BLOCK)
+
+
+@triton.jit
 def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
                      stride_st, stride_ws, stride_wv, stride_cs, stride_out, eps,
                      cslot_ptr, c_u8_ptr, c_f8_ptr, c_bf16_ptr, c_f32_ptr, c_stride, c_stride32, n_slots,
+                     ks_ptr, ss_ptr, ape_ptr, stride_ks, stride_ape, n_rows, n_tok,
                      RATIO: tl.constexpr, COFF: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
-                     BLOCK_W: tl.constexpr, CACHE: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+                     BLOCK_W: tl.constexpr, CACHE: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+                     FUSED: tl.constexpr, BLOCK_T: tl.constexpr):
     """Grid ``(T,)``.
     One program owns output row ``t`` (all ``HD`` dims as ``(HD/2, 2)`` pairs): zeros off a boundary,
     else the online-softmax window sum over ``COFF*RATIO`` state rows, RMSNorm, GPT-J RoPE, bf16.
     ``CACHE`` 1 (HD 512) / 2 (HD 128): no output row; a boundary row is written as the fp8_ds_mla /
-    indexer K entry of slot ``cslot_ptr[t]`` (``mla_cache.fp8_ds_mla_pack`` / ``indexer.indexer_k_pack``)."""
+    indexer K entry of slot ``cslot_ptr[t]`` (``mla_cache.fp8_ds_mla_pack`` / ``indexer.indexer_k_pack``).
+    ``FUSED`` (the one-launch path): the program first writes token ``t``'s own state row
+    (:func:`_state_row_write`); a window row whose (clamped) slot is ``state_slots[u]`` of a token ``u`` of
+    this launch (a valid slot; ``u`` = the largest such index, searched in ``BLOCK_T`` blocks of the
+    ``n_tok`` slots) is built from ``kv_score[u]`` and ``ape[positions[u] % RATIO]`` with the state write's
+    own operations and replaces what the ring load read there, so no result depends on another program's
+    write (the ring load is issued unmasked by the search, keeping the search off its latency path)."""
     t = tl.program_id(0)
+    if FUSED:
+        _state_row_write(ks_ptr, pos_ptr, ss_ptr, ape_ptr, st_ptr, stride_ks, stride_st, stride_ape, n_rows, t,
+                         RATIO, COFF * HD, COFF * HD)
     HALF: tl.constexpr = HD // 2
     W: tl.constexpr = COFF * RATIO
     WIDTH: tl.constexpr = COFF * HD
@@ -97,6 +124,29 @@ def _compress_kernel(st_ptr, pos_ptr, ws_ptr, wv_ptr, w_ptr, cs_ptr, out_ptr,
             ok3 = ok[:, None, None] & (d[None, :, :] >= 0)
             kv = tl.load(base, mask=ok3, other=0.0)
             sc = tl.load(base + WIDTH, mask=ok3, other=float("-inf"))
+            if FUSED:        # rows this launch writes: from kv_score + ape (the state write's math), not the ring
+                # (the ring loads above stay off the search's critical path; where a row is this launch's,
+                # whatever they read is replaced)
+                u = tl.full((BLOCK_W,), -1, tl.int32)
+                tq = tl.arange(0, BLOCK_T)
+                for u0 in range(0, n_tok, BLOCK_T):
+                    uu = u0 + tq
+                    ss = tl.load(ss_ptr + uu, mask=uu < n_tok, other=-1).to(tl.int64)
+                    hit = (slot[:, None] == ss[None, :]) & ((ss >= 0) & (ss < n_rows))[None, :]
+                    u = tl.maximum(u, tl.max(tl.where(hit, uu[None, :], -1), axis=1))
+                mine = ok & (u >= 0)
+                # masked loads in every chunk: a scalar "any such row in this chunk" branch put an 8-byte
+                # stack frame (2 LDL/STL) on sm_120 c4_hd512_1l with the fp8_ds_mla write
+                u64 = tl.maximum(u, 0).to(tl.int64)
+                a_row = tl.load(pos_ptr + u64, mask=mine, other=0).to(tl.int64) % RATIO
+                mine3 = mine[:, None, None] & (d[None, :, :] >= 0)
+                off = col[:, None, None] + d[None, :, :]
+                src = ks_ptr + u64[:, None, None] * stride_ks + off
+                kv_u = tl.load(src, mask=mine3, other=0.0).to(tl.float32)
+                sc_u = tl.load(src + WIDTH, mask=mine3, other=0.0).to(tl.float32)
+                a_u = tl.load(ape_ptr + a_row[:, None, None] * stride_ape + off, mask=mine3, other=0.0).to(tl.float32)
+                kv = tl.where(mine3, kv_u, kv)
+                sc = tl.where(mine3, sc_u + a_u, sc)
             m_new = tl.maximum(m, tl.max(sc, axis=0))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_use)
@@ -149,7 +199,8 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
             output); ``coff = 2`` for ratio 4, 1 for ratio 128; ``hd`` 512 or 128.
         positions: ``(T,)`` int32/int64 token positions (>= 0).
         state: ``(N, 2*coff*hd)`` float32 state ring (all requests), written in place.
-        state_slots: ``(T,)`` int32/int64 row of ``state`` for each token (outside ``[0, N)``: skipped).
+        state_slots: ``(T,)`` int32/int64 row of ``state`` for each token (outside ``[0, N)``: skipped;
+            valid slots distinct: which duplicate's row a window reads is unspecified).
         window_slots: ``(T, coff*ratio)`` int32/int64 state rows of positions
             ``pos - coff*ratio + 1 .. pos`` (negative entries are clamped to 0 and must be masked).
         window_valid: ``(T, coff*ratio)`` bool, False for window positions < 0.
@@ -157,7 +208,8 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
         norm_weight: ``(hd,)`` RMSNorm weight (float32 or bf16). eps: RMSNorm epsilon.
         ratio: 4 or 128.
         cos_sin: ``(max_pos, R)`` float32 ``cos || sin`` table (R = 64 RoPE dims, GPT-J pairs).
-        config: a row of ``CONFIGS`` to force; default picks by arch and ratio.
+        config: a row of ``CONFIGS`` to force (its ``launches``: 2 = state write + compress, 1 = one
+            launch, bit-identical); default: :func:`pick_config` (by arch, ratio and hd; 2 launches).
         cache: None, or the cache that receives the entries, written in place: ``hd`` 512: an
             fp8_ds_mla cache (:func:`ds4lab_kernels.mla_cache.fp8_ds_mla_insert`'s layout, ``block_size``
             entries per block); ``hd`` 128: an indexer K cache
@@ -175,7 +227,8 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
         (``-1`` off a boundary) writes.
 
     Raises:
-        TypeError: wrong dtypes. ValueError: wrong shapes, strides, ratio, devices or head dim; with
+        TypeError: wrong dtypes. ValueError: wrong shapes, strides, ratio, devices, head dim or a
+            config's ``launches``; with
         ``cache``: a bad cache / ``block_size`` / ``cache_slots`` (named), a device without FP8.
 
     Semantics: :mod:`ds4lab.reference.compressor` (vLLM 0.32 ``DeepseekCompressor`` and the fused
@@ -227,18 +280,28 @@ def compress_decode(kv_score: torch.Tensor, positions: torch.Tensor, state: torc
     wv = window_valid.contiguous().view(torch.uint8)
     norm_weight = norm_weight.contiguous()
     cfg = config or pick_config(ratio, hd, kv_score.device)
+    fused = cfg.get("launches", 2) == 1
+    if cfg.get("launches", 2) not in (1, 2):
+        raise ValueError(f"config: launches={cfg['launches']!r}, expected 1 (one launch) or 2 (state write + compress)")
     width = coff * hd
-    _state_write_kernel[(T,)](kv_score, positions, state_slots, ape, state, kv_score.stride(0), state.stride(0),
-                              ape.stride(0), state.shape[0], RATIO=ratio, WIDTH=width,
-                              BLOCK=triton.next_power_of_2(width), num_warps=cfg["write_warps"])
+    if not fused:
+        _state_write_kernel[(T,)](kv_score, positions, state_slots, ape, state, kv_score.stride(0), state.stride(0),
+                                  ape.stride(0), state.shape[0], RATIO=ratio, WIDTH=width,
+                                  BLOCK=triton.next_power_of_2(width), num_warps=cfg["write_warps"])
     bw = min(cfg["BLOCK_W"], W)
     slots, u8, f8, bf, f32, cstride, cblock, n_slots = cargs
     _compress_kernel[(T,)](state, positions, window_slots, wv, norm_weight, cos_sin, state if mode else out,
                            state.stride(0), window_slots.stride(0), wv.stride(0), cos_sin.stride(0),
                            hd if mode else out.stride(0), eps, slots, u8, f8, bf, f32, cstride, cstride // 4,
-                           n_slots, RATIO=ratio, COFF=coff, HD=hd, ROPE=R, BLOCK_W=bw, CACHE=mode,
-                           CACHE_BLOCK=cblock, num_warps=cfg["num_warps"], num_stages=1)
+                           n_slots, kv_score, state_slots, ape, kv_score.stride(0), ape.stride(0), state.shape[0], T,
+                           RATIO=ratio, COFF=coff, HD=hd, ROPE=R, BLOCK_W=bw, CACHE=mode, CACHE_BLOCK=cblock,
+                           FUSED=int(fused), BLOCK_T=_block_t(T) if fused else 1,
+                           num_warps=cfg["num_warps"], num_stages=1)
     return out
+
+
+def _block_t(T: int) -> int:
+    return min(max(triton.next_power_of_2(T), 16), MAX_BLOCK_T)
 
 
 def _cache_args(cache, cache_slots, block_size, hd: int, T: int, kv_score):
@@ -272,16 +335,24 @@ def _cache_args(cache, cache_slots, block_size, hd: int, T: int, kv_score):
 # One program per token, all hd dims (the RMSNorm needs them); the window streams in BLOCK_W-row
 # chunks (BLOCK_W * hd * 2 fp32 per chunk in registers: 8 x 512 x 2 = 32 KB for 8 warps). Pure
 # bandwidth: a C128 hd-512 boundary token reads 128 rows x 4 KB = 512 KB.
+# ``launches``: 2 = state write + compress (the defaults); 1 = the one-launch rows ``<name>_1l``, the same
+# BLOCK_W / num_warps (so the same fp32 reduction order: bit-identical to the pair), untimed on a GPU yet.
+_ROWS = {
+    "c4_hd512": {"BLOCK_W": 8, "num_warps": 8, "write_warps": 4},
+    "c4_hd128": {"BLOCK_W": 8, "num_warps": 4, "write_warps": 2},
+    "c128_hd512": {"BLOCK_W": 8, "num_warps": 8, "write_warps": 4},
+    "c128_hd128": {"BLOCK_W": 32, "num_warps": 4, "write_warps": 2},
+}
 CONFIGS = {
-    arch: {
-        "c4_hd512": {"BLOCK_W": 8, "num_warps": 8, "write_warps": 4},
-        "c4_hd128": {"BLOCK_W": 8, "num_warps": 4, "write_warps": 2},
-        "c128_hd512": {"BLOCK_W": 8, "num_warps": 8, "write_warps": 4},
-        "c128_hd128": {"BLOCK_W": 32, "num_warps": 4, "write_warps": 2},
-    }
+    arch: {**{k: dict(v, launches=2) for k, v in _ROWS.items()},
+           **{f"{k}_1l": dict(v, launches=1) for k, v in _ROWS.items()}}
     for arch in ("sm_89", "sm_90")
 }
 
 
-def pick_config(ratio: int, hd: int, device: torch.device) -> dict:
-    return CONFIGS[arch_of(device)][f"c{ratio}_hd{hd}"]
+def pick_config(ratio: int, hd: int, device: torch.device, launches: int = 2) -> dict:
+    """The table row for ``ratio`` / ``hd`` on ``device``'s arch; ``launches`` 2 (default: state write +
+    compress) or 1 (the one-launch row)."""
+    if launches not in (1, 2):
+        raise ValueError(f"launches={launches!r}: expected 1 or 2")
+    return CONFIGS[arch_of(device)][f"c{ratio}_hd{hd}" + ("_1l" if launches == 1 else "")]

@@ -57,3 +57,16 @@ def test_qmla_script_writes_logs_under_a_caller_relative_out_and_exits_1_without
                        env={**_env(tmp_path), "OUT": "o", "BUILDS": "native", "QMLA_TIMEOUT": "60"}, timeout=90)
     assert r.returncode == 1 and "QMLA native FAILED" in r.stdout, r.stdout + r.stderr
     assert (tmp_path / "o" / "qmla_native.log").is_file()
+
+
+def test_compress_1l_script_smoke_and_exits_1_without_cuda(tmp_path):
+    """scripts/gpu/compress_1l.py --smoke runs its own checks on the interpreter (one launch == the pair);
+    the .sh reports the missing GPU as a failure."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/compress_1l.py"), "--smoke", "--out", "o"],
+                       cwd=tmp_path, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+    assert r.returncode == 0 and "0 failing" in r.stdout, r.stdout + r.stderr
+    assert (tmp_path / "o" / "compress_1l_sm89_smoke.csv").is_file()
+    r = subprocess.run(["bash", str(ROOT / "scripts/gpu/compress_1l.sh")], cwd=tmp_path, capture_output=True,
+                       text=True, env={**_env(tmp_path), "OUT": "o2", "COMP1_TIMEOUT": "60"}, timeout=90)
+    assert r.returncode == 1 and "COMPRESS_1L sm89 FAILED" in r.stdout, r.stdout + r.stderr
+    assert (tmp_path / "o2" / "compress_1l_sm89.log").is_file()

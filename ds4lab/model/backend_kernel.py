@@ -34,11 +34,13 @@ route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``            
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16`` (adds into the shared expert's  2 (decode)
                             fp32 output; the one-launch row up to ``FUSED_MAX_PAIRS`` pairs:      / 3 (prefill)
                             0 = off on GPUs until timed, the interpreter runs it)                1 (one-launch)
-compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2
-                            reads the bf16 GEMM output slice as is)
-compressor_insert, T <= 64  ``kernel:compressor.compress_decode(+fp8_ds_mla|indexer K insert)``  2
+compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2 / 1
+                            reads the bf16 GEMM output slice as is; ``COMPRESS_ONE_LAUNCH``: one
+                            launch, bit-identical; off on GPUs until timed, the interpreter runs it)
+compressor_insert, T <= 64  ``kernel:compressor.compress_decode(+fp8_ds_mla|indexer K insert)``  2 / 1
                             (the boundary entries written by the compress launch: no insert launch;
-                            T > 64: torch compressor + the insert, groups ``name`` + ``insert_name``)
+                            ``COMPRESS_ONE_LAUNCH`` as above; T > 64: torch compressor + the insert,
+                            groups ``name`` + ``insert_name``)
 q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
                             (``swa_cache=``: ``(+fp8_ds_mla insert)``, the SWA entry in the launch)
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
@@ -121,6 +123,15 @@ INDEXER_FUSED_MAX_N_INTERP = 8192
 #: uses FUSE_Q_NORM_INTERP so the model's CPU tests keep exercising the fused load.
 FUSE_Q_NORM = False
 FUSE_Q_NORM_INTERP = True
+
+#: decode ``compressor`` / ``compressor_insert`` in ONE launch (``compress_decode``'s ``<name>_1l`` rows: each
+#: program writes its own state row and builds the window rows this launch writes from kv_score + ape;
+#: bit-identical to the state write + compress pair) when True; False = the pair (2 launches). OFF on GPUs
+#: until the H200 times it (NOTES.md "comp1": predicted -1 launch and ~-1.5 to -2.5 us a C4 call, ~62 calls a
+#: step at batch 1; `OUT=DIR bash scripts/gpu/compress_1l.sh` checks and times both); the interpreter lane uses
+#: COMPRESS_ONE_LAUNCH_INTERP so the model's CPU tests keep exercising it.
+COMPRESS_ONE_LAUNCH = False
+COMPRESS_ONE_LAUNCH_INTERP = True
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
@@ -272,7 +283,7 @@ class KernelBackend(Backend):
             with op_group(name, "kernel:compressor.compress_decode"):
                 return self.k["comp"].compress_decode(kv_score, positions, state, state_slots,
                                                       window_slots, window_valid, ape, norm_weight, eps, ratio,
-                                                      cos_sin)
+                                                      cos_sin, config=self._compress_config(kv_score, ratio))
         with op_group(name, "torch:compressor"):       # prefill chunks: boundary rows only
             return compress(kv_score, positions, state, state_slots, window_slots, window_valid, ape,
                             norm_weight, eps, ratio, cos_sin)
@@ -281,8 +292,8 @@ class KernelBackend(Backend):
                           norm_weight, eps, ratio, cos_sin, name, cache, cache_slots, block_size=None,
                           insert_name=None):
         """Up to :data:`DECODE_MAX_T` tokens: ``compress_decode(cache=...)`` writes each boundary row's
-        entry in the compress launch (2 launches, no insert); above (prefill chunks): the torch
-        compressor, then the insert (group ``insert_name``)."""
+        entry in the compress launch (2 launches, 1 with ``COMPRESS_ONE_LAUNCH``; no insert); above (prefill
+        chunks): the torch compressor, then the insert (group ``insert_name``)."""
         if kv_score.shape[0] > DECODE_MAX_T:
             return super().compressor_insert(kv_score, positions, state, state_slots, window_slots, window_valid, ape,
                                              norm_weight, eps, ratio, cos_sin, name, cache, cache_slots, block_size,
@@ -290,8 +301,17 @@ class KernelBackend(Backend):
         hd = kv_score.shape[1] // (4 if ratio == 4 else 2)
         with op_group(name, K_COMPRESS_INSERT[hd == 128]):
             self.k["comp"].compress_decode(kv_score, positions, state, state_slots, window_slots, window_valid, ape,
-                                           norm_weight, eps, ratio, cos_sin, cache=cache, cache_slots=cache_slots,
+                                           norm_weight, eps, ratio, cos_sin,
+                                           config=self._compress_config(kv_score, ratio), cache=cache,
+                                           cache_slots=cache_slots,
                                            block_size=None if hd == 128 else block_size)
+
+    def _compress_config(self, kv_score, ratio):
+        """``compress_decode``'s table row: one launch with ``COMPRESS_ONE_LAUNCH`` (GPU) /
+        ``COMPRESS_ONE_LAUNCH_INTERP`` (interpreter), else the state write + compress pair."""
+        one = COMPRESS_ONE_LAUNCH if kv_score.is_cuda else COMPRESS_ONE_LAUNCH_INTERP
+        hd = kv_score.shape[1] // (4 if ratio == 4 else 2)
+        return self.k["comp"].pick_config(ratio, hd, kv_score.device, launches=1 if one else 2)
 
     # ---- indexer ---------------------------------------------------------------------------
     def indexer_q(self, q, positions, cos_sin, weights, name="indexer.q_quant"):

@@ -93,6 +93,11 @@ def make_comp_inputs(shape: dict, case: str = "random", seed: int = 0, device="c
     if case not in COMP_CASES:
         raise ValueError(f"case={case!r}: known cases {COMP_CASES}")
     d = comp_spec.make_inputs(shape, "non_boundary" if case == "skip_slots" else case, seed, device)
+    return add_comp_cache(d, shape, seed, device, skip=case == "skip_slots")
+
+
+def add_comp_cache(d: dict, shape: dict, seed: int = 0, device="cpu", skip: bool = False) -> dict:
+    """``d`` (compressor inputs of ``shape``) plus the cache of :func:`make_comp_inputs` and its slots."""
     T, hd, ratio = shape["T"], shape["hd"], shape["ratio"]
     nb = shape.get("num_blocks", 2)
     g = torch.Generator().manual_seed(seed + 1)
@@ -103,7 +108,7 @@ def make_comp_inputs(shape: dict, case: str = "random", seed: int = 0, device="c
     else:
         bs = idx_spec.BS
         d["cache"] = idx_spec.make_cache(nb, device)
-    s = _slots(T, nb * bs, case == "skip_slots", g)
+    s = _slots(T, nb * bs, skip, g)
     if hd != 512:
         s = torch.where(s >= nb * bs, -1, s)      # the indexer layout's caller guarantees the bound
     d["cache_slots"] = s.to(device)
@@ -196,7 +201,7 @@ register(KernelSpec(
     min_bytes=costs.MIN_BYTES["compress_decode_insert"],
     check=check_comp,
     configs=kernel_configs("compressor"),
-    config_for=lambda arch, s: [f"c{s['ratio']}_hd{s['hd']}"],
+    config_for=comp_spec.config_labels,
     baselines={"unfused": _unfused_comp},
     bound="memory",
     aot_shape=[{"T": 4, "ratio": 4, "hd": 512}, {"T": 4, "ratio": 128, "hd": 512},
