@@ -446,7 +446,6 @@ _TABLE = {
     # token-spread rows (m16, T = 8..16): BLOCK_T tokens per program, cdiv(T, BLOCK_T) token blocks side by side
     # on the grid's second axis, each routed by its own last arriver (the tails run in parallel)
     "r4w8t2": {**_R, "EPP": 4, "BLOCK_T": 2, "num_warps": 8},   # T=16: 8 token blocks x 64 programs, 2-token tails
-    "r2w4t2": {**_R, "EPP": 2, "BLOCK_T": 2, "num_warps": 4},   # T=16: 8 x 128 programs
     "t32e32k8": {"BLOCK_T": 32, "BLOCK_E": 32, "BLOCK_K": 128, "SPLIT_K": 8, "TAIL_T": 16, "RED_T": 16,
                  "num_warps": 4, "num_stages": 2},
     "prefill": {"BLOCK_T": 64, "BLOCK_E": 128, "BLOCK_K": 64, "SPLIT_K": 1, "TAIL_T": 8, "RED_T": 8, "num_warps": 8,
@@ -457,18 +456,19 @@ _TABLE = {
 }
 # sm_90 leaves r2w4 out: ptxas for sm_90a spills 8 B of it at the compile report's T=4 shape (ds4lab aot;
 # sm_89 builds it without spills); its native H200 rows stay in NOTES.md (T=1 5.76 us, T=2 6.45)
-# (m16: r2w4t2's hash build spills 8 B there too, at T = 8 / 16)
-CONFIGS = {"sm_89": dict(_TABLE), "sm_90": {k: dict(v) for k, v in _TABLE.items() if k not in ("r2w4", "r2w4t2")}}
+# (m16's r2w4t2, EPP 2 / 2 tokens / 4 warps, is in no table: its hash build spills 8 B at T = 8 / 16 on sm_90a,
+# and the clean-clone compile report found 8 B on sm_89 too)
+CONFIGS = {"sm_89": dict(_TABLE), "sm_90": {k: dict(v) for k, v in _TABLE.items() if k != "r2w4"}}
 
 # the decode candidates the bench times at T <= 16 (scripts/gpu/route.sh --gate). Dropped after the
 # session-4 H200 call (NOTES.md, gate4b): e64k32 (18.6 / 20.1 us at T=1 / 16) and e16k16 (12.8 / 14.0),
 # slower than e32k16t4 (10.4) at T <= 2 and e32k16w8 (11.2) at T=16 in both builds.
-DECODE_CANDIDATES = ("e32k16t4", "e32k16w8", "r2w4", "r2w2", "r1w2", "r4w8", "r1w1", "r4w8t2", "r2w4t2")
+DECODE_CANDIDATES = ("e32k16t4", "e32k16w8", "r2w4", "r2w2", "r1w2", "r4w8", "r1w1", "r4w8t2")
 #: rows path candidates: timed at T <= 4 (and where their build's table has them)
 ROWS_CANDIDATES = tuple(lb for lb in DECODE_CANDIDATES if _TABLE[lb].get("ROWS"))
 #: the rows candidates also timed at 4 < T <= 16 (token blocks spread over the grid, one tail each; m16).
 #: r4w4t2 (EPP 4, 2 tokens, 4 warps: 168 registers) spilled 8 B on sm_90a and is not in the table.
-SPREAD_CANDIDATES = ("r4w8t2", "r2w4t2", "r4w8")
+SPREAD_CANDIDATES = ("r4w8t2", "r4w8")
 #: pick_config's decode rows: ``[(max T, label)]`` in order (measured: e32k16t4 10.4 vs e32k16 12.7 us
 #: at T = 1, 2; e32k16w8 11.2 vs e32k16 13.8 at T=16, both builds; NOTES.md gate5)
 # H200, session 5 (results/issue20/s5/gate_*.csv; `bash scripts/gpu/route.sh --gate`), sm_89 build / native, us:

@@ -15,7 +15,7 @@
 # --gate: the fused gate alone, short (scripts/gpu/gate_fast.py): per build (sm89, then native)
 # numerics of the default and of every rows-path candidate (gate5), then every candidate and the
 # torch.mm(bf16 -> fp32) + sqrtsoftplus_topk pair timed at TP=4, T in {1, 2, 4, 8, 16} (m16: the token-spread
-# rows r4w8t2 / r2w4t2 / r4w8 also at T 8 and 16, checked and timed next to e32k16w8 and the pair); sm89 also with
+# rows r4w8t2 / r4w8 also at T 8 and 16, checked and timed next to e32k16w8 and the pair); sm89 also with
 # the step's timer (CUPTI kernel durations, with and without an L2 + TLB thrash; T in {1, 2}). The
 # kernels of both builds compile first (one process per build x candidate, 17 in parallel).
 #   OUT=/some/dir bash scripts/gpu/route.sh --gate      Expected ~65-90 s (timeouts 25 + 45 + 30: at most 100 s).
