@@ -478,13 +478,16 @@ SPREAD_CANDIDATES = ("r4w8t2", "r4w8")
 # e32k16t4 10.74. T=16: e32k16w8 11.31 vs the cuBLAS pair 10.99 (GATE_FUSED_MAX_T stays 4).
 # sm_90 (no r2w4): T=1 r2w2 5.95 us (native), T=2 and 4 r4w8 6.47 / 8.42. The sm_89 table (also read by
 # sm_120 cards) keeps e32k16t4 at T = 3, 4: r4w8 (8.09 us there) spills 4 B when ptxas builds it for sm_120.
-# m16 candidate (NOTES.md "m16"; untimed: session 6 had no device time left, so not a default yet): 3..16
-# tokens r4w8t2, the rows path with 2-token blocks side by side (T=16: 8 x 64 programs, 8 two-token tails in
-# parallel; r4w8's T=2 time, 6.4 us, is its one-block cost) instead of e32k16t4 / e32k16w8 (10.7 / 11.3 us: the
-# two-level split tail). 0 spills at T=16 on sm_89, sm_90a and sm_120 (94 / 95 / 64 registers). Next session:
-# `OUT=DIR bash scripts/gpu/route.sh --gate`, then put it here where it wins.
-DECODE_DEFAULTS = {"sm_89": [(2, "r2w4"), (4, "e32k16t4"), (16, "e32k16w8")],
-                   "sm_90": [(1, "r2w2"), (4, "r4w8"), (16, "e32k16w8")]}
+# m16 (NOTES.md "m16"): 3..16 tokens r4w8t2, the rows path with 2-token blocks side by side (T=16: 8 x 64
+# programs, 8 two-token tails in parallel) instead of e32k16t4 / e32k16w8 (the two-level split tail); 0 spills
+# at T=16 on sm_89, sm_90a and sm_120 (94 / 95 / 64 registers). H200, session 7 (results/issue20/s7/call1/gate,
+# `bash scripts/gpu/route.sh --gate`), sm_89 build / native, us: r4w8t2 T=4 6.58 / 6.63 (e32k16t4 10.77 /
+# 10.88, r4w8 8.14 / 8.41), T=8 7.64 / 7.68 (r4w8 8.46 / 8.66, e32k16w8 11.44 / 11.38), T=16 10.65 / 10.77
+# (r4w8 9.42 / 9.55, e32k16w8 11.34 / 11.42); the cuBLAS pair 10.7-11.2 at every T. So 3..16 tokens go to
+# r4w8t2 on the sm_89 table (r4w8, 1.2 us faster at T=16, spills on sm_120, which reads this table) and to
+# r4w8t2 / r4w8 on sm_90; backend_kernel.GATE_FUSED_MAX_T 4 -> 16.
+DECODE_DEFAULTS = {"sm_89": [(2, "r2w4"), (16, "r4w8t2")],
+                   "sm_90": [(1, "r2w2"), (8, "r4w8t2"), (16, "r4w8")]}
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes)
 GPU_DEFAULTS = {a: tuple(lb for _, lb in DECODE_DEFAULTS[a]) + ("t32e32k8", "prefill") for a in DECODE_DEFAULTS}
 

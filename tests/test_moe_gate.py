@@ -267,7 +267,7 @@ def test_pick_config_decode_rows(monkeypatch):
     dev = torch.device("cuda", 0)
     table = K.CONFIGS["sm_89"]
     assert [next(lb for lb, c in table.items() if c is K.pick_config(t, dev)) for t in (1, 2, 4, 5, 16, 17)] == \
-        ["r2w4"] * 2 + ["e32k16t4"] + ["e32k16w8"] * 2 + ["t32e32k8"]   # session 5's H200 rows (DECODE_DEFAULTS)
+        ["r2w4"] * 2 + ["r4w8t2"] * 3 + ["t32e32k8"]   # session 7's H200 rows (DECODE_DEFAULTS)
     assert set(K.ROWS_CANDIDATES) <= set(K.DECODE_CANDIDATES)
     assert not {"e64k32", "e16k16"} & set(table)   # measured losing (NOTES.md gate4b/gate5)
 

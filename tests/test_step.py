@@ -116,6 +116,33 @@ def test_run_step_cpu_attributes_real_kernel_launches(tmp_path):
     assert len(t) == 1 and t[0]["launches"] == step["launches"] and "attn.o_proj" in t[0]["top"]
 
 
+def test_ab_variants_time_each_point_once_per_variant(tmp_path):
+    """``--ab``: one model and cache fill, each point timed plain then per variant with its settings in
+    force only there; the rows' note and repro name the settings and the tables keep the variants apart."""
+    from ds4lab.geometry import DEFAULT_CONFIG
+    from ds4lab.model import backend_kernel as BK
+    before = BK.DECODE_MAX_T
+    seen = []
+
+    class Spy(KernelChain):
+        def decode(self, *a, **k):
+            seen.append(BK.DECODE_MAX_T)
+            return super().decode(*a, **k)
+    p = S.plan(tps=(4,), batches=(1,), ctxs=(64,), modes=("plain",))
+    p.replays = 1
+    p.variants = ((), ("backend_kernel.DECODE_MAX_T=32",))
+    path = tmp_path / "decode_step.csv"
+    rows = S.run_step(p, device="cpu", cfg=DEFAULT_CONFIG, csv_path=str(path), log=lambda *a: None, model=Spy())
+    steps = [r for r in rows if r["group"] == S.STEP]
+    assert [r["status"] for r in steps] == ["OK", "OK"] and BK.DECODE_MAX_T == before   # restored after
+    assert set(seen) == {before, 32}
+    assert "--set" not in steps[0]["repro"] and steps[1]["repro"].endswith(" --set 'backend_kernel.DECODE_MAX_T=32'")
+    assert steps[1]["note"].startswith("set backend_kernel.DECODE_MAX_T=32")
+    t = S.summary_table(S.load_rows(str(path)))
+    assert [r["set"] for r in t] == ["", "backend_kernel.DECODE_MAX_T=32"]
+    assert len(S.group_table(rows, steps[1])) == len(rows) // 2 - 1   # its own groups only
+
+
 def test_failed_point_is_one_error_row(tmp_path):
     class Broken(KernelChain):
         def fill_caches(self, caches, ctx):

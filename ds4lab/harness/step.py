@@ -54,6 +54,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from ds4lab.harness.switches import add_set_argument, apply_settings, overridden
+
 __all__ = ["FIELDS", "GroupRecorder", "StepPlan", "align_labels", "attribute_trace", "link_assumptions",
            "plan", "run_step", "main", "add_arguments", "summary_table", "load_rows", "configs", "group_table",
            "launches_table", "local_step", "DEFAULT_CSV"]
@@ -280,6 +282,8 @@ class StepPlan:
     smoke: bool = False
     backend: str = "kernel"  # "reference": the reference twin (what runs without ds4lab's kernels)
     extra: dict = field(default_factory=dict)
+    settings: tuple[str, ...] = ()  # the --set overrides in force (ds4lab.harness.switches), for the rows
+    variants: tuple[tuple[str, ...], ...] = ((),)  # each point is timed once per variant (--ab), in order
 
     def points(self):
         for tp in self.tps:
@@ -499,11 +503,14 @@ def _config_rows(base, cfg, tp, rank, batch, mode, ctx, q, timing, stats, kinds,
     return rows
 
 
-def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log) -> list[dict]:
-    """One (tp, ctx, batch, mode) point: its rows, or one ERROR row naming what failed."""
+def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log,
+           settings=()) -> list[dict]:
+    """One (tp, ctx, batch, mode) point: its rows, or one ERROR row naming what failed. ``settings``: the
+    ``--set`` / ``--ab`` overrides in force (the rows' note and repro name them)."""
     next_n = 2 if mode == "mtp" else 1
     repro = (f"python3 -m ds4lab.harness.step --tp {tp} --batch {batch} --ctx {ctx} --mode {mode} --arch {p.build}"
-             + ("" if p.backend == "kernel" else f" --backend {p.backend}"))
+             + ("" if p.backend == "kernel" else f" --backend {p.backend}")
+             + "".join(f" --set '{x}'" for x in settings))
     try:
         if fill_err:
             raise RuntimeError(fill_err)
@@ -517,9 +524,12 @@ def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, 
         else:
             q, timing, stats, note, ar = _time_cpu(fn, rec, p.replays, "wall (interpreter)" if p.backend == "kernel"
                                                    else "wall (CPU, torch eager)")
+        if settings:
+            note = "; ".join(x for x in (f"set {', '.join(settings)}", note) if x)
         new = _config_rows(base, cfg, tp, p.rank, batch, mode, ctx, q, timing, stats, rec.kinds, note, roofs, ar,
                            repro)
-        log(f"TP={tp} ctx={ctx} B={batch} {mode}: p50 {new[0]['p50_us']:.1f} us, {new[0]['launches']} launches "
+        log(f"TP={tp} ctx={ctx} B={batch} {mode}{' [' + ', '.join(settings) + ']' if settings else ''}: "
+            f"p50 {new[0]['p50_us']:.1f} us, {new[0]['launches']} launches "
             f"({new[0]['launches_per_layer']}/layer), groups/p50 {new[0]['sum_vs_p50']}")
         return new
     except Exception as e:
@@ -581,10 +591,13 @@ def run_step(p: StepPlan, device=None, checkpoint: str | None = None, cfg=None, 
                 except Exception as e:
                     fill_err = f"cache fill: {type(e).__name__}: {e}"
                 for mode in p.modes:
-                    new = _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log)
-                    if fill_note:
-                        new[0]["note"] = "; ".join(x for x in (new[0].get("note"), fill_note) if x)
-                    emit(new)
+                    for variant in p.variants:
+                        with overridden(variant):
+                            new = _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu,
+                                         device, log, settings=tuple(p.settings) + tuple(variant))
+                        if fill_note:
+                            new[0]["note"] = "; ".join(x for x in (new[0].get("note"), fill_note) if x)
+                        emit(new)
                 del caches
                 if gpu:
                     torch.cuda.empty_cache()
@@ -638,13 +651,21 @@ def summary_table(rows: list[dict], top: int = 5) -> list[dict]:
             continue
         key = (r.get("build"), r.get("tp"), r.get("batch"), r.get("mode"), r.get("ctx"))
         groups = [g for g in rows if g.get("group") not in (STEP,) and g.get("timestamp") == r.get("timestamp")
+                  and g.get("repro") == r.get("repro")   # the --ab variants of one point share a timestamp
                   and (g.get("build"), g.get("tp"), g.get("batch"), g.get("mode"), g.get("ctx")) == key]
         groups.sort(key=lambda g: -(g.get("us") or 0))
         out.append({"build": key[0], "tp": key[1], "batch": key[2], "mode": key[3], "ctx": key[4],
                     "status": r.get("status"), "p50_us": r.get("p50_us"), "launches": r.get("launches"),
                     "per_layer": r.get("launches_per_layer"), "groups/p50": r.get("sum_vs_p50"),
-                    "top": ", ".join(f"{g['group']} {float(g['us'] or 0):.0f}" for g in groups[:top])})
+                    "top": ", ".join(f"{g['group']} {float(g['us'] or 0):.0f}" for g in groups[:top]),
+                    **({"set": _settings_of(r)} if any(_settings_of(x) for x in rows) else {})})
     return out
+
+
+def _settings_of(row: dict) -> str:
+    """The ``--set`` overrides a row ran under (from its repro), '' for the defaults."""
+    parts = str(row.get("repro") or "").split(" --set ")[1:]
+    return ", ".join(x.strip().strip("'") for x in parts)
 
 
 def configs(rows: list[dict]) -> list[dict]:
@@ -655,7 +676,7 @@ def configs(rows: list[dict]) -> list[dict]:
 def group_table(rows: list[dict], step_row: dict) -> list[dict]:
     """The op-group rows of the configuration ``step_row`` heads (same run and point), by time:
     group, kind, launches (per step and per layer), us, share, bytes, floor at the copy roof."""
-    key = ("timestamp", "build", "tp", "batch", "mode", "ctx")
+    key = ("timestamp", "build", "tp", "batch", "mode", "ctx", "repro")
     g = [r for r in rows if r.get("group") != STEP and all(r.get(k) == step_row.get(k) for k in key)]
     g.sort(key=lambda r: -(float(r.get("us") or 0)))
     cols = ("group", "kind", "launches", "launches_per_layer", "us", "share", "bytes", "floor_us")
@@ -746,6 +767,7 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu", action="store_true",
                    help="run on the CPU (Triton interpreter; needs --checkpoint; default TP 1, batch 1, ctx 16, plain)")
     p.add_argument("--out", default="results", help="folder; rows are appended to OUT/decode_step.csv")
+    add_set_argument(p, ab=True)
 
 
 def main(args) -> int:
@@ -767,7 +789,17 @@ def main(args) -> int:
     if args.cpu:  # the tiny model on the interpreter: one small point unless asked otherwise
         args.tp, args.batch = args.tp or [1], args.batch or [1]
         args.ctx, args.mode = args.ctx or [16], args.mode or ["plain"]
+    # after the build is chosen (the overridden modules import triton), before the model is built
+    applied = apply_settings(getattr(args, "settings", None))
+    for path, name, old, new in applied:
+        print(f"--set {path}.{name}: {old!r} -> {new!r}")
     p = plan(args.smoke, args.tp, args.batch, args.ctx, args.mode, args.arch, args.backend)
+    p.settings = tuple(args.settings or ())
+    variants = [tuple(x.strip() for x in v.split(",") if x.strip()) for v in (getattr(args, "variants", None) or [])]
+    for v in variants:   # a bad --ab fails here, before a model is built
+        with overridden(v):
+            pass
+    p.variants = ((),) + tuple(variants)
     p.replays = args.replays or (3 if args.cpu else 20)
     path = os.path.join(args.out, "decode_step.csv")
     rows = run_step(p, device="cpu" if args.cpu else "cuda", checkpoint=args.checkpoint, csv_path=path)

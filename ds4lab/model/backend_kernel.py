@@ -18,11 +18,11 @@ mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert`` (cache fill, 
 indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert`` (cache fill, prefill)    1
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
 indexer_topk, decode        ``kernel:indexer.fp8_paged_mqa_topk`` (``max_len <=``               1
-                            ``INDEXER_FUSED_MAX_N``, 0 = off on GPUs until timed; else the pair)
+                            ``INDEXER_FUSED_MAX_N``, next_n 1, ``<= INDEXER_FUSED_MAX_B``; else the pair)
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
   with ``q_norm``           ``kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)``: the q    1-2
-                            head norm + RoPE in the q load (``FUSE_Q_NORM``: off on GPUs until timed)
+                            head norm + RoPE in the q load (``FUSE_Q_NORM``: off on GPUs: +1.4 us)
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
                             wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x: the MoE's fp32   2 / 1
@@ -33,7 +33,7 @@ gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=16; a
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16`` (adds into the shared expert's  2 (decode)
                             fp32 output; the one-launch row up to ``FUSED_MAX_PAIRS`` pairs:      / 3 (prefill)
-                            0 = off on GPUs until timed, the interpreter runs it)                1 (one-launch)
+                            0 = off on GPUs: it lost on the H200, the interpreter runs it)       1 (one-launch)
 compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2 / 1
                             reads the bf16 GEMM output slice as is; ``COMPRESS_ONE_LAUNCH``: one
                             launch, bit-identical; off on GPUs until timed, the interpreter runs it)
@@ -74,12 +74,12 @@ from ds4lab.model.ops import Backend, Experts, Linear, op_group
 BF16 = torch.bfloat16
 F32 = torch.float32
 
-#: the fused router gate + top-k kernel up to this many tokens (see ``KernelBackend.gate_route``).
-#: m16: 4 -> 16 with the token-spread rows path (``moe_gate`` r4w8t2 at 3..16 tokens; predicted 7-9 us at T=16
-#: against the cuBLAS mm + route pair's 11.0 in the bench, 9.7 us of kernels a layer in the batch-16 step;
-#: NOTES.md "m16"). UNTIMED (session 6 had no device time left), so it stays 4 until the H200
-#: (``scripts/gpu/route.sh --gate``) says r4w8t2 wins at 8 / 16 tokens; the rows are in the tables as candidates.
-GATE_FUSED_MAX_T = 4
+#: the fused router gate + top-k kernel up to this many tokens (see ``KernelBackend.gate_route``); above,
+#: the cuBLAS mm + route pair. H200, session 7 (results/issue20/s7/call1/gate, `bash scripts/gpu/route.sh
+#: --gate`, sm89 build, us): the fused gate at its best row (``moe_gate.DECODE_DEFAULTS``) 5.9 / 6.3 / 6.6 /
+#: 7.6 / 9.4 at T = 1 / 2 / 4 / 8 / 16 against the pair's 10.5 / 10.8 / 10.7 / 10.9 / 11.0 (native: 5.9 /
+#: 6.4 / 6.6 / 7.7 / 9.6 vs 10.5-11.2): 4 -> 16 (m16's token-spread rows, NOTES.md "m16").
+GATE_FUSED_MAX_T = 16
 
 #: up to this many tokens the 1x128 activation quant runs in the FP8 GEMM's prologue
 #: (``w8a8_block_fp8_linear(fused=True)``, one launch, bit-identical); above, quant + GEMM (two).
@@ -108,27 +108,35 @@ FUSE_SHARED_ACT_MAX_M = 2
 
 #: decode (``next_n`` rows per request) indexer logits + top-k in ONE launch
 #: (``indexer.fp8_paged_mqa_topk``: the last program of a request selects in-program, same indices as the
-#: two-launch path) up to this many compressed positions per request (``max_len``; ctx 32k = 8,192);
-#: above, ``fp8_paged_mqa_logits`` + ``topk_indices`` (the one-program select reads a long row serially,
-#: where the split top-k wins). 0 turns the one-launch path off: OFF on GPUs until the H200 times it (session 6
-#: had no device time left; NOTES.md "idx6": predicted ~6 us at R=1, N=2,048 against ~22 us for the pair;
-#: `OUT=DIR bash scripts/gpu/idx_topk.sh` times both). The interpreter lane uses INDEXER_FUSED_MAX_N_INTERP, so
-#: the model's CPU tests keep exercising it.
-INDEXER_FUSED_MAX_N = 0
+#: two-launch path) up to this many compressed positions per request (``max_len``; ctx 8k = 2,048), at plain
+#: decode (next_n 1) and up to INDEXER_FUSED_MAX_B requests; else ``fp8_paged_mqa_logits`` + ``topk_indices``.
+#: H200, session 7 (results/issue20/s7/call1/idx, `OUT=DIR bash scripts/gpu/idx_topk.sh`, sm89 / native, us):
+#: N=2,048 one launch vs the pair: B=1 15.3 / 14.5 vs 17.3 / 15.2; B=2 15.8 vs 18.6; B=16 21.5 / 21.0 vs
+#: 23.2 / 21.4. It loses at B=32 (26.1 vs 25.0), at next_n 2 (B=1: 27.7 vs 20.9: the select reads both
+#: rows serially) and at N=8,192 (44.0 vs 23.1: the one-program select of a long row). 0 turns it off.
+#: The interpreter lane uses INDEXER_FUSED_MAX_N_INTERP at any next_n and batch, so the model's CPU tests
+#: keep exercising it.
+INDEXER_FUSED_MAX_N = 2048
+INDEXER_FUSED_MAX_B = 16
 INDEXER_FUSED_MAX_N_INTERP = 8192
 #: ``sparse_mla(q_norm=...)``: the q head RMSNorm + RoPE in sparse_mla_decode's q load (one launch a
 #: layer fewer, the same bf16 q: norm_rope's helpers) when True; False runs rmsnorm_rope then the
-#: attention. OFF on GPUs until the H200 times it (session 6 had no device time left; NOTES.md "qmla6":
-#: predicted -1.5 to -2.2 us a layer; `OUT=DIR bash scripts/gpu/qmla.sh` times both); the interpreter lane
-#: uses FUSE_Q_NORM_INTERP so the model's CPU tests keep exercising the fused load.
+#: attention. OFF on GPUs: the H200 (session 7, results/issue20/s7/call1/qmla, `OUT=DIR bash
+#: scripts/gpu/qmla.sh`) timed the fused launch 1.4-1.6 us SLOWER than the pair at T = 1 / 2 (sm89 C4A T=1:
+#: 15.57 vs 13.98 us; SWA 12.32 vs 10.89) and 5.2 us slower at C4A T=16 (NOTES.md "qmla6" predicted -1.5 to
+#: -2.2). The step A/B (`--set backend_kernel.FUSE_Q_NORM=True`) decides with the launch gap included. The
+#: interpreter lane uses FUSE_Q_NORM_INTERP so the model's CPU tests keep exercising the fused load.
 FUSE_Q_NORM = False
 FUSE_Q_NORM_INTERP = True
 
 #: decode ``compressor`` / ``compressor_insert`` in ONE launch (``compress_decode``'s ``<name>_1l`` rows: each
 #: program writes its own state row and builds the window rows this launch writes from kv_score + ape;
 #: bit-identical to the state write + compress pair) when True; False = the pair (2 launches). OFF on GPUs
-#: until the H200 times it (NOTES.md "comp1": predicted -1 launch and ~-1.5 to -2.5 us a C4 call, ~62 calls a
-#: step at batch 1; `OUT=DIR bash scripts/gpu/compress_1l.sh` checks and times both); the interpreter lane uses
+#: (NOTES.md "comp1" predicted -1 launch and ~-1.5 to -2.5 us a C4 call): the H200 (session 7,
+#: results/issue20/s7/call1/comp, `OUT=DIR bash scripts/gpu/compress_1l.sh`) checked it bit-identical (72 + 72
+#: checks) but its kernel timer is not decisive (every row 16-55 us, spread of +-10 us between neighbours:
+#: the step's whole compressor group is ~2.6 us a call), so the step A/B
+#: (`--set backend_kernel.COMPRESS_ONE_LAUNCH=True`) decides. The interpreter lane uses
 #: COMPRESS_ONE_LAUNCH_INTERP so the model's CPU tests keep exercising it.
 COMPRESS_ONE_LAUNCH = False
 COMPRESS_ONE_LAUNCH_INTERP = True
@@ -326,9 +334,11 @@ class KernelBackend(Backend):
         ``slot_base`` ``(T,)`` int32 (e.g. ``req * n_comp``, made once per step): added to every
         selected index inside the top-k launch (``-1`` padding kept), so the result is already the
         compressed-cache slots. Decode up to ``INDEXER_FUSED_MAX_N`` compressed positions: logits and
-        top-k in one launch (``fp8_paged_mqa_topk``, the same indices)."""
+        top-k in one launch (``fp8_paged_mqa_topk``, the same indices; on a GPU at next_n 1 and up to
+        ``INDEXER_FUSED_MAX_B`` requests)."""
         T, H, D = q_fp8.shape
-        if next_n and int(max_len) <= (INDEXER_FUSED_MAX_N if q_fp8.is_cuda else INDEXER_FUSED_MAX_N_INTERP):
+        if next_n and (int(max_len) <= INDEXER_FUSED_MAX_N and next_n == 1 and T <= INDEXER_FUSED_MAX_B
+                       if q_fp8.is_cuda else int(max_len) <= INDEXER_FUSED_MAX_N_INTERP):
             with op_group(name, K_INDEXER_TOPK_FUSED):
                 lim = limits.to(torch.int32)
                 B = T // next_n

@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from ds4lab.harness.switches import add_set_argument, apply_settings
+
 __all__ = ["check_layers", "BUDGET", "main"]
 
 BUDGET = 0.05
@@ -359,6 +361,7 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="tiny config on the Triton interpreter (TP 1 unless --tp)")
+    add_set_argument(p)
     a = p.parse_args(argv)
     if a.cpu:
         import os
@@ -368,6 +371,8 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("no CUDA device: run with --cpu for the tiny config on the interpreter", file=sys.stderr)
         return 2
+    for path, name, old, new in apply_settings(a.settings):
+        print(f"--set {path}.{name}: {old!r} -> {new!r}")
     from ds4lab.tables import format_table
     rows = check_layers(tp=1 if a.cpu and a.tp == 4 else a.tp, layers=a.layers, device="cpu" if a.cpu else "cuda",
                         batch=a.batch, next_n=a.next_n, ctx=a.ctx, seed=a.seed, raise_on_fail=False)

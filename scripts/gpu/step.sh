@@ -12,6 +12,10 @@
 #   RETIME_MOE=1: also re-time fused_moe_w4a16 at TP4 with the cold-L2 set count (rows -> $OUT/bench.csv)
 #   BENCH_GLUE=1: also check + time the norm_rope family (rmsnorm_rope, swiglu_clamp) at TP4 (~1 min a build)
 #   BENCH_MAPS=1: also check + time step_index_maps (one launch) vs its torch reference at TP4 (~30 s a build)
+#   STEP_ARGS: the points instead of the MODE's (e.g. "--batch 1 --batch 16 --ctx 8192")
+#   AB="A;B;...": A/B variants of switches, each a comma list of MODULE.NAME=VALUE (ds4lab.harness.switches):
+#      every point is timed with the defaults, then once per variant (one model build and cache fill)
+#   CHECK_SETS="A;B": after the default model check, one more check per comma list of settings (--set)
 # Fail-soft: a failing check or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
 OUT=${OUT:-${1:-results}}
@@ -23,6 +27,8 @@ BUILDS=${BUILDS:-native sm89}
 TPS=${TPS:-4}
 if [ "$MODE" = smoke ]; then flag=--smoke; limit=${STEP_TIMEOUT:-200}; else flag=; limit=${STEP_TIMEOUT:-560}; fi
 tp_args=""; for t in $TPS; do tp_args="$tp_args --tp $t"; done
+[ -n "${STEP_ARGS:-}" ] && flag=$STEP_ARGS
+ab_args=(); IFS=';' read -r -a abs <<< "${AB:-}"; for v in "${abs[@]}"; do [ -n "$v" ] && ab_args+=(--ab "$v"); done
 export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
@@ -33,6 +39,13 @@ if python3 -c "import ds4lab.model.check" 2>/dev/null; then
   timeout ${CHECK_TIMEOUT:-150} python3 -m ds4lab.model.check --tp 4 --layers 0 2 3 > "$OUT/model_check.log" 2>&1 \
     || { echo "MODEL CHECK FAILED (see model_check.log)"; rc=1; }
   tail -20 "$OUT/model_check.log"
+  IFS=';' read -r -a csets <<< "${CHECK_SETS:-}"
+  for i in "${!csets[@]}"; do
+    set_args=(); IFS=',' read -r -a kv <<< "${csets[$i]}"; for x in "${kv[@]}"; do set_args+=(--set "$x"); done
+    timeout ${CHECK_TIMEOUT:-150} python3 -m ds4lab.model.check --tp 4 --layers 0 2 3 ${CHECK_ARGS:-} "${set_args[@]}" \
+      > "$OUT/model_check_set$i.log" 2>&1 || { echo "MODEL CHECK FAILED with ${csets[$i]} (model_check_set$i.log)"; rc=1; }
+    echo "== check with ${csets[$i]} ${CHECK_ARGS:-}"; tail -8 "$OUT/model_check_set$i.log"
+  done
 else
   echo "ds4lab.model.check is not in this tree: real-shape check NOT run" | tee "$OUT/model_check.log"; rc=1
 fi
@@ -40,7 +53,7 @@ echo "check: $((SECONDS - t0)) s"
 # 2. the step, one process per build
 for build in $BUILDS; do
   tb=$SECONDS
-  timeout $limit python3 -m ds4lab.harness.step $flag $tp_args --arch $build --out "$OUT" \
+  timeout $limit python3 -m ds4lab.harness.step $flag $tp_args --arch $build --out "$OUT" "${ab_args[@]}" \
     > "$OUT/step_$build.log" 2>&1 || { echo "STEP $build: exit $? (see step_$build.log)"; rc=1; }
   grep -E "roofs|built|p50|ERROR|Traceback|Error|rows ->" "$OUT/step_$build.log" | tail -40
   echo "step $build: $((SECONDS - tb)) s"

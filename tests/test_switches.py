@@ -1,0 +1,60 @@
+"""ds4lab.harness.switches: the step's and the model check's ``--set MODULE.NAME=VALUE`` overrides."""
+import argparse
+
+import pytest
+
+from ds4lab.harness import switches as S
+from ds4lab.model import backend_kernel as BK
+
+
+@pytest.mark.parametrize("text, words", [
+    ("FUSE_Q_NORM=True", "MODULE.NAME=VALUE"),
+    ("backend_kernel.FUSE_Q_NORM", "MODULE.NAME=VALUE"),
+    ("backend_kernel.fuse=True", "upper-case"),
+    ("backend_kernel._X=1", "upper-case"),
+    ("backend_kernel.FUSE_Q_NORM=yes please", "not a Python literal"),
+    ("no-such.X=1", "not a name"),
+])
+def test_malformed_settings_name_the_argument(text, words):
+    with pytest.raises(ValueError, match="--set") as e:
+        S.apply_settings([text])
+    assert words in str(e.value)
+
+
+def test_apply_rebinds_and_restores(monkeypatch):
+    monkeypatch.setattr(BK, "FUSE_Q_NORM", BK.FUSE_Q_NORM)
+    monkeypatch.setattr(BK, "INDEXER_FUSED_MAX_N", BK.INDEXER_FUSED_MAX_N)
+    old = BK.FUSE_Q_NORM
+    applied = S.apply_settings([f"backend_kernel.FUSE_Q_NORM={not old}", "backend_kernel.INDEXER_FUSED_MAX_N=0"])
+    assert BK.FUSE_Q_NORM is (not old) and BK.INDEXER_FUSED_MAX_N == 0
+    assert applied[0] == ("ds4lab.model.backend_kernel", "FUSE_Q_NORM", old, not old)
+    assert S.describe(applied) == f"set backend_kernel.FUSE_Q_NORM={not old!r}; backend_kernel.INDEXER_FUSED_MAX_N=0"
+
+
+def test_kernel_module_table_keeps_its_type(monkeypatch):
+    from ds4lab_kernels import moe_gate
+    monkeypatch.setattr(moe_gate, "SPREAD_CANDIDATES", moe_gate.SPREAD_CANDIDATES)
+    S.apply_settings(['moe_gate.SPREAD_CANDIDATES=["r4w8"]'])
+    assert moe_gate.SPREAD_CANDIDATES == ("r4w8",)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("backend_kernel.NO_SUCH_SWITCH=1", "has no NO_SUCH_SWITCH"),
+    ("backend_kernel.FUSE_Q_NORM=1", "is bool"),
+    ("backend_kernel.INDEXER_FUSED_MAX_N=2.5", "is int"),
+    ("not_a_kernel_module.X=1", "does not import"),
+])
+def test_bad_target_rebinds_nothing(monkeypatch, text, words):
+    monkeypatch.setattr(BK, "INDEXER_FUSED_MAX_B", BK.INDEXER_FUSED_MAX_B)
+    before = BK.INDEXER_FUSED_MAX_B
+    with pytest.raises(ValueError, match=words):
+        S.apply_settings([f"backend_kernel.INDEXER_FUSED_MAX_B={before + 1}", text])
+    assert BK.INDEXER_FUSED_MAX_B == before   # the good first setting was not applied either
+
+
+def test_step_cli_takes_repeated_set():
+    from ds4lab.harness import step
+    p = argparse.ArgumentParser()
+    step.add_arguments(p)
+    a = p.parse_args(["--set", "backend_kernel.FUSE_Q_NORM=True", "--set", "moe_w4a16.FUSED_MAX_PAIRS=96"])
+    assert a.settings == ["backend_kernel.FUSE_Q_NORM=True", "moe_w4a16.FUSED_MAX_PAIRS=96"]
