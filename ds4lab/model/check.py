@@ -276,8 +276,8 @@ def check_layers(tp: int = 4, layers=(0, 2, 3), device="cuda", cfg=None, batch: 
     swa_ring = _ceil(cfg.sliding_window + mk.chunk, 64)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     T = batch * next_n
-    pos = (ctx + torch.arange(next_n))[None, :].expand(batch, next_n).reshape(-1)
-    req = torch.arange(batch)[:, None].expand(batch, next_n).reshape(-1)
+    pos = (ctx + torch.arange(next_n))[None, :].expand(batch, next_n).reshape(-1).contiguous()
+    req = torch.arange(batch)[:, None].expand(batch, next_n).reshape(-1).contiguous()
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
     resid = torch.randn(T, cfg.hc_mult, cfg.hidden_size, generator=g).to(torch.bfloat16)
     rows = []
