@@ -1240,10 +1240,11 @@ DECODE_MAX_PAIRS = 256
 
 #: with ``accumulate=True`` (fp32 ``out``), pairs up to which ``pick_config`` returns the one-launch row
 #: ``FUSED_DEFAULT`` on a GPU (above: the two-launch decode row, adding in its last launch's top-k tail, or
-#: prefill). 0 (OFF) until the H200 times it: session 6 had no device time left after its one call (NOTES "moe1":
-#: predicted 10-12 us at T=1 vs 25.6 for mmaq_n64s2x). Next: `OUT=DIR bash scripts/gpu/moe.sh` (both builds), then
-#: set this to the largest pair count where the fused row wins (96 = batch 16 x top-6 predicted) and add
-#: FUSED_DEFAULT's measured row here.
+#: prefill). 0 (OFF): the H200 timed it in session 7 (results/issue20/s7/call1/moe, `OUT=DIR bash
+#: scripts/gpu/moe.sh`, TP=4, CUDA graph, cold L2) and every one-launch row LOST to the two-launch mmaq_n64s2x,
+#: sm_89 build / native, us: T=1 best fused_i16f 49.9 / fused_i32 39.3 vs 25.4 / 25.3; T=4 fused_i32f 71.3 /
+#: 72.0 vs 56.5 / 58.4; T=16 fused_i32f 214.6 / fused_i64 212.0 vs 189.7 / 191.7 (NOTES "moe1" predicted 10-12
+#: us at T=1). The rows stay benchmark candidates; the interpreter keeps exercising the path.
 FUSED_MAX_PAIRS = 0
 #: the interpreter lane (CPU tests of the model and the kernel) runs the one-launch row up to this many pairs,
 #: so the composition's fp32 hand-off and the kernel stay exercised while the GPU default is off

@@ -219,6 +219,25 @@ def test_decode_model_uses_the_measured_step_and_says_so():
     assert on_step["step_ms"] * 1e3 == pytest.approx(sum(t["us"] for t in terms))
 
 
+def test_step_terms_take_the_newest_default_run_not_an_ab_variant():
+    """An A/B run (``ds4lab step --ab``) writes one configuration per variant under ONE timestamp; the
+    planner reads the newest run's defaults only (a variant's repro names its ``--set``)."""
+    def rows_of(ts, wq_b_us, repro):
+        out = _step_rows()
+        for r in out:
+            r.update(timestamp=ts, repro=repro)
+            if r["group"] == "attn.wq_b":
+                r["us"] = wq_b_us
+        return out
+    step_rows = (rows_of("2026-12-01T10:00:00+00:00", 500.0, "python3 -m ds4lab.harness.step")
+                 + rows_of("2026-12-02T10:00:00+00:00", 450.0, "python3 -m ds4lab.harness.step")
+                 + rows_of("2026-12-02T10:00:00+00:00", 1111.0,
+                           "python3 -m ds4lab.harness.step --set 'backend_kernel.FUSE_Q_NORM=True'"))
+    terms = ada.step_terms(step_rows, load_results(), CARD, 4, 1)
+    assert [t["us"] for t in terms if t["op"] == "attn.wq_b"] == [pytest.approx(450.0)]   # one run, the newest (above the floor)
+    assert sum(t["op"] == "moe.experts" for t in terms) == 1                             # no variant merged in
+
+
 def test_community_comparison_is_like_for_like():
     m = ada.decode_model(load_results(), tps=(4,), batches=(1,))
     cmp = ada.community_comparison(m)

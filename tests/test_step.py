@@ -141,6 +141,12 @@ def test_ab_variants_time_each_point_once_per_variant(tmp_path):
     t = S.summary_table(S.load_rows(str(path)))
     assert [r["set"] for r in t] == ["", "backend_kernel.DECODE_MAX_T=32"]
     assert len(S.group_table(rows, steps[1])) == len(rows) // 2 - 1   # its own groups only
+    assert S.latest_configs(rows) == [steps[0]]                        # the chart's one bar: the defaults
+    ab = S.ab_table(rows)
+    assert [r["set"] for r in ab] == ["backend_kernel.DECODE_MAX_T=32"]
+    groups = lambda st: sum(g["us"] for g in S.group_table(rows, st))   # noqa: E731
+    assert ab[0]["d_groups_us"] == pytest.approx(groups(steps[1]) - groups(steps[0]), abs=0.2)
+    assert ab[0]["d_p50_us"] == pytest.approx(steps[1]["p50_us"] - steps[0]["p50_us"], abs=0.1)
 
 
 def test_failed_point_is_one_error_row(tmp_path):

@@ -58,6 +58,7 @@ from ds4lab.harness.switches import add_set_argument, apply_settings, overridden
 
 __all__ = ["FIELDS", "GroupRecorder", "StepPlan", "align_labels", "attribute_trace", "link_assumptions",
            "plan", "run_step", "main", "add_arguments", "summary_table", "load_rows", "configs", "group_table",
+           "latest_configs", "ab_table",
            "launches_table", "local_step", "DEFAULT_CSV"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -671,6 +672,45 @@ def _settings_of(row: dict) -> str:
 def configs(rows: list[dict]) -> list[dict]:
     """The ``(step)`` rows (one per measured configuration), in file order."""
     return [r for r in rows if r.get("group") == STEP]
+
+
+def latest_configs(rows: list[dict]) -> list[dict]:
+    """The OK ``(step)`` rows of the newest run per ``(build, tp, batch, mode, ctx)`` with the defaults (an A/B
+    variant's rows, ``--set`` in their repro, left out), in file order: one bar per point in a chart."""
+    best: dict[tuple, dict] = {}
+    for r in configs(rows):
+        if r.get("status") != "OK" or _settings_of(r):
+            continue
+        k = tuple(r.get(c) for c in ("build", "tp", "batch", "mode", "ctx"))
+        if k not in best or str(r.get("timestamp") or "") >= str(best[k].get("timestamp") or ""):
+            best[k] = r
+    keep = {id(r) for r in best.values()}
+    return [r for r in configs(rows) if id(r) in keep]
+
+
+def ab_table(rows: list[dict]) -> list[dict]:
+    """Each A/B variant (``--ab``) against the defaults of its own run and point: p50 us, the sum of the
+    profiled op groups (us; the steadier of the two across variants, NOTES.md "Session 7"), launches per
+    layer, and the differences to the defaults. [] when no run had variants."""
+    def total(step):
+        return sum(float(g.get("us") or 0) for g in group_table(rows, step))
+    out = []
+    steps = [r for r in configs(rows) if r.get("status") == "OK"]
+    for r in steps:
+        if not _settings_of(r):
+            continue
+        k = ("timestamp", "build", "tp", "batch", "mode", "ctx")
+        base = next((b for b in steps if not _settings_of(b) and all(b.get(c) == r.get(c) for c in k)), None)
+        if base is None:
+            continue
+        sb, sr = total(base), total(r)
+        out.append({"build": r.get("build"), "tp": r.get("tp"), "batch": r.get("batch"), "mode": r.get("mode"),
+                    "ctx": r.get("ctx"), "set": _settings_of(r), "p50_us": r.get("p50_us"),
+                    "d_p50_us": round(float(r["p50_us"]) - float(base["p50_us"]), 1), "groups_us": round(sr, 1),
+                    "d_groups_us": round(sr - sb, 1), "per_layer": r.get("launches_per_layer"),
+                    "d_per_layer": round(float(r["launches_per_layer"]) - float(base["launches_per_layer"]), 2),
+                    "git_sha": r.get("git_sha")})
+    return out
 
 
 def group_table(rows: list[dict], step_row: dict) -> list[dict]:

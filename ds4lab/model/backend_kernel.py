@@ -36,7 +36,7 @@ experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16`` (adds into the 
                             0 = off on GPUs: it lost on the H200, the interpreter runs it)       1 (one-launch)
 compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2 / 1
                             reads the bf16 GEMM output slice as is; ``COMPRESS_ONE_LAUNCH``: one
-                            launch, bit-identical; off on GPUs until timed, the interpreter runs it)
+                            launch, bit-identical; on since session 7's H200 step A/B)
 compressor_insert, T <= 64  ``kernel:compressor.compress_decode(+fp8_ds_mla|indexer K insert)``  2 / 1
                             (the boundary entries written by the compress launch: no insert launch;
                             ``COMPRESS_ONE_LAUNCH`` as above; T > 64: torch compressor + the insert,
@@ -89,11 +89,14 @@ GATE_FUSED_MAX_T = 16
 #: fused 43.1 us summed over the five TP=4 shapes vs the pair's 44.8, and in the MTP verify step (T=2) the
 #: pair's extra launch per linear is ~0.5 us of launch gap each: fused up to 2 tokens (M=2: H200 call 5).
 #: m16: 2 -> 32 (= fp8_gemm.FUSED_MAX_M) with the hardware-cast quant prologue (~140 PTX instructions per
-#: 16 x 128 k-block, was ~400) and the fused launch's own row ``fq_16x64`` at 3..32 tokens: predicted
-#: 6.6-8.0 us per linear at M=16 vs the pair's 6.8-9.4 (NOTES.md "m16"); pending the H200 sweep
-#: (``MS=4,8,16,32 scripts/gpu/gemm.sh``): lower it to the largest M where ``ds4lab_fused[fq_16x64]`` beats
-#: ``ds4lab_quant+gemm`` summed over the five shapes. UNTIMED (session 6 had no device time left): stays 2.
-FUSE_ACT_QUANT_MAX_M = 2
+#: 16 x 128 k-block, was ~400) and the fused launch's own row ``fq_16x64`` / ``fq_16x32`` at 3..32 tokens.
+#: H200 session 7, sm_89 build (results/issue20/s7/call3/gemm, `MS=4,8,16,32 bash scripts/gpu/gemm.sh`):
+#: fused vs quant + GEMM, us, at M = 4 / 16 / 32: wq_a_wkv 8.49 / 8.53 / 9.89 vs 9.2 / 9.43 / 15.0; wq_b 8.47 /
+#: 7.61 / 9.25 vs 10.4 / 8.17 / 17.6; wo_b 8.57 / 8.5 / 11.5 vs 10.7 / 9.64 / 13.5; shared_gate_up 7.45 / 7.35 /
+#: 8.14 vs 8.44 / 8.51 / 14.9 (every shape, both builds). In the step (A/B in one process, `ds4lab step --ab`,
+#: sums of the profiled op groups, sm89): batch 16 11,210 -> 11,014 us, MTP batch 16 (T=32) 16,648 -> 15,737;
+#: -5 launches a layer at both; batch 1 unchanged (M=1 was fused already). So 2 -> 32.
+FUSE_ACT_QUANT_MAX_M = 32
 
 #: the shared expert's clamped SwiGLU in the down projection's prologue
 #: (``w8a8_block_fp8_linear(act="swiglu_clamp")``: activation + quant + GEMM in one launch, bit-identical
@@ -102,9 +105,10 @@ FUSE_ACT_QUANT_MAX_M = 2
 #: (NOTES.md "FP8 GEMM decode (issue 20, gemm5)"); set it to 1 if the fused row is lower at M=1.
 #: H200 sm_89 build, session 5 (results/issue20/s5/gemm_decode.csv): at M=1 the SwiGLU-prologue launch
 #: 3.60 us (gemv_w8) vs swiglu_clamp + the fused linear 6.64 us; at M=4 5.36 vs 8.30 (not used: the
-#: fused quant itself stops at FUSE_ACT_QUANT_MAX_M). m16: 2 -> 32 with FUSE_ACT_QUANT_MAX_M (predicted M=16
-#: shared_down 4.5-5.0 us vs swiglu_clamp + the linear's 7.75); untimed: stays 2 with FUSE_ACT_QUANT_MAX_M.
-FUSE_SHARED_ACT_MAX_M = 2
+#: fused quant itself stops at FUSE_ACT_QUANT_MAX_M). m16, H200 session 7 (sm_89, same run as above):
+#: shared_down act-fused 5.47 / 6.31 / 6.38 us at M = 4 / 16 / 32 vs swiglu_clamp + the linear's 8.53 / 7.92 /
+#: 10.5: 2 -> 32 with FUSE_ACT_QUANT_MAX_M (the step rows above include it: moe.shared_act 50 us -> 0).
+FUSE_SHARED_ACT_MAX_M = 32
 
 #: decode (``next_n`` rows per request) indexer logits + top-k in ONE launch
 #: (``indexer.fp8_paged_mqa_topk``: the last program of a request selects in-program, same indices as the
@@ -124,21 +128,23 @@ INDEXER_FUSED_MAX_N_INTERP = 8192
 #: attention. OFF on GPUs: the H200 (session 7, results/issue20/s7/call1/qmla, `OUT=DIR bash
 #: scripts/gpu/qmla.sh`) timed the fused launch 1.4-1.6 us SLOWER than the pair at T = 1 / 2 (sm89 C4A T=1:
 #: 15.57 vs 13.98 us; SWA 12.32 vs 10.89) and 5.2 us slower at C4A T=16 (NOTES.md "qmla6" predicted -1.5 to
-#: -2.2). The step A/B (`--set backend_kernel.FUSE_Q_NORM=True`) decides with the launch gap included. The
-#: interpreter lane uses FUSE_Q_NORM_INTERP so the model's CPU tests keep exercising the fused load.
+#: -2.2). The step A/B agrees (`ds4lab step --ab backend_kernel.FUSE_Q_NORM=True`, sm89, profiled op groups):
+#: attn.sparse_mla 476 -> 616 us at batch 1 (859 -> 1087 at batch 16) against attn.q_norm_rope 72 -> 0 and
+#: launch gaps -20: +40 to +150 us a step. The interpreter lane uses FUSE_Q_NORM_INTERP so the model's CPU
+#: tests keep exercising the fused load.
 FUSE_Q_NORM = False
 FUSE_Q_NORM_INTERP = True
 
 #: decode ``compressor`` / ``compressor_insert`` in ONE launch (``compress_decode``'s ``<name>_1l`` rows: each
 #: program writes its own state row and builds the window rows this launch writes from kv_score + ape;
-#: bit-identical to the state write + compress pair) when True; False = the pair (2 launches). OFF on GPUs
-#: (NOTES.md "comp1" predicted -1 launch and ~-1.5 to -2.5 us a C4 call): the H200 (session 7,
-#: results/issue20/s7/call1/comp, `OUT=DIR bash scripts/gpu/compress_1l.sh`) checked it bit-identical (72 + 72
-#: checks) but its kernel timer is not decisive (every row 16-55 us, spread of +-10 us between neighbours:
-#: the step's whole compressor group is ~2.6 us a call), so the step A/B
-#: (`--set backend_kernel.COMPRESS_ONE_LAUNCH=True`) decides. The interpreter lane uses
-#: COMPRESS_ONE_LAUNCH_INTERP so the model's CPU tests keep exercising it.
-COMPRESS_ONE_LAUNCH = False
+#: bit-identical to the state write + compress pair) when True; False = the pair (2 launches). The H200
+#: (session 7): `OUT=DIR bash scripts/gpu/compress_1l.sh` checked it bit-identical (72 + 72 checks, both
+#: builds), but its kernel timer is not decisive (rows of 16-55 us with +-10 us between neighbours, while the
+#: step's whole compressor group is ~2.6 us a call). The step A/B (`ds4lab step --ab
+#: backend_kernel.COMPRESS_ONE_LAUNCH=True`, sums of the profiled op groups, sm89, two runs): attn.compressor
+#: 113 -> 77 us, indexer.compressor 50 -> 33, launch gaps -25 to -31; the step's groups -78 to -87 us at batch 1
+#: and 16, plain and MTP; -1.4 launches a layer. The model check's layers came out identical with it on.
+COMPRESS_ONE_LAUNCH = True
 COMPRESS_ONE_LAUNCH_INTERP = True
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only

@@ -626,14 +626,16 @@ def step_bytes(cfg: ModelConfig = DEFAULT_CONFIG, tp: int = 4, batch: int = 1, n
 
 
 def _step_config(step_rows: list[dict], tp: int, batch: int, mode: str, ctx: int) -> list[dict]:
-    """The op-group rows of the sm_89-build step measured nearest ``ctx`` at (tp, batch, mode),
+    """The op-group rows of the sm_89-build step measured nearest ``ctx`` at (tp, batch, mode), the
+    newest such run, with the defaults (rows of an A/B variant, ``--set`` in their repro, are left out),
     the ``(step)`` row first; [] when there is none."""
     steps = [r for r in step_rows if r.get("group") == "(step)" and r.get("status") == "OK" and r.get("build") == "sm89"
-             and r.get("tp") == tp and r.get("batch") == batch and r.get("mode") == mode]
+             and r.get("tp") == tp and r.get("batch") == batch and r.get("mode") == mode
+             and " --set " not in str(r.get("repro") or "")]
     if not steps:
         return []
-    s = min(steps, key=lambda r: (abs(math.log2(max(r["ctx"], 1) / max(ctx, 1))), r.get("timestamp", "")))
-    key = ("timestamp", "build", "tp", "batch", "mode", "ctx")
+    s = max(steps, key=lambda r: (-abs(math.log2(max(r["ctx"], 1) / max(ctx, 1))), str(r.get("timestamp") or "")))
+    key = ("timestamp", "build", "tp", "batch", "mode", "ctx", "repro")
     return [s] + [r for r in step_rows if r.get("group") != "(step)" and all(r.get(k) == s.get(k) for k in key)]
 
 
