@@ -147,6 +147,20 @@ def test_ab_variants_time_each_point_once_per_variant(tmp_path):
     groups = lambda st: sum(g["us"] for g in S.group_table(rows, st))   # noqa: E731
     assert ab[0]["d_groups_us"] == pytest.approx(groups(steps[1]) - groups(steps[0]), abs=0.2)
     assert ab[0]["d_p50_us"] == pytest.approx(steps[1]["p50_us"] - steps[0]["p50_us"], abs=0.1)
+    assert ab[0]["n"] == "1/1"
+    # --abba: the sequence, then reversed; each side averaged over its two timings
+    p.variants = p.variants + p.variants[::-1]
+    rows2 = S.run_step(p, device="cpu", cfg=DEFAULT_CONFIG, log=lambda *a: None, model=Spy())
+    steps2 = [r for r in rows2 if r["group"] == S.STEP]
+    assert [S._settings_of(r) for r in steps2] == ["", "backend_kernel.DECODE_MAX_T=32"] * 1 + \
+        ["backend_kernel.DECODE_MAX_T=32", ""]
+    ab2 = S.ab_table(rows2)
+    assert len(ab2) == 1 and ab2[0]["n"] == "2/2"
+    assert steps2[3]["repro"].endswith("  # timing 2") and len(S.group_table(rows2, steps2[3])) == len(rows2) // 4 - 1
+    g2 = [sum(g["us"] for g in S.group_table(rows2, st)) for st in steps2]
+    assert ab2[0]["d_groups_us"] == pytest.approx((g2[1] + g2[2]) / 2 - (g2[0] + g2[3]) / 2, abs=0.2)
+    want = (steps2[1]["p50_us"] + steps2[2]["p50_us"]) / 2 - (steps2[0]["p50_us"] + steps2[3]["p50_us"]) / 2
+    assert ab2[0]["d_p50_us"] == pytest.approx(want, abs=0.1)
 
 
 def test_failed_point_is_one_error_row(tmp_path):

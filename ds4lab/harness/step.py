@@ -505,13 +505,14 @@ def _config_rows(base, cfg, tp, rank, batch, mode, ctx, q, timing, stats, kinds,
 
 
 def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log,
-           settings=()) -> list[dict]:
+           settings=(), repeat: int = 1) -> list[dict]:
     """One (tp, ctx, batch, mode) point: its rows, or one ERROR row naming what failed. ``settings``: the
-    ``--set`` / ``--ab`` overrides in force (the rows' note and repro name them)."""
+    ``--set`` / ``--ab`` overrides in force (the rows' note and repro name them); ``repeat`` > 1: the n-th
+    timing of the same settings at this point in this run (``--abba``), marked after the repro's command."""
     next_n = 2 if mode == "mtp" else 1
     repro = (f"python3 -m ds4lab.harness.step --tp {tp} --batch {batch} --ctx {ctx} --mode {mode} --arch {p.build}"
              + ("" if p.backend == "kernel" else f" --backend {p.backend}")
-             + "".join(f" --set '{x}'" for x in settings))
+             + "".join(f" --set '{x}'" for x in settings) + (f"  # timing {repeat}" if repeat > 1 else ""))
     try:
         if fill_err:
             raise RuntimeError(fill_err)
@@ -592,10 +593,11 @@ def run_step(p: StepPlan, device=None, checkpoint: str | None = None, cfg=None, 
                 except Exception as e:
                     fill_err = f"cache fill: {type(e).__name__}: {e}"
                 for mode in p.modes:
-                    for variant in p.variants:
+                    for i, variant in enumerate(p.variants):
                         with overridden(variant):
                             new = _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu,
-                                         device, log, settings=tuple(p.settings) + tuple(variant))
+                                         device, log, settings=tuple(p.settings) + tuple(variant),
+                                         repeat=1 + p.variants[:i].count(variant))
                         if fill_note:
                             new[0]["note"] = "; ".join(x for x in (new[0].get("note"), fill_note) if x)
                         emit(new)
@@ -665,7 +667,7 @@ def summary_table(rows: list[dict], top: int = 5) -> list[dict]:
 
 def _settings_of(row: dict) -> str:
     """The ``--set`` overrides a row ran under (from its repro), '' for the defaults."""
-    parts = str(row.get("repro") or "").split(" --set ")[1:]
+    parts = str(row.get("repro") or "").split("  # ")[0].split(" --set ")[1:]
     return ", ".join(x.strip().strip("'") for x in parts)
 
 
@@ -691,25 +693,34 @@ def latest_configs(rows: list[dict]) -> list[dict]:
 def ab_table(rows: list[dict]) -> list[dict]:
     """Each A/B variant (``--ab``) against the defaults of its own run and point: p50 us, the sum of the
     profiled op groups (us; the steadier of the two across variants, NOTES.md "Session 7"), launches per
-    layer, and the differences to the defaults. [] when no run had variants."""
+    layer, and the differences to the defaults. A variant timed more than once at a point (``--abba``:
+    the sequence, then again reversed, so a linear drift cancels) is averaged, and so are the defaults;
+    ``n`` says how many timings each side has. [] when no run had variants."""
     def total(step):
         return sum(float(g.get("us") or 0) for g in group_table(rows, step))
+    k = ("timestamp", "build", "tp", "batch", "mode", "ctx")
+    runs: dict[tuple, dict[str, list]] = {}
+    for r in configs(rows):
+        if r.get("status") == "OK":
+            runs.setdefault(tuple(r.get(c) for c in k), {}).setdefault(_settings_of(r), []).append(r)
+    mean = lambda xs: sum(xs) / len(xs)   # noqa: E731
     out = []
-    steps = [r for r in configs(rows) if r.get("status") == "OK"]
-    for r in steps:
-        if not _settings_of(r):
+    for key, by_set in runs.items():
+        base = by_set.get("")
+        if not base or len(by_set) < 2:
             continue
-        k = ("timestamp", "build", "tp", "batch", "mode", "ctx")
-        base = next((b for b in steps if not _settings_of(b) and all(b.get(c) == r.get(c) for c in k)), None)
-        if base is None:
-            continue
-        sb, sr = total(base), total(r)
-        out.append({"build": r.get("build"), "tp": r.get("tp"), "batch": r.get("batch"), "mode": r.get("mode"),
-                    "ctx": r.get("ctx"), "set": _settings_of(r), "p50_us": r.get("p50_us"),
-                    "d_p50_us": round(float(r["p50_us"]) - float(base["p50_us"]), 1), "groups_us": round(sr, 1),
-                    "d_groups_us": round(sr - sb, 1), "per_layer": r.get("launches_per_layer"),
-                    "d_per_layer": round(float(r["launches_per_layer"]) - float(base["launches_per_layer"]), 2),
-                    "git_sha": r.get("git_sha")})
+        bp, bs = mean([float(b["p50_us"]) for b in base]), mean([total(b) for b in base])
+        bl = float(base[0]["launches_per_layer"])
+        for sets, rs in by_set.items():
+            if not sets:
+                continue
+            rp, rsum = mean([float(r["p50_us"]) for r in rs]), mean([total(r) for r in rs])
+            r = rs[0]
+            out.append({"build": r.get("build"), "tp": r.get("tp"), "batch": r.get("batch"), "mode": r.get("mode"),
+                        "ctx": r.get("ctx"), "set": sets, "n": f"{len(rs)}/{len(base)}", "p50_us": round(rp, 1),
+                        "d_p50_us": round(rp - bp, 1), "groups_us": round(rsum, 1), "d_groups_us": round(rsum - bs, 1),
+                        "per_layer": r.get("launches_per_layer"),
+                        "d_per_layer": round(float(r["launches_per_layer"]) - bl, 2), "git_sha": r.get("git_sha")})
     return out
 
 
@@ -808,6 +819,8 @@ def add_arguments(p) -> None:
                    help="run on the CPU (Triton interpreter; needs --checkpoint; default TP 1, batch 1, ctx 16, plain)")
     p.add_argument("--out", default="results", help="folder; rows are appended to OUT/decode_step.csv")
     add_set_argument(p, ab=True)
+    p.add_argument("--abba", action="store_true",
+                   help="with --ab: time the variants in order, then again in reverse order (ab_table averages them)")
 
 
 def main(args) -> int:
@@ -840,6 +853,8 @@ def main(args) -> int:
         with overridden(v):
             pass
     p.variants = ((),) + tuple(variants)
+    if getattr(args, "abba", False) and variants:   # A B C, then C B A: a linear drift cancels in ab_table
+        p.variants = p.variants + p.variants[::-1]
     p.replays = args.replays or (3 if args.cpu else 20)
     path = os.path.join(args.out, "decode_step.csv")
     rows = run_step(p, device="cpu" if args.cpu else "cuda", checkpoint=args.checkpoint, csv_path=path)

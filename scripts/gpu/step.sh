@@ -14,7 +14,8 @@
 #   BENCH_MAPS=1: also check + time step_index_maps (one launch) vs its torch reference at TP4 (~30 s a build)
 #   STEP_ARGS: the points instead of the MODE's (e.g. "--batch 1 --batch 16 --ctx 8192")
 #   AB="A;B;...": A/B variants of switches, each a comma list of MODULE.NAME=VALUE (ds4lab.harness.switches):
-#      every point is timed with the defaults, then once per variant (one model build and cache fill)
+#      every point is timed with the defaults, then once per variant (one model build and cache fill);
+#      ABBA=1: then again in reverse order (--abba; ab_table averages: a drift over the run cancels)
 #   CHECK_SETS="A;B": after the default model check, one more check per comma list of settings (--set)
 # Fail-soft: a failing check or build is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
@@ -29,6 +30,7 @@ if [ "$MODE" = smoke ]; then flag=--smoke; limit=${STEP_TIMEOUT:-200}; else flag
 tp_args=""; for t in $TPS; do tp_args="$tp_args --tp $t"; done
 [ -n "${STEP_ARGS:-}" ] && flag=$STEP_ARGS
 ab_args=(); IFS=';' read -r -a abs <<< "${AB:-}"; for v in "${abs[@]}"; do [ -n "$v" ] && ab_args+=(--ab "$v"); done
+[ "${ABBA:-0}" = 1 ] && [ ${#ab_args[@]} -gt 0 ] && ab_args+=(--abba)
 export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
