@@ -87,9 +87,13 @@ fi
 # 3. the table
 python3 - "$OUT/decode_step.csv" <<'PY'
 import sys
-from ds4lab.harness.step import load_rows, summary_table
+from ds4lab.harness.step import ab_table, load_rows, summary_table
 from ds4lab.tables import format_table
-print(format_table(summary_table(load_rows(sys.argv[1])), digits=4))
+rows = load_rows(sys.argv[1])
+print(format_table(summary_table(rows), digits=4))
+ab = ab_table(rows)
+if ab:   # the A/B variants against their run's defaults (compare d_groups_us: NOTES.md "Session 7")
+    print(format_table(ab, digits=5))
 PY
 echo "total: $((SECONDS - t0)) s"
 exit $rc
