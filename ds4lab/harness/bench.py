@@ -108,6 +108,20 @@ def time_calls(fns: list, replays: int = 30) -> tuple[tuple[float, float, float]
     return _quantiles(times), mode
 
 
+def kernels_per_call(fn) -> int:
+    """CUDA kernels one call of ``fn`` launches (memcpy / memset activities left out), from the torch
+    profiler on a second call (the first warms JIT compiles and allocator pools). GPU only."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return len([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()])
+
+
 def measure_roofs() -> dict:
     """Same-run ceilings: copy TB/s (read+write), cuBLAS bf16 and FP8-tensorwise TFLOP/s at 8192^3."""
     import torch

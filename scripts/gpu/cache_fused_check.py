@@ -26,18 +26,6 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 TS = (1, 2, 16, 64)
 
 
-def _kernels(fn) -> int:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return len([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()])
-
-
 def _bytes(c):
     import torch
     return torch.as_strided(c, ((c.shape[0] - 1) * c.stride(0) + c[0].numel(),), (1,)) if c.dim() == 3 else c
@@ -71,7 +59,7 @@ def main(argv=None) -> int:
         from ds4lab import interp
         interp.install()
     from ds4lab.geometry import DEFAULT_CONFIG as cfg
-    from ds4lab.harness.bench import time_calls
+    from ds4lab.harness.bench import kernels_per_call, time_calls
     from ds4lab.harness.registry import get
     from ds4lab.harness.specs import cache_fused as S
     from ds4lab_kernels.compressor import compress_decode
@@ -127,7 +115,7 @@ def main(argv=None) -> int:
         for name, fn in (("fused", fused), ("unfused", unfused)):
             (p20, p50, p80), mode = time_calls([fn])
             row("q_kv_rmsnorm_rope", T, f"time:{name}", True, mode, p20_us=round(p20, 2), p50_us=round(p50, 2),
-                p80_us=round(p80, 2), launches=_kernels(fn))
+                p80_us=round(p80, 2), launches=kernels_per_call(fn))
 
     # ---- compress_decode(cache=) ----
     cspec = get("compress_decode_insert")
@@ -169,7 +157,7 @@ def main(argv=None) -> int:
             for name, fn in (("fused", fused), ("unfused", unfused)):
                 (p20, p50, p80), mode = time_calls([fn])
                 row(f"compress_decode c{ratio} hd{hd}", T, f"time:{name}", True, mode, p20_us=round(p20, 2),
-                    p50_us=round(p50, 2), p80_us=round(p80, 2), launches=_kernels(fn))
+                    p50_us=round(p50, 2), p80_us=round(p80, 2), launches=kernels_per_call(fn))
 
     path = os.path.join(args.out, f"cache_fused_{args.arch}.csv")
     os.makedirs(args.out, exist_ok=True)

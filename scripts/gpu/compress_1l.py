@@ -31,18 +31,6 @@ CHECK_STEPS = [(1, 1), (2, 1), (2, 2), (8, 2), (16, 1), (16, 2), (64, 1), (64, 2
 TIME_STEPS = [(1, 1), (2, 2), (16, 1), (32, 2), (64, 1)]
 
 
-def _kernels(fn) -> int:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return len([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()])
-
-
 def _clone(d):
     import torch
     out = {}
@@ -79,7 +67,7 @@ def main(argv=None) -> int:
         print("no CUDA device (use --smoke for the CPU interpreter)")
         return 2
     from ds4lab.geometry import DEFAULT_CONFIG as cfg
-    from ds4lab.harness.bench import time_calls
+    from ds4lab.harness.bench import kernels_per_call, time_calls
     from ds4lab.harness.specs.cache_fused import add_comp_cache
     from ds4lab.harness.specs.compressor import make_step_inputs
     from ds4lab_kernels.compressor import compress_decode, pick_config
@@ -128,7 +116,7 @@ def main(argv=None) -> int:
                 try:
                     (p20, p50, p80), mode = time_calls([fn])
                     row(op + " +cache", T, nn, f"time:{name}", True, mode, p20_us=round(p20, 2), p50_us=round(p50, 2),
-                        p80_us=round(p80, 2), launches=_kernels(fn))
+                        p80_us=round(p80, 2), launches=kernels_per_call(fn))
                 except Exception as e:
                     row(op + " +cache", T, nn, f"error:time:{name}", False, f"{type(e).__name__}: {e}")
 
