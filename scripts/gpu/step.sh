@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The decode step on the H200 (issue 19 item 3), from a plain copy of the tree with the image's own
 # python3 (torch 2.11, triton 3.6.0; no vLLM, no Jupyter, nothing to install):
-#   1. the model's real-shape check (layer 0 SWA, 2 C4A, 3 C128A of a TP=4 rank vs the reference),
+#   1. the model's real-shape check (layer 0 SWA, 2 C4A, 3 C128A of a TP=4 rank vs the reference) at
+#      batch 2 x next_n 2 (MTP verify) and batch 4 x next_n 1 (plain decode),
 #   2. `ds4lab step` for each build (native, then sm_89 assembled for the H200), each in its own
 #      process (the build is chosen before triton is imported), rows -> $OUT/decode_step.csv,
 #   3. the table last.
@@ -41,6 +42,11 @@ if python3 -c "import ds4lab.model.check" 2>/dev/null; then
   timeout ${CHECK_TIMEOUT:-150} python3 -m ds4lab.model.check --tp 4 --layers 0 2 3 > "$OUT/model_check.log" 2>&1 \
     || { echo "MODEL CHECK FAILED (see model_check.log)"; rc=1; }
   tail -20 "$OUT/model_check.log"
+  # plain decode (next_n 1) with several requests: the C128A layer failed there on the H200 while batch 2 x
+  # next_n 2 passed (session 7), so every run checks both shapes
+  timeout ${CHECK_TIMEOUT:-150} python3 -m ds4lab.model.check --tp 4 --layers 0 2 3 --batch 4 --next-n 1 \
+    > "$OUT/model_check_n1.log" 2>&1 || { echo "MODEL CHECK FAILED at batch 4 x next_n 1 (see model_check_n1.log)"; rc=1; }
+  echo "== check at batch 4 x next_n 1"; tail -8 "$OUT/model_check_n1.log"
   IFS=';' read -r -a csets <<< "${CHECK_SETS:-}"
   for i in "${!csets[@]}"; do
     set_args=(); IFS=',' read -r -a kv <<< "${csets[$i]}"; for x in "${kv[@]}"; do set_args+=(--set "$x"); done
