@@ -28,9 +28,11 @@ it on a token: each row reports the per-token worst too, and the MoE routing agr
 
 Routing is teacher-forced in bias-routed layers: the reference's MoE runs on the KERNEL's expert ids
 (its own fp64 scores gathered there and renormalized), because one near-tie flip of the 6th expert
-moves that token's layer output by ~25-30% (H200, session 7: batch 4 x next_n 1, layer 3 failed at
-rel_l2 0.193 with 2 of 24 routing slots different, worst token 0.272, every op in budget), which no
-numeric budget can absorb. The router itself stays checked twice: the op shadow requires the kernel's
+moves that token's layer output by ~25-30%, which no numeric budget can absorb. (H200, session 7:
+batch 4 x next_n 1, layer 3 failed at rel_l2 0.193 with 2 of 24 routing slots different, worst token
+0.272, every op in budget; the CPU analysis, NOTES.md "c128", reproduces that signature with a near tie
+on the tiny config, and the GPU row tables on the interpreter at the real shapes pass. Not yet
+confirmed on the H200: its next run prints ``route_gap``, which must come out below ROUTE_TIE.) The router itself stays checked twice: the op shadow requires the kernel's
 ids to equal the reference's on identical inputs, and every token whose kernel expert set differs
 from the reference's own choice must be a near tie (:data:`ROUTE_TIE`): the reference's own choice
 scores at most that fraction above the kernel's replacement, else the layer FAILs. The rows report
