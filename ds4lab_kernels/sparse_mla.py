@@ -184,6 +184,8 @@ def _sparse_mla_merge_kernel(
     hmask = offs_h < H
     offs_d = dg * BLOCK_D + tl.arange(0, BLOCK_D)
     sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
+    if OQ:   # issued before the merge's loads: the epilogue's cos/sin rows then wait on nothing else
+        pq = tl.load(pos_ptr + tok).to(tl.int64)
     sb = tl.arange(0, SB)
     mc = tl.full((BLOCK_H,), float("-inf"), tl.float32)                    # max over the candidates only
     for s0 in range(0, S, SB):
@@ -216,7 +218,6 @@ def _sparse_mla_merge_kernel(
     if OQ:
         NOPE: tl.constexpr = D - ROPE
         x = o.to(tl.bfloat16).to(tl.float32)                  # the bf16 o the plain mode stores
-        pq = tl.load(pos_ptr + tok).to(tl.int64)
         bad = (pq < 0) | (pq >= max_pos)
         pq = tl.where(bad, 0, pq)
         if dg * BLOCK_D + BLOCK_D > NOPE:                     # the chunk holding the rope dims

@@ -247,8 +247,9 @@ def test_bad_inputs_name_the_argument():
 
 def test_backend_switch_same_output_one_launch_fewer(monkeypatch):
     """``KernelBackend.sparse_mla_o_proj``: with ``FUSE_O_QUANT_INTERP`` (on) the attention group's launches are
-    unchanged (its merge writes the fp8 input), o_proj's group runs 2 launches instead of 3, its kind says
-    so, and the output equals the switch-off composition bit for bit."""
+    unchanged (its merge writes the fp8 input), o_proj's group runs ``o_proj_fp8_input``'s 2 launches (the GPU
+    default it replaces is unfused3_s8's 3; the interpreter's o_proj default is already a 2-launch row), the
+    kinds say which ran, and the output equals the switch-off composition bit for bit."""
     import ds4lab.model.backend_kernel as bk
     from ds4lab.model.launches import count_launches
     from ds4lab.model.ops import Linear
