@@ -81,29 +81,62 @@ def _inv_rope_chunk(c, in_row, out_row, cs_ptr, s_ptr, t, h, pos, bad, rmask, co
     d = c * GROUP + cols
     x = tl.load(in_row + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     if c * GROUP + GROUP > NOPE:
-        is_rope = d >= NOPE
-        r = tl.maximum(d - NOPE, 0)
-        m2 = rmask[:, None] & is_rope[None, :]
+        m2 = rmask[:, None] & (d >= NOPE)[None, :]
         xp = tl.load(in_row + (d ^ 1)[None, :], mask=m2, other=0.0).to(tl.float32)
-        ci = (r >> 1)[None, :]
-        cs_row = cs_ptr + pos[:, None] * stride_cs
-        cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
-        sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
-        a = x * cosv
-        b = xp * sinv
-        rot = tl.where(((r & 1) == 0)[None, :], a + b, a - b)
-        x = tl.where(is_rope[None, :], rot, x)
+        x = rope_back_rows(x, xp, d, cs_ptr + pos[:, None] * stride_cs, rmask, NOPE, HALF, False)
     x = tl.where(bad[:, None], float("nan"), x)
     if QUANTIZE:
-        q, s = _quant_rows(x, eps, SCALE_FMT != 0)
-        tl.store(out_row + d[None, :], q, mask=rmask[:, None])
-        s_off = s_ptr + t * stride_s_t + h * CHUNKS + c
-        if SCALE_FMT == 2:
-            tl.store(s_off, fp32_pow2_to_ue8m0(s).to(tl.uint8), mask=rmask)
-        else:
-            tl.store(s_off, s, mask=rmask)
+        quant_store_rows(x, eps, out_row + d[None, :], s_ptr + t * stride_s_t + h * CHUNKS + c, rmask, SCALE_FMT)
     else:
         tl.store(out_row + d[None, :], x.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
+def _mul_once(a, b, EXACT: tl.constexpr):
+    """``a * b`` in fp32, rounded once and never contracted into an FMA with the add that follows.
+    ``EXACT`` (a GPU kernel compiled with fp fusion ON, e.g. sparse MLA's merge): PTX ``mul.rn.f32``
+    in inline asm (ptxas does not contract an instruction with an explicit rounding mode, LLVM cannot
+    see through the asm); else the plain product (kernels built with ``enable_fp_fusion=False``, and the
+    interpreter, which has no inline asm)."""
+    if EXACT:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def rope_back_rows(x, xp, d, cs_row, rmask, NOPE: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+    """The inverse GPT-J rotation (``-theta``) of a ``(rows, cols)`` fp32 block of heads: ``x`` the
+    values at head dims ``d (cols,)``, ``xp`` those at ``d ^ 1`` (the pair partners), ``cs_row (rows, 1)``
+    pointers to each row's ``cos || sin`` row (``HALF`` cosines then ``HALF`` sines), ``rmask (rows,)``.
+    Dims ``d >= NOPE`` become ``y[2i] = x[2i] cos_i + x[2i+1] sin_i``, ``y[2i+1] = x[2i+1] cos_i - x[2i] sin_i``
+    (each product rounded to fp32, then the sum: ``_mul_once``); the others are returned as given. The
+    one home of the rotation: ``inv_rope_fp8_quant``'s chunks and sparse MLA's fused merge call it."""
+    is_rope = d >= NOPE
+    r = tl.maximum(d - NOPE, 0)
+    m2 = rmask[:, None] & is_rope[None, :]
+    ci = (r >> 1)[None, :]
+    cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
+    sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
+    a = _mul_once(x, cosv, EXACT)
+    b = _mul_once(xp, sinv, EXACT)
+    rot = tl.where(((r & 1) == 0)[None, :], a + b, a - b)
+    return tl.where(is_rope[None, :], rot, x)
+
+
+@triton.jit
+def quant_store_rows(x, eps, q_ptrs, s_ptrs, rmask, SCALE_FMT: tl.constexpr):
+    """1 x cols e4m3 quant of the fp32 rows ``x`` (``_quant_rows``; ``SCALE_FMT`` 0 fp32, 1 pow2,
+    2 ue8m0) stored at ``q_ptrs (rows, cols)`` and the one scale per row at ``s_ptrs (rows,)`` (fp32, or
+    the UE8M0 byte), rows under ``rmask``: ``inv_rope_fp8_quant``'s output, also written by sparse MLA's
+    fused merge."""
+    q, s = _quant_rows(x, eps, SCALE_FMT != 0)
+    tl.store(q_ptrs, q, mask=rmask[:, None])
+    if SCALE_FMT == 2:
+        tl.store(s_ptrs, fp32_pow2_to_ue8m0(s).to(tl.uint8), mask=rmask)
+    else:
+        tl.store(s_ptrs, s, mask=rmask)
 
 
 @triton.jit
@@ -296,17 +329,9 @@ def _fused_gemm_kernel(
                     od = tl.where(isr[None, :], no, od)
                     x = tl.reshape(tl.join(ev, od), (BLOCK_M, BLOCK_K))
                 elif k - hd * HEAD_DIM + BLOCK_K > NOPE:  # this k step holds rope dims
-                    is_rope = d >= NOPE
-                    r = tl.maximum(d - NOPE, 0)
-                    m2 = mmask[:, None] & is_rope[None, :]
+                    m2 = mmask[:, None] & (d >= NOPE)[None, :]
                     xp = tl.load(h_row + (d ^ 1)[None, :], mask=m2, other=0.0).to(tl.float32)
-                    ci = (r >> 1)[None, :]
-                    cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
-                    sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
-                    pa = x * cosv
-                    pb = xp * sinv
-                    rot = tl.where(((r & 1) == 0)[None, :], pa + pb, pa - pb)
-                    x = tl.where(is_rope[None, :], rot, x)
+                    x = rope_back_rows(x, xp, d, cs_row, mmask, NOPE, HALF, False)
                 x = tl.where(bad[:, None], float("nan"), x)
             else:
                 x = tl.load(a_row + k + rk[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
@@ -689,7 +714,7 @@ def _fused_gemm(mode, a, a_s, w, w_s, T, G, N, K, cfg, *, out=None, q=None, qs=N
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
 
 
-def _check_fp8_weights(o, G, K, wo_a, wo_a_s, wo_b, wo_b_s, path):
+def _check_fp8_weights(o, G, K, wo_a, wo_a_s, wo_b, wo_b_s, path, name="o"):
     """The FP8 ``wo_a [G, R, K]`` / ``wo_b [N, G*R]`` checks of the paths that launch their own GEMM
     over them (R a multiple of 128, block-scale shapes, unit last strides, one device); returns the
     scales (e8m0 views as uint8)."""
@@ -705,8 +730,30 @@ def _check_fp8_weights(o, G, K, wo_a, wo_a_s, wo_b, wo_b_s, path):
                          f"({triton.cdiv(N, W_BLOCK)}, {G * R // W_BLOCK})")
     if wo_a.stride(2) != 1 or wo_b.stride(1) != 1:
         raise ValueError("wo_a / wo_b: last dim must be contiguous")
-    check.same_device("o", o, wo_a=wo_a, wo_b=wo_b, wo_a_s=wo_a_s, wo_b_s=wo_b_s)
+    check.same_device(name, o, wo_a=wo_a, wo_b=wo_b, wo_a_s=wo_a_s, wo_b_s=wo_b_s)
     return wo_a_s, wo_b_s
+
+
+def _grouped_wo_a(wo_a, wo_a_s, wo_b, G, K, fits, of):
+    """``wo_a`` (3-D, or the checkpoint's 2-D ``(G*R, K)``) and its scales viewed ``(G, R, K)`` /
+    ``(G, R/128, K/128)``, and ``wo_b``'s width checked against ``G*R``; ``fits`` / ``of`` name the input
+    in the errors (e.g. ``"o with 16 heads"``)."""
+    if wo_a.dim() == 2:
+        if wo_a.shape[0] % max(G, 1) or wo_a.shape[1] != K:
+            raise ValueError(f"wo_a: 2-D shape {tuple(wo_a.shape)} does not fit {fits} "
+                             f"({G} groups x R rows, K={K})")
+        wo_a = wo_a.view(G, wo_a.shape[0] // G, K)
+    if wo_a.dim() != 3 or wo_a.shape[0] != G or wo_a.shape[2] != K:
+        raise ValueError(f"wo_a: shape {tuple(wo_a.shape)}, expected ({G}, o_lora_rank, {K}) for {of} "
+                         f"(wrong head count for this rank?)")
+    R = wo_a.shape[1]
+    if wo_a_s is not None:
+        wo_a_s = check.scale_tensor("wo_a_s", wo_a_s, (torch.float32, torch.uint8))
+        if wo_a_s.dim() == 2 and wo_a_s.shape[0] == G * (R // W_BLOCK):
+            wo_a_s = wo_a_s.view(G, R // W_BLOCK, wo_a_s.shape[1])
+    if wo_b.dim() != 2 or wo_b.shape[1] != G * R:
+        raise ValueError(f"wo_b: shape {tuple(wo_b.shape)}, expected (hidden, {G * R})")
+    return wo_a, wo_a_s
 
 
 def _o_proj_3(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per_group, scale_fmt,
@@ -719,24 +766,31 @@ def _o_proj_3(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per
     epilogue instead). Each GEMM sums its split-K partials in its own launch."""
     x, xs = inv_rope_fp8_quant(o, positions, cos_sin_cache, heads_per_group, True, scale_fmt,
                                check_positions=check_positions, config=cfg.get("rope"))
+    return _wo_a_wo_b(x, xs, wo_a, wo_a_s, wo_b, wo_b_s, scale_fmt, cfg, "o")
+
+
+def _wo_a_wo_b(x, xs, wo_a, wo_a_s, wo_b, wo_b_s, scale_fmt, cfg, name):
+    """The last two launches of ``path="unfused3"`` on the quantized ``x (T, G, K)`` e4m3 + scales
+    ``xs (T, G, K/128)``: the grouped ``wo_a`` product (split-K summed in the launch, z quantized in its
+    epilogue or kept bf16: ``quant_z``), then ``wo_b``. ``name``: the input the device errors name."""
     T, G, K = x.shape
     R, N = wo_a.shape[1], wo_b.shape[0]
-    wo_a_s, wo_b_s = _check_fp8_weights(o, G, K, wo_a, wo_a_s, wo_b, wo_b_s, "unfused3")
+    wo_a_s, wo_b_s = _check_fp8_weights(x, G, K, wo_a, wo_a_s, wo_b, wo_b_s, "unfused3", name)
     quant_z = cfg.get("quant_z", "wo_a")
     if quant_z not in _QUANT_Z:
         raise ValueError(f"config: quant_z={quant_z!r}, expected one of {_QUANT_Z}")
     if T == 0:
-        return torch.empty((T, N), dtype=torch.bfloat16, device=o.device)
+        return torch.empty((T, N), dtype=torch.bfloat16, device=x.device)
     ca = cfg.get("wo_a") or {}
     pow2 = scale_fmt != "fp32"
     from .fp8_gemm import fp8_gemm_nt, w8a8_block_fp8_linear
     if quant_z == "wo_b" and pow2:
-        z = torch.empty((T, G, R), dtype=torch.bfloat16, device=o.device)
+        z = torch.empty((T, G, R), dtype=torch.bfloat16, device=x.device)
         _fused_gemm(0, x, xs, wo_a, wo_a_s, T, G, R, K, ca, out=z, pow2=pow2)
         return w8a8_block_fp8_linear(z.view(T, G * R), wo_b, wo_b_s, config=cfg.get("wo_b_fp8"))
-    zq = torch.empty((T, G, R), dtype=torch.float8_e4m3fn, device=o.device)
+    zq = torch.empty((T, G, R), dtype=torch.float8_e4m3fn, device=x.device)
     zs = torch.empty((T, G, R // W_BLOCK), dtype=torch.uint8 if scale_fmt == "ue8m0" else torch.float32,
-                     device=o.device)
+                     device=x.device)
     _fused_gemm(0, x, xs, wo_a, wo_a_s, T, G, R, K, ca, q=zq, qs=zs, pow2=pow2)
     return fp8_gemm_nt(zq.view(T, G * R), zs.view(T, G * R // W_BLOCK), wo_b, wo_b_s, config=cfg.get("wo_b_fp8"))
 
@@ -832,21 +886,8 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     if not isinstance(heads_per_group, int) or heads_per_group <= 0 or H % heads_per_group:
         raise ValueError(f"o: num_heads={H} is not a multiple of heads_per_group={heads_per_group}")
     G, K = H // heads_per_group, heads_per_group * D
-    if wo_a.dim() == 2:
-        if wo_a.shape[0] % max(G, 1) or wo_a.shape[1] != K:
-            raise ValueError(f"wo_a: 2-D shape {tuple(wo_a.shape)} does not fit o with {H} heads "
-                             f"({G} groups x R rows, K={K})")
-        wo_a = wo_a.view(G, wo_a.shape[0] // G, K)
-    if wo_a.dim() != 3 or wo_a.shape[0] != G or wo_a.shape[2] != K:
-        raise ValueError(f"wo_a: shape {tuple(wo_a.shape)}, expected ({G}, o_lora_rank, {K}) for o with "
-                         f"{H} heads of {D} (wrong head count for this rank?)")
+    wo_a, wo_a_s = _grouped_wo_a(wo_a, wo_a_s, wo_b, G, K, f"o with {H} heads", f"o with {H} heads of {D}")
     R = wo_a.shape[1]
-    if wo_a_s is not None:
-        wo_a_s = check.scale_tensor("wo_a_s", wo_a_s, (torch.float32, torch.uint8))
-        if wo_a_s.dim() == 2 and wo_a_s.shape[0] == G * (R // W_BLOCK):
-            wo_a_s = wo_a_s.view(G, R // W_BLOCK, wo_a_s.shape[1])
-    if wo_b.dim() != 2 or wo_b.shape[1] != G * R:
-        raise ValueError(f"wo_b: shape {tuple(wo_b.shape)}, expected (hidden, {G * R})")
     if wo_b_s is not None and wo_b.dtype != torch.float8_e4m3fn:
         raise TypeError(f"wo_b: dtype {wo_b.dtype} with wo_b_s given; expected float8_e4m3fn")
     if wo_b_s is None and wo_b.dtype != torch.bfloat16:
@@ -873,6 +914,63 @@ def o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
                                check_positions=check_positions, config=cfg.get("rope"))
         z = bf16_einsum_bhr_hdr_bhd(x, wo_a, config=cfg.get("einsum"))
     return _wo_b(z.view(T, G * R), wo_b, wo_b_s, scale_fmt, cfg)
+
+
+def o_proj_fp8_input(x: torch.Tensor, x_s: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
+                     wo_a_s: torch.Tensor, wo_b_s: torch.Tensor, scale_fmt: str = "ue8m0",
+                     config: dict | None = None) -> torch.Tensor:
+    """The FP8 o-projection from its already rotated and quantized input: the last two launches of
+    ``o_proj(path="unfused3")`` (the grouped ``wo_a`` product with its split-K summed in the launch and z
+    quantized 1x128 in that epilogue, then ``wo_b``; the same code), for a producer that wrote
+    :func:`inv_rope_fp8_quant`'s output itself (``sparse_mla_decode(o_fp8=True)``: issue 20, ``ofuse``).
+    ``o_proj_fp8_input(*inv_rope_fp8_quant(o, ...), ...)`` equals ``o_proj(o, ..., config=<unfused3 row>)``
+    bit for bit.
+
+    Args:
+        x: ``(num_tokens, num_groups, K)`` float8_e4m3fn (``K = heads_per_group * head_dim``, a multiple
+            of 128), last dim contiguous: :func:`inv_rope_fp8_quant`'s ``q``.
+        x_s: ``(num_tokens, num_groups, K/128)`` scales, any strides: uint8 UE8M0 bytes (or
+            float8_e8m0fnu) with ``scale_fmt="ue8m0"``, float32 with ``"fp32"`` / ``"pow2"``.
+        wo_a / wo_b / wo_a_s / wo_b_s: as :func:`o_proj`, FP8 with block scales (all four required).
+        scale_fmt: the encoding of ``x_s`` and of the z quant (``fp32``, ``pow2``, ``ue8m0``).
+        config: a ``path="unfused3"`` row of ``CONFIGS`` (its ``quant_z``, ``wo_a``, ``wo_b_fp8``; a
+            ``rope`` entry is ignored); default ``unfused3_config``.
+
+    Returns:
+        ``(num_tokens, hidden)`` bfloat16.
+
+    Raises:
+        TypeError: dtypes of ``x`` / ``x_s`` (including a scale dtype that does not match ``scale_fmt``),
+            of the weights. ValueError: shapes of ``x`` / ``x_s`` / weights that disagree, missing
+            weight scales, an unknown ``scale_fmt``, a config with another ``path``, devices that differ,
+            a device without FP8.
+    """
+    check.tensor("x", x, torch.float8_e4m3fn, ndim=3)
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt={scale_fmt!r}: expected one of {SCALE_FMTS}")
+    x_s = check.scale_tensor("x_s", x_s, (torch.float32, torch.uint8))
+    want_s = torch.uint8 if scale_fmt == "ue8m0" else torch.float32
+    if x_s.dtype != want_s:
+        raise TypeError(f"x_s: dtype {x_s.dtype} does not match scale_fmt={scale_fmt!r} (expected {want_s})")
+    T, G, K = x.shape
+    if K % QUANT_GROUP or K == 0:
+        raise ValueError(f"x: K={K} (last dim) must be a positive multiple of {QUANT_GROUP}")
+    if tuple(x_s.shape) != (T, G, K // QUANT_GROUP):
+        raise ValueError(f"x_s: shape {tuple(x_s.shape)}, expected ({T}, {G}, {K // QUANT_GROUP}) "
+                         f"(one scale per 128 columns of x {tuple(x.shape)})")
+    check.last_dim_contiguous("x", x)
+    for n, t in (("wo_a_s", wo_a_s), ("wo_b_s", wo_b_s)):
+        if t is None:
+            raise ValueError(f"{n}: required (o_proj_fp8_input is the FP8 path; the BF16 wo_a runs o_proj)")
+    check.tensor("wo_a", wo_a, torch.float8_e4m3fn)
+    check.tensor("wo_b", wo_b, torch.float8_e4m3fn)
+    check.same_device("x", x, x_s=x_s)
+    require_fp8("x", x.device, "o_proj_fp8_input")
+    wo_a, wo_a_s = _grouped_wo_a(wo_a, wo_a_s, wo_b, G, K, f"x with {G} groups", f"x with {G} groups of {K}")
+    cfg = dict(config or {})
+    if cfg.get("path", "unfused3") != "unfused3":
+        raise ValueError(f"config: path={cfg['path']!r}; o_proj_fp8_input runs the 'unfused3' launches only")
+    return _wo_a_wo_b(x, x_s, wo_a, wo_a_s, wo_b, wo_b_s, scale_fmt, {**unfused3_config(x.device), **cfg}, "x")
 
 
 # ---- config tables -----------------------------------------------------------------------------

@@ -18,12 +18,15 @@ un-normalised ``O``, max and sum (fp32) and a second kernel merges them with the
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import ue8m0_to_fp32
 from .mla_cache import check_cache, flat_views
 from .norm_rope import head_rmsnorm_rope
+from . import o_proj as _oproj
+from .o_proj import quant_store_rows, rope_back_rows
 
 HEAD_DIM = 512
 LOG2E = 1.4426950408889634
@@ -158,15 +161,22 @@ def _sparse_mla_split_kernel(
 @triton.jit
 def _sparse_mla_merge_kernel(
     out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S, pos_ptr, max_pos,
+    x_ptr, xs_ptr, stride_xt, stride_xst, cs_ptr, stride_cs, eps,
     SB: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, D: tl.constexpr, Q_NORM: tl.constexpr,
+    OQ: tl.constexpr = False, ROPE: tl.constexpr = 64, SCALE_FMT: tl.constexpr = 2, EXACT: tl.constexpr = False,
 ):
     """Grid ``(cdiv(num_heads, BLOCK_H), D // BLOCK_D, num_tokens)``.
     One program: BLOCK_H heads x BLOCK_D dims of one token: merges the S split partials with the
     sink. The (max, sum) pairs and the partials are read SB splits at a time as
     ``(SB, BLOCK_H, BLOCK_D)`` tiles, so a token's merge is D // BLOCK_D programs wide and a few
     dependent loads deep (not one program walking S x 512 floats). ``Q_NORM``: a token whose
-    position is outside the fused q norm's table (``[0, max_pos)``) gets NaN, as the one-split path."""
+    position is outside the fused q norm's table (``[0, max_pos)``) gets NaN, as the one-split path.
+    ``OQ`` (o_proj's input quant, BLOCK_D == 128 = one quant group): instead of the bf16 ``o``, the
+    program writes ``inv_rope_fp8_quant``'s bytes of it: ``o`` rounded to bf16, the last ``ROPE`` dims
+    of the head rotated back at ``positions[tok]`` (o_proj's ``rope_back_rows``, the pair partners by a
+    register split/join; ``EXACT``: products in ``mul.rn`` so the fp-fusion build cannot contract them),
+    NaN for a position outside the table, then ``quant_store_rows`` (e4m3 ``x`` + one scale per row)."""
     hg = tl.program_id(0)
     dg = tl.program_id(1)
     tok = tl.program_id(2).to(tl.int64)
@@ -174,6 +184,8 @@ def _sparse_mla_merge_kernel(
     hmask = offs_h < H
     offs_d = dg * BLOCK_D + tl.arange(0, BLOCK_D)
     sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
+    if OQ:   # issued before the merge's loads: the epilogue's cos/sin rows then wait on nothing else
+        pq = tl.load(pos_ptr + tok).to(tl.int64)
     sb = tl.arange(0, SB)
     mc = tl.full((BLOCK_H,), float("-inf"), tl.float32)                    # max over the candidates only
     for s0 in range(0, S, SB):
@@ -203,8 +215,22 @@ def _sparse_mla_merge_kernel(
     if Q_NORM:
         p = tl.load(pos_ptr + tok)
         o = tl.where((p >= 0) & (p < max_pos), o, float("nan"))
-    tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             o.to(tl.bfloat16), mask=hmask[:, None])
+    if OQ:
+        NOPE: tl.constexpr = D - ROPE
+        x = o.to(tl.bfloat16).to(tl.float32)                  # the bf16 o the plain mode stores
+        bad = (pq < 0) | (pq >= max_pos)
+        pq = tl.where(bad, 0, pq)
+        if dg * BLOCK_D + BLOCK_D > NOPE:                     # the chunk holding the rope dims
+            ev, od = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D // 2, 2)))
+            xp = tl.reshape(tl.join(od, ev), (BLOCK_H, BLOCK_D))    # x[d ^ 1]
+            cs_row = cs_ptr + (pq * stride_cs + tl.zeros((BLOCK_H,), tl.int64))[:, None]
+            x = rope_back_rows(x, xp, offs_d, cs_row, hmask, NOPE, ROPE // 2, EXACT)
+        x = tl.where(bad, float("nan"), x)
+        quant_store_rows(x, eps, x_ptr + tok * stride_xt + offs_h[:, None] * D + offs_d[None, :],
+                         xs_ptr + tok * stride_xst + offs_h * (D // BLOCK_D) + dg, hmask, SCALE_FMT)
+    else:
+        tl.store(out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(tl.bfloat16), mask=hmask[:, None])
     if HAS_LSE:  # natural-log LSE of the candidates only (sink outside), +inf without one
         if dg == 0:
             lse = tl.where(lc > 0, (mc_use + tl.log2(tl.where(lc > 0, lc, 1.0))) * 0.6931471805599453,
@@ -255,12 +281,50 @@ def _splits(n_base: int, n_tiles: int, device, cfg: dict) -> int:
     return max(1, triton.cdiv(n_tiles, per))
 
 
-def _check_q_norm(q, q_norm_eps, positions, cos_sin):
-    """The fused q norm's arguments -> ``(eps, positions, cos_sin)`` (contiguous) or None (no norm)."""
+def _check_positions_table(q, positions, cos_sin, why):
+    """``positions (T,)`` int32/int64 and a float32 2-D ``cos || sin`` table with rows, on q's device."""
+    T = q.shape[0]
+    if positions is None or cos_sin is None:
+        raise ValueError(f"{'positions' if positions is None else 'cos_sin'}: required with {why}")
+    check.tensor("positions", positions, (torch.int32, torch.int64))
+    if tuple(positions.shape) != (T,):
+        raise ValueError(f"positions: expected shape ({T},) (num_tokens), got {tuple(positions.shape)}")
+    check.tensor("cos_sin", cos_sin, torch.float32)
+    if cos_sin.dim() != 2 or cos_sin.shape[0] < 1:
+        raise ValueError(f"cos_sin: expected a float32 (max_pos >= 1, R) cos || sin table, got shape "
+                         f"{tuple(cos_sin.shape)}")
+    check.same_device("q", q, positions=positions, cos_sin=cos_sin)
+
+
+def _check_o_fp8(q, o_fp8, positions, cos_sin, heads_per_group, scale_fmt):
+    """The fused o_proj input quant's arguments -> ``(heads_per_group, scale_fmt, rope_dim)`` or None."""
+    if not isinstance(o_fp8, bool):
+        raise TypeError(f"o_fp8: expected a bool, got {type(o_fp8).__name__}")
+    if not o_fp8:
+        return None
+    _check_positions_table(q, positions, cos_sin, "o_fp8")
+    T, H, D = q.shape
+    if not isinstance(heads_per_group, int) or isinstance(heads_per_group, bool) or heads_per_group <= 0 \
+            or H % heads_per_group:
+        raise ValueError(f"heads_per_group={heads_per_group!r}: expected a positive int dividing num_heads={H}")
+    if scale_fmt not in _oproj.SCALE_FMTS:
+        raise ValueError(f"scale_fmt={scale_fmt!r}: expected one of {_oproj.SCALE_FMTS}")
+    R = cos_sin.shape[1]
+    if R % 2 or R <= 0 or R > _oproj.QUANT_GROUP or R > D:
+        raise ValueError(f"cos_sin: rope_dim={R} must be even, <= {_oproj.QUANT_GROUP} and <= head_dim={D} "
+                         f"(o_fp8's inverse RoPE)")
+    require_fp8("q", q.device, "sparse_mla_decode(o_fp8=True)")
+    return heads_per_group, scale_fmt, R
+
+
+def _check_q_norm(q, q_norm_eps, positions, cos_sin, o_fp8=False):
+    """The fused q norm's arguments -> ``(eps, positions, cos_sin)`` (contiguous) or None (no norm);
+    ``o_fp8``: positions / cos_sin also serve the output quant (checked there)."""
     if q_norm_eps is None:
         for n, t in (("positions", positions), ("cos_sin", cos_sin)):
-            if t is not None:
-                raise ValueError(f"{n}: given without q_norm_eps (the fused q norm + RoPE is off)")
+            if t is not None and not o_fp8:
+                raise ValueError(f"{n}: given without q_norm_eps or o_fp8 (the fused q norm + RoPE and "
+                                 f"the output quant are off)")
         return None
     eps = check.fp32_scalar("q_norm_eps", q_norm_eps, nonnegative=True)
     T, _, D = q.shape
@@ -278,18 +342,41 @@ def _check_q_norm(q, q_norm_eps, positions, cos_sin):
     return eps, positions.contiguous(), cos_sin.contiguous()
 
 
-def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None):
+#: the fused output quant's merge: programs of BLOCK_D = 128 dims (one quant group) and, by default,
+#: OQ_MERGE_TILE // (MERGE_SB * 128) heads, so its (SB, heads, dims) partial tile has the bf16 merge's
+#: size (MERGE_SB 16 x 16 heads x 16 dims of the T=1 rows = 16 x 2 x 128; 8 x 16 x 32 = 8 x 4 x 128): at T=1
+#: with 16 heads that is 8 x 4 = 32 programs, as many as the bf16 merge's 1 x 32 (fewer, wider programs
+#: would put the token's merge on fewer SMs; the config may set OQ_MERGE_BH)
+OQ_MERGE_TILE = 4096
+OQ_EPS = 1e-10      # inv_rope_fp8_quant's (and o_proj's) amax floor
+
+
+def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None, o_fp8=None, positions=None,
+            cos_sin=None):
     """srcs: [(u8, bf16, idx, lens, stride_blk, n_slots, block_size)] (one or two sources);
-    q_norm: None or ``(eps, positions, cos_sin)`` from :func:`_check_q_norm`."""
+    q_norm: None or ``(eps, positions, cos_sin)`` from :func:`_check_q_norm`; o_fp8: None or
+    ``(heads_per_group, scale_fmt, rope_dim)`` from :func:`_check_o_fp8` (with ``positions``, ``cos_sin``):
+    returns ``(x, x_s)`` (:func:`ds4lab_kernels.o_proj.inv_rope_fp8_quant`'s output for the bf16 o)."""
     T, H, D = q.shape
-    if out is None:
+    if o_fp8 is not None:
+        if out is not None:
+            raise ValueError("out: not supported with o_fp8 (the output is the quantized (x, x_s) pair)")
+        hpg, fmt, rope = o_fp8
+        G = H // hpg
+        x = torch.empty((T, G, hpg * D), dtype=torch.float8_e4m3fn, device=q.device)
+        xs = torch.empty((T, G, hpg * D // _oproj.QUANT_GROUP), dtype=torch.uint8 if fmt == "ue8m0" else torch.float32,
+                         device=q.device)
+        positions, cos_sin = positions.contiguous(), cos_sin.contiguous()
+    if out is None and o_fp8 is None:
         out = torch.empty((T, H, D), dtype=torch.bfloat16, device=q.device)
-    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H, D) or (out.numel() and out.stride(2) != 1):
+    elif out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H, D)
+                              or (out.numel() and out.stride(2) != 1)):
         raise ValueError(f"out: expected a bfloat16 ({T}, {H}, {D}) tensor with contiguous last dim")
     # return_lse: (max_logits, lse) rows, each (T, H) float32 contiguous, natural-log units
     stats = torch.empty((2, T, H), dtype=torch.float32, device=q.device) if return_lse else None
+    res = out if o_fp8 is None else (x, xs)
     if T == 0 or H == 0:
-        return (out, stats) if return_lse else out
+        return (res, stats) if return_lse else res
     BH, BN = cfg["BLOCK_H"], cfg["BLOCK_N"]
     n_hg = triton.cdiv(H, BH)
     n_tiles = sum(triton.cdiv(s[2].shape[1], BN) for s in srcs)
@@ -298,9 +385,14 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None):
     S = max(1, triton.cdiv(n_tiles, tps))
     a = srcs[0]
     b = srcs[1] if len(srcs) > 1 else srcs[0]
+    if o_fp8 is not None and S == 1:
+        # the one-split form (large T) writes bf16 o in the split kernel; the quant is its own launch
+        out = torch.empty((T, H, D), dtype=torch.bfloat16, device=q.device)
     if S > 1:
         part = torch.empty((T, S, H, D), dtype=torch.float32, device=q.device)
         ml = torch.empty((T, S, H, 2), dtype=torch.float32, device=q.device)
+        if out is None:
+            out = part  # o_fp8: the merge writes (x, x_s); no bf16 o (an unused pointer argument)
     else:
         part = ml = out  # unused
     sink = attn_sink.contiguous()
@@ -318,14 +410,29 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None):
         BLOCK_H=BH, BLOCK_N=BN, D=D, Q_NORM=q_norm is not None, R=cs.shape[1] if q_norm is not None else 2,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     if S > 1:
-        bhm = min(cfg.get("MERGE_BH", 16), triton.next_power_of_2(H))
-        bd = cfg.get("MERGE_BD", 32)
+        sb = cfg.get("MERGE_SB", 8)
+        if o_fp8 is None:
+            bhm = min(cfg.get("MERGE_BH", 16), triton.next_power_of_2(H))
+            bd = cfg.get("MERGE_BD", 32)
+            oq = dict(x_ptr=sink, xs_ptr=sink, stride_xt=0, stride_xst=0, cs_ptr=sink, stride_cs=0, eps=0.0)
+        else:
+            bd = _oproj.QUANT_GROUP
+            bhm = min(cfg.get("OQ_MERGE_BH") or max(1, OQ_MERGE_TILE // (sb * bd)), triton.next_power_of_2(H))
+            oq = dict(x_ptr=x, xs_ptr=xs, stride_xt=x.stride(0), stride_xst=xs.stride(0), cs_ptr=cos_sin,
+                      stride_cs=cos_sin.stride(0), eps=OQ_EPS, OQ=True, ROPE=rope, SCALE_FMT=_oproj._FMT_CODE[fmt],
+                      EXACT=not isinstance(_sparse_mla_merge_kernel, InterpretedFunction))
+            if q_norm is None:
+                pos = positions
+        max_pos = cs.shape[0] if q_norm is not None else (cos_sin.shape[0] if o_fp8 is not None else 0)
         _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), D // bd, T)](
             out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)), H, out.stride(0),
-            out.stride(1), S, pos, cs.shape[0] if q_norm is not None else 0, SB=cfg.get("MERGE_SB", 8),
+            out.stride(1), S, pos, max_pos, **oq, SB=sb,
             HAS_LSE=return_lse, BLOCK_H=bhm, BLOCK_D=bd, D=D, Q_NORM=q_norm is not None,
             num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1)
-    return (out, stats) if return_lse else out
+    elif o_fp8 is not None:
+        res = _oproj.inv_rope_fp8_quant(out, positions, cos_sin, hpg, True, fmt, eps=OQ_EPS, check_positions=False,
+                                        config=_oproj.unfused3_config(q.device).get("rope") if q.is_cuda else None)
+    return (res, stats) if return_lse else res
 
 
 def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
@@ -335,7 +442,8 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
                       comp_block_size: int = 64, scale: float = DEFAULT_SCALE,
                       out: torch.Tensor | None = None, config: dict | None = None,
                       return_lse: bool = False, q_norm_eps: float | None = None,
-                      positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None):
+                      positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
+                      o_fp8: bool = False, heads_per_group: int = 8, scale_fmt: str = "ue8m0"):
     """Sparse MLA decode over fp8_ds_mla caches (SWA window + compressed candidates) with a sink.
 
     Args:
@@ -369,6 +477,18 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
             (a position outside ``[0, cos_sin.shape[0])`` makes that token's output NaN, every head,
             never a finite value from an unrotated q; no host sync to check it) and ``cos_sin`` float32 ``(max_pos, R)`` ``cos || sin``
             (:func:`ds4lab.reference.rope.cos_sin_cache`, R = 64 here, a power of two <= 512).
+        o_fp8: False (bf16 ``o``), or True: return o_proj's quantized input instead, exactly what
+            ``o_proj.inv_rope_fp8_quant(o, positions, cos_sin, heads_per_group, True, scale_fmt,
+            check_positions=False)`` returns for this call's bf16 ``o`` (same shapes, dtypes, layout, bits):
+            ``o`` rounded to bf16, the last ``R`` dims of each head rotated back by ``-theta`` at
+            ``positions`` (``cos_sin`` ``(max_pos, R)`` float32, R even <= 128; the same table as
+            ``q_norm_eps``'s when both are on), 1x128 e4m3 quant with ``scale_fmt`` scales; a position
+            outside the table makes that token's ``x`` and scales NaN (no host check: graph safe). Written
+            by the merge launch's epilogue (the decode sizes always split), so o_proj's inverse RoPE + quant
+            launch disappears; the one-split form (large ``T``) writes bf16 ``o`` and runs that launch
+            itself. ``out`` must be None.
+        heads_per_group: with ``o_fp8``: heads per ``wo_a`` group (8 for DeepSeek-V4), dividing num_heads.
+        scale_fmt: with ``o_fp8``: ``"fp32"``, ``"pow2"`` or ``"ue8m0"`` (uint8 exponent bytes; the model's).
 
     Returns:
         ``(num_tokens, num_heads, 512)`` bfloat16:
@@ -378,6 +498,9 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
         ``ln sum_j e^(s_j)`` in natural-log units of the scaled scores, over the candidates only
         (the sink is outside the LSE), ``+inf`` for a row with no valid candidate (FlashMLA
         ``tests/ref.py::ref_sparse_attn_decode``). Taken from the split statistics: no extra pass.
+        With ``o_fp8``: ``(x, x_s)`` in place of ``out`` (``x`` ``(num_tokens, num_heads/heads_per_group,
+        heads_per_group*512)`` float8_e4m3fn, ``x_s`` ``(..., heads_per_group*4)`` uint8 (ue8m0) or float32,
+        both contiguous); with ``return_lse`` too: ``(x, x_s, lse)``.
 
     Raises:
         TypeError / ValueError naming the argument on wrong dtypes, shapes, strides, devices.
@@ -388,7 +511,8 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
     sync, allocations depend on shapes only.
     """
     _check_q(q, attn_sink, scale)
-    q_norm = _check_q_norm(q, q_norm_eps, positions, cos_sin)
+    oq = _check_o_fp8(q, o_fp8, positions, cos_sin, heads_per_group, scale_fmt)
+    q_norm = _check_q_norm(q, q_norm_eps, positions, cos_sin, o_fp8=oq is not None)
     T, H, _ = q.shape
     dev = q.device
     sw_stride = check_cache("swa_cache", swa_cache, swa_block_size)
@@ -409,8 +533,11 @@ def sparse_mla_decode(q: torch.Tensor, swa_cache: torch.Tensor, swa_indices: tor
     elif comp_indices is not None:
         raise ValueError("comp_indices: given without comp_cache")
     cfg = config or pick_config(H, dev, num_tokens=T)
-    res = _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=bool(return_lse), q_norm=q_norm)
-    return (res[0], res[1][1]) if return_lse else res
+    res = _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=bool(return_lse), q_norm=q_norm, o_fp8=oq,
+                  positions=positions, cos_sin=cos_sin)
+    if return_lse:
+        return (*res[0], res[1][1]) if oq is not None else (res[0], res[1][1])
+    return res
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, attn_sink: torch.Tensor,

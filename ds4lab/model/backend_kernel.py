@@ -25,6 +25,9 @@ sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge
                             head norm + RoPE in the q load (``FUSE_Q_NORM``: off on GPUs: +1.4 us)
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
                             wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
+sparse_mla_o_proj           ``FUSE_O_QUANT`` (off on GPUs, untimed): the attention's merge writes     +0 /
+                            o_proj's fp8 input (kind ``...(+o_proj inv-RoPE + fp8 quant)``), then   2
+                            ``kernel:o_proj.o_proj_fp8_input`` (wo_a, wo_b); else sparse_mla + o_proj
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x: the MoE's fp32   2 / 1
                             sum after the MoE)
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T=1 seamr_d64, T<=4 seam1_d64) 1 / 2
@@ -147,6 +150,15 @@ FUSE_Q_NORM_INTERP = True
 COMPRESS_ONE_LAUNCH = True
 COMPRESS_ONE_LAUNCH_INTERP = True
 
+#: ``sparse_mla_o_proj`` (ofuse, issue 20): o_proj's inverse RoPE + 1x128 FP8 quant written by sparse MLA's
+#: merge launch (``sparse_mla_decode(o_fp8=True)``, the bits of ``inv_rope_fp8_quant`` of the bf16 o), then
+#: ``o_proj_fp8_input`` (wo_a + wo_b: 2 launches); False = the attention's bf16 o, then o_proj's 3 launches.
+#: Up to ``o_proj.DECODE_DEFAULT_MAX_T`` tokens on a GPU (the 3-launch row's range), ``o_proj.FUSED_MAX_T``
+#: on the interpreter. OFF on GPUs until the H200 times it (`ds4lab step --ab backend_kernel.FUSE_O_QUANT=True`,
+#: NOTES.md "ofuse"); the interpreter lane runs it so the model's CPU tests keep exercising it.
+FUSE_O_QUANT = False
+FUSE_O_QUANT_INTERP = True
+
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
 DECODE_MAX_T = 64
@@ -167,6 +179,9 @@ K_COMPRESS_INSERT = ("kernel:compressor.compress_decode(+fp8_ds_mla insert)",
                      "kernel:compressor.compress_decode(+indexer K insert)")
 K_SPARSE_MLA = "kernel:sparse_mla.sparse_mla_decode"
 K_SPARSE_MLA_Q_NORM = "kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)"
+#: appended to the attention's kind when its merge writes o_proj's fp8 input (FUSE_O_QUANT)
+K_O_QUANT = "(+o_proj inv-RoPE + fp8 quant)"
+K_O_PROJ_FP8_INPUT = "kernel:o_proj.o_proj_fp8_input"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -365,10 +380,11 @@ class KernelBackend(Backend):
 
     # ---- attention -------------------------------------------------------------------------
     def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
-                   swa_block, comp_block, scale, name="attn.sparse_mla", q_norm=None):
+                   swa_block, comp_block, scale, name="attn.sparse_mla", q_norm=None, o_quant=None):
         """``q_norm`` with ``FUSE_Q_NORM`` (GPU) / ``FUSE_Q_NORM_INTERP`` (interpreter): the raw q (any token
         stride, read in place) is normed and rotated inside the attention launch; else :meth:`normed_q`
-        first (its own launch)."""
+        first (its own launch). ``o_quant`` ``(positions, cos_sin, heads_per_group)`` (only from
+        :meth:`sparse_mla_o_proj`): returns o_proj's UE8M0 fp8 input ``(x, x_s)`` instead of the bf16 o."""
         fused = q_norm is not None and (FUSE_Q_NORM if q.is_cuda else FUSE_Q_NORM_INTERP)
         if not fused:
             q = self.normed_q(q, q_norm).contiguous()
@@ -376,7 +392,9 @@ class KernelBackend(Backend):
         if fused:
             positions, cos_sin, eps = q_norm
             kw = {"q_norm_eps": eps, "positions": positions, "cos_sin": cos_sin}
-        with op_group(name, K_SPARSE_MLA_Q_NORM if fused else K_SPARSE_MLA):
+        if o_quant is not None:
+            kw.update(self._o_quant_kw(o_quant, kw))
+        with op_group(name, (K_SPARSE_MLA_Q_NORM if fused else K_SPARSE_MLA) + (K_O_QUANT if o_quant else "")):
             return self.k["smla"].sparse_mla_decode(
                 q.to(BF16), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
                 sink, comp_cache, None if comp_slots is None else comp_slots.to(torch.int32).contiguous(),
@@ -393,6 +411,38 @@ class KernelBackend(Backend):
             return self.k["oproj"].o_proj(o.contiguous(), positions, cos_sin, wo_a.weight, wo_b.weight, wo_a.scale,
                                           wo_b.scale, heads_per_group=H // n_groups, scale_fmt="ue8m0",
                                           check_positions=False, config=cfg)
+
+    @staticmethod
+    def _o_quant_kw(o_quant, kw):
+        positions, cos_sin, hpg = o_quant
+        if "positions" in kw and (kw["positions"] is not positions or kw["cos_sin"] is not cos_sin):
+            raise ValueError("o_quant: its positions / cos_sin must be the fused q norm's (one table per launch)")
+        return {"o_fp8": True, "positions": positions, "cos_sin": cos_sin, "heads_per_group": hpg,
+                "scale_fmt": "ue8m0"}
+
+    def sparse_mla_o_proj(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
+                          swa_block, comp_block, scale, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups,
+                          q_norm=None):
+        """With ``FUSE_O_QUANT`` (GPU) / ``FUSE_O_QUANT_INTERP`` (interpreter), FP8 ``wo_a``/``wo_b`` and a
+        decode-sized step: the attention launch writes o_proj's rotated, quantized input (group
+        ``attn.sparse_mla``, kind ``... (+o_proj inv-RoPE + fp8 quant)``), then ``o_proj_fp8_input`` runs wo_a
+        and wo_b (group ``attn.o_proj``, 2 launches); else the default composition (:meth:`sparse_mla`, then
+        :meth:`o_proj`)."""
+        on = FUSE_O_QUANT if q.is_cuda else FUSE_O_QUANT_INTERP
+        oproj = self.k["oproj"]
+        max_t = oproj.DECODE_DEFAULT_MAX_T if q.is_cuda else oproj.FUSED_MAX_T
+        qn_fused = q_norm is not None and (FUSE_Q_NORM if q.is_cuda else FUSE_Q_NORM_INTERP)
+        one_table = not qn_fused or (q_norm[0] is positions and q_norm[1] is cos_sin)
+        if not (on and wo_a.fp8 and wo_b.fp8 and q.shape[0] <= max_t and one_table):
+            return super().sparse_mla_o_proj(q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots,
+                                             comp_lens, swa_block, comp_block, scale, positions, cos_sin, wo_a, wo_b,
+                                             n_groups, q_norm=q_norm)
+        x, xs = self.sparse_mla(q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens, swa_block,
+                                comp_block, scale, q_norm=q_norm, o_quant=(positions, cos_sin, q.shape[1] // n_groups))
+        with op_group("attn.o_proj", K_O_PROJ_FP8_INPUT):
+            cfg = None if q.is_cuda else {"wo_b_fp8": _interp_gemm_config(q.shape[0])}
+            return oproj.o_proj_fp8_input(x, xs, wo_a.weight, wo_b.weight, wo_a.scale, wo_b.scale, scale_fmt="ue8m0",
+                                          config=cfg)
 
     # ---- mHC -------------------------------------------------------------------------------
     def _hc_args(self, cfg):

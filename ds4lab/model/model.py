@@ -20,7 +20,8 @@ into its cache), indexer q, logits, top-512); C4A: the three bf16 GEMMs on ``x``
 ``wkv_gate``, the indexer's ``weights_proj``) as one, ``attn.x_proj``, its column slices read in place]
 -> per-head q RMSNorm + RoPE (``sparse_mla(q_norm=...)``: in the attention's q load on the kernel
 backend) and sparse MLA with sink over SWA (+
-compressed) -> o_proj -> mHC post -> mHC pre (+ffn_norm) ->
+compressed) -> o_proj (``sparse_mla_o_proj``: the kernel backend may quantize o_proj's input in the attention
+launch) -> mHC post -> mHC pre (+ffn_norm) ->
 router (hash ``tid2eid`` in layers < num_hash_layers, else sqrtsoftplus + bias) ->
 shared expert (SwiGLU clamp; fp32 down projection) + routed experts added into it -> mHC post on the fp32
 sum. Then hc_head, final norm, LM head (bf16
@@ -135,9 +136,10 @@ class RankModel:
                                             slot_base=cm["base"][:, 0])
             else:
                 comp_slots, comp_lens = cm["slots"], cm["lens"]
-        a = o.sparse_mla(q, C.swa, maps["swa_idx"], maps["swa_lens"], L["attn_sink"], comp_cache, comp_slots,
-                         comp_lens, 64, C.comp_block, hd ** -0.5, q_norm=(pos, cs, cfg.rms_norm_eps))
-        return o.o_proj(a, pos, cs, L["wo_a"], L["wo_b"], self.G)
+        # the attention and o_proj (kernel backend, FUSE_O_QUANT: o_proj's input quant in the attention launch)
+        return o.sparse_mla_o_proj(q, C.swa, maps["swa_idx"], maps["swa_lens"], L["attn_sink"], comp_cache,
+                                   comp_slots, comp_lens, 64, C.comp_block, hd ** -0.5, pos, cs, L["wo_a"], L["wo_b"],
+                                   self.G, q_norm=(pos, cs, cfg.rms_norm_eps))
 
     def _compress(self, P, ks, pos, win, state, ratio, cs, name, cache, slots, block, insert_name):
         """``ks (T, 2*coff*hd)`` bf16: the ``wkv_gate`` GEMM output (may be a column slice of a

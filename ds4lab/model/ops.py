@@ -252,6 +252,17 @@ class Backend:
         """Inverse RoPE -> grouped ``wo_a`` -> ``wo_b`` -> ``(T, D)`` bf16."""
         raise NotImplementedError
 
+    def sparse_mla_o_proj(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
+                          swa_block, comp_block, scale, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups,
+                          q_norm=None):
+        """:meth:`sparse_mla` (group ``attn.sparse_mla``) then :meth:`o_proj` of its output at ``positions``
+        (group ``attn.o_proj``) -> ``(T, D)`` bf16. This default composes the two; a backend may write
+        o_proj's rotated, quantized input from the attention launch itself (the kernel backend with
+        ``FUSE_O_QUANT``: the same bits, one launch fewer)."""
+        a = self.sparse_mla(q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens, swa_block,
+                            comp_block, scale, q_norm=q_norm)
+        return self.o_proj(a, positions, cos_sin, wo_a, wo_b, n_groups)
+
     # ---- mHC -------------------------------------------------------------------------------
     def mhc_pre(self, residual, fn, scale, base, norm_weight, cfg, name):
         """``(post (T,4,1), comb (T,4,4), layer_input (T, D) bf16)`` (attn/ffn norm fused)."""

@@ -83,7 +83,26 @@ def make_decode_inputs(shape: dict, case: str = "random", seed: int = 0, device=
         out.update(q_norm_args(T, H, g, device))
         if case == "peaked":
             out["scale"] = 24.0 * 512 ** -0.5
+    if shape.get("o_fp8"):
+        out.update(o_fp8_args(T, g, device, out.get("positions"), out.get("cos_sin")))
     return out
+
+
+def o_fp8_args(T: int, g: torch.Generator, device="cpu", positions=None, cos_sin=None) -> dict:
+    """:func:`sparse_mla_decode`'s fused o_proj input quant (``o_fp8``: o_proj's inverse RoPE + 1x128 UE8M0
+    quant in the merge epilogue, heads_per_group 8): the q norm's positions / table when given, else
+    positions including 0 and the table's last row and the YaRN table of :func:`q_norm_args`. Its output
+    is not the reference's bf16 ``o``: tests/test_sparse_mla_oquant.py checks it against
+    ``inv_rope_fp8_quant`` of the bf16 call; the registry uses the shape for the compile report only."""
+    if positions is None:
+        from ds4lab.reference.rope import cos_sin_cache
+        positions = torch.randint(0, Q_NORM_MAX_POS, (T,), generator=g, dtype=torch.int32)
+        positions[0] = Q_NORM_MAX_POS - 1
+        if T > 1:
+            positions[1] = 0
+        cos_sin = cos_sin_cache(Q_NORM_MAX_POS, 64, 160000.0, 16.0, 65536)
+    return {"positions": positions.to(device), "cos_sin": cos_sin.to(device), "o_fp8": True,
+            "heads_per_group": 8, "scale_fmt": "ue8m0"}
 
 
 Q_NORM_MAX_POS = 4096   # the test table: positions up to its last row (the kernels NaN past it)
@@ -225,13 +244,17 @@ register(KernelSpec(
     bound="memory",
     # C4A (64-entry compressed blocks, top-512) and C128A (2-entry blocks, every compressed entry:
     # ~4096 at 512K context; a different B_BS specialisation of the split kernel)
-    # with the fused q norm (q_norm=1): the same two split shapes, SWA-only, and the one-split form (T=128)
+    # with the fused q norm (q_norm=1): the same two split shapes, SWA-only, and the one-split form (T=128);
+    # with the fused output quant (o_fp8=1): one C4A decode shape (its merge is the new specialisation)
     aot_shape=[{"T": 4, "H": 64, "W": 128, "Kc": 512, "comp_bs": 64},
                {"T": 4, "H": 16, "W": 128, "Kc": 4098, "comp_bs": 2},
                {"T": 4, "H": 64, "W": 128, "Kc": 512, "comp_bs": 64, "q_norm": 1},
                {"T": 4, "H": 16, "W": 128, "Kc": 4098, "comp_bs": 2, "q_norm": 1},
                {"T": 1, "H": 16, "W": 128, "Kc": 0, "q_norm": 1},
-               {"T": 128, "H": 16, "W": 128, "Kc": 512, "comp_bs": 64, "q_norm": 1}],
+               {"T": 128, "H": 16, "W": 128, "Kc": 512, "comp_bs": 64, "q_norm": 1},
+               # ofuse: the merge writing o_proj's fp8 input (issue 20; one C4A row, its split kernel as
+               # the q_norm rows' at this shape)
+               {"T": 2, "H": 16, "W": 128, "Kc": 512, "comp_bs": 64, "o_fp8": 1}],
     sm89_mma={"_sparse_mla_split_kernel": "HMMA"},
 ))
 
