@@ -21,8 +21,6 @@ indexer_topk, decode        ``kernel:indexer.fp8_paged_mqa_topk`` (``max_len <=`
                             ``INDEXER_FUSED_MAX_N``, next_n 1, ``<= INDEXER_FUSED_MAX_B``; else the pair)
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
-  with ``q_norm``           ``kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)``: the q    1-2
-                            head norm + RoPE in the q load (``FUSE_Q_NORM``: off on GPUs: +1.4 us)
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
                             wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x: the MoE's fp32   2 / 1
@@ -32,8 +30,7 @@ hc_head                     ``kernel:mhc.hc_head``                              
 gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=16; above: mm + route) 1 / 2
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16`` (adds into the shared expert's  2 (decode)
-                            fp32 output; the one-launch row up to ``FUSED_MAX_PAIRS`` pairs:      / 3 (prefill)
-                            0 = off on GPUs: it lost on the H200, the interpreter runs it)       1 (one-launch)
+                            fp32 output in its last launch)                                      / 3 (prefill)
 compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2 / 1
                             reads the bf16 GEMM output slice as is; ``COMPRESS_ONE_LAUNCH``: one
                             launch, bit-identical; on since session 7's H200 step A/B)
@@ -44,7 +41,6 @@ compressor_insert, T <= 64  ``kernel:compressor.compress_decode(+fp8_ds_mla|inde
 q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
                             (``swa_cache=``: ``(+fp8_ds_mla insert)``, the SWA entry in the launch)
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
-  (q: only unfused)
 rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
 index_maps (once a step)    ``kernel:step_maps.step_index_maps`` (all the step's maps)     1
 add (bf16 + bf16)           ``torch:add`` (one bf16 add: fp32 math, one rounding)              1
@@ -123,17 +119,6 @@ FUSE_SHARED_ACT_MAX_M = 32
 INDEXER_FUSED_MAX_N = 2048
 INDEXER_FUSED_MAX_B = 16
 INDEXER_FUSED_MAX_N_INTERP = 8192
-#: ``sparse_mla(q_norm=...)``: the q head RMSNorm + RoPE in sparse_mla_decode's q load (one launch a
-#: layer fewer, the same bf16 q: norm_rope's helpers) when True; False runs rmsnorm_rope then the
-#: attention. OFF on GPUs: the H200 (session 7, results/issue20/s7/call1/qmla, `OUT=DIR bash
-#: scripts/gpu/qmla.sh`) timed the fused launch 1.4-1.6 us SLOWER than the pair at T = 1 / 2 (sm89 C4A T=1:
-#: 15.57 vs 13.98 us; SWA 12.32 vs 10.89) and 5.2 us slower at C4A T=16 (NOTES.md "qmla6" predicted -1.5 to
-#: -2.2). The step A/B agrees (`ds4lab step --ab backend_kernel.FUSE_Q_NORM=True`, sm89, profiled op groups):
-#: attn.sparse_mla 476 -> 616 us at batch 1 (859 -> 1087 at batch 16) against attn.q_norm_rope 72 -> 0 and
-#: launch gaps -20: +40 to +150 us a step. The interpreter lane uses FUSE_Q_NORM_INTERP so the model's CPU
-#: tests keep exercising the fused load.
-FUSE_Q_NORM = False
-FUSE_Q_NORM_INTERP = True
 
 #: decode ``compressor`` / ``compressor_insert`` in ONE launch (``compress_decode``'s ``<name>_1l`` rows: each
 #: program writes its own state row and builds the window rows this launch writes from kv_score + ape;
@@ -166,7 +151,6 @@ K_Q_KV_NORM_ROPE_INSERT = "kernel:norm_rope.q_kv_rmsnorm_rope(+fp8_ds_mla insert
 K_COMPRESS_INSERT = ("kernel:compressor.compress_decode(+fp8_ds_mla insert)",
                      "kernel:compressor.compress_decode(+indexer K insert)")
 K_SPARSE_MLA = "kernel:sparse_mla.sparse_mla_decode"
-K_SPARSE_MLA_Q_NORM = "kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -365,23 +349,12 @@ class KernelBackend(Backend):
 
     # ---- attention -------------------------------------------------------------------------
     def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
-                   swa_block, comp_block, scale, name="attn.sparse_mla", q_norm=None):
-        """``q_norm`` with ``FUSE_Q_NORM`` (GPU) / ``FUSE_Q_NORM_INTERP`` (interpreter): the raw q (any token
-        stride, read in place) is normed and rotated inside the attention launch; else :meth:`normed_q`
-        first (its own launch)."""
-        fused = q_norm is not None and (FUSE_Q_NORM if q.is_cuda else FUSE_Q_NORM_INTERP)
-        if not fused:
-            q = self.normed_q(q, q_norm).contiguous()
-        kw = {}
-        if fused:
-            positions, cos_sin, eps = q_norm
-            kw = {"q_norm_eps": eps, "positions": positions, "cos_sin": cos_sin}
-        with op_group(name, K_SPARSE_MLA_Q_NORM if fused else K_SPARSE_MLA):
+                   swa_block, comp_block, scale, name="attn.sparse_mla"):
+        with op_group(name, K_SPARSE_MLA):
             return self.k["smla"].sparse_mla_decode(
-                q.to(BF16), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
+                q.contiguous().to(BF16), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
                 sink, comp_cache, None if comp_slots is None else comp_slots.to(torch.int32).contiguous(),
-                None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale,
-                **kw)
+                None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale)
 
     def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
         """FP8 ``wo_a``/``wo_b`` at decode: ``o_proj.pick_o_proj_config`` (``DECODE_DEFAULT`` on a GPU: the
@@ -450,8 +423,8 @@ class KernelBackend(Backend):
 
     def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts", out=None):
         """INT4: ``fused_moe_w4a16``; with ``out`` (fp32, the shared expert's output) ``accumulate=True``:
-        up to ``moe_w4a16.FUSED_MAX_PAIRS`` pairs the one-launch row adds the routed experts into it with
-        fp32 atomics (no bf16 store of the routed output, no separate add)."""
+        the routed experts are added into it in the kernel's last launch (no bf16 store of the routed
+        output, no separate add)."""
         if ex.int4:
             with op_group(name, "kernel:moe_w4a16.fused_moe_w4a16"):
                 return self.k["moe"].fused_moe_w4a16(x.contiguous(), ex.w13_packed, ex.w13_scale, ex.w2_packed,
