@@ -656,104 +656,6 @@ def _dec_mma_w2_kernel(
         tl.atomic_xchg(cnt_ptr + nb, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
-def _dec_fused_kernel(
-    x_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, out_ptr, xs_ptr,
-    P, I, E, limit,
-    stride_xt, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_s13k,
-    stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_s2k, stride_ot,
-    K: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr, BLOCK_M: tl.constexpr, BI: tl.constexpr,
-    BLOCK_D: tl.constexpr, ASM: tl.constexpr = 0, XPERM: tl.constexpr = 0, W2FMA: tl.constexpr = 0,
-):
-    """Grid ``(pairs, inter / BI)``: the routed MoE of a decode step in one launch (issue 20, moe1).
-    One program (a leader, ``_expert_rows``): up to BLOCK_M pairs of one expert x the BI intermediate
-    columns of chunk ``j = program_id(1)``:
-
-    h[m, i] = swiglu(x[tok_m] . w13[e, i, :], x[tok_m] . w13[e, I + i, :]) for i in chunk j (tensor cores:
-    bf16 x exact bf16 nibbles, fp32 accumulation, group scale in fp32; the operands and dot order of
-    ``_dec_mma_w13_kernel`` at SPLIT 1), rounded to fp16 as the two-launch path stores it; then for every
-    n < hidden: out[tok_m, n] += topk_weight[pair_m] * (w2_scale[e, n, g_j] * sum_{i in chunk j} h[m, i] *
-    (nibble(w2[e, n, i]) - 8)) (fp32, relaxed atomic adds; ``g_j = j*BI // 128``: BI divides 128). No K
-    split, no ticket, nothing handed to another launch (``xs`` with XPERM: the program's own copy of its x
-    rows in plane order, as in ``_dec_mma_w13_kernel``). Across programs the adds land in no fixed order:
-    each output element is ``out0 + `` a sum of ``TOPK * inter / BI`` fp32 terms in some order.
-
-    W2FMA: the down projection on CUDA cores, one valid row at a time (each BLOCK_D x BI word tile
-    dequantized once, fp32 products summed over the chunk; the rows of a decode tile are usually 1);
-    else one tl.dot over the chunk (fp16 h x exact fp16 nibbles) for all BLOCK_M rows."""
-    pair0 = tl.program_id(0)
-    jb = tl.program_id(1)
-    lead, e, prow, mvalid = _expert_rows(ids_ptr, pair0, P, E, TOPK, PB, BLOCK_M)
-    if lead:
-        n = jb * BI + tl.arange(0, BI)
-        e64 = e.to(tl.int64)
-        c = tl.arange(0, 16)
-        g_off = e64 * stride_w13e + n.to(tl.int64)[None, :] * stride_w13n + c[:, None]
-        u_off = g_off + I * stride_w13n
-        gs_off = e64 * stride_s13e + n.to(tl.int64) * stride_s13n
-        us_off = gs_off + I * stride_s13n
-        tok = (prow // TOPK).to(tl.int64)
-        m_ar = tl.arange(0, BLOCK_M)
-        nv = tl.sum(mvalid.to(tl.int32), axis=0)   # the valid rows are a prefix of the tile
-        if XPERM:
-            kq = tl.arange(0, K)
-            pc = _plane_col(kq)
-            for m in range(nv):
-                t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
-                tl.store(xs_ptr + t_m * K + pc, tl.load(x_ptr + t_m * stride_xt + kq))
-            tl.debug_barrier()
-            a_ptr = xs_ptr
-            a_stride = K
-        else:
-            a_ptr = x_ptr
-            a_stride = stride_xt
-        acc_g = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
-        for g in range(0, K // 128):
-            pg = tl.load(w13_ptr + g_off + g * 16)
-            pu = tl.load(w13_ptr + u_off + g * 16)
-            sg = tl.load(s13_ptr + gs_off + g * stride_s13k).to(tl.float32)
-            su = tl.load(s13_ptr + us_off + g * stride_s13k).to(tl.float32)
-            zg = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
-            zu = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
-            zg = _mma_group_q(zg, a_ptr, a_stride, tok, mvalid, g * 128, pg, tl.bfloat16, ASM, XPERM)
-            zu = _mma_group_q(zu, a_ptr, a_stride, tok, mvalid, g * 128, pu, tl.bfloat16, ASM, XPERM)
-            acc_g += zg * sg[None, :]
-            acc_u += zu * su[None, :]
-        h = _swiglu(acc_g, acc_u, limit).to(tl.float16)                      # [BLOCK_M, BI]
-        wt = tl.load(tw_ptr + prow, mask=mvalid, other=0.0)                 # [BLOCK_M]
-        # w2's K-chunk j: words jb*C .. jb*C + C - 1 of every row (element 8c + k of the chunk: word c, nibble k)
-        C: tl.constexpr = BI // 8
-        cw = tl.arange(0, C)
-        w_base = w2_ptr + e64 * stride_w2e + (jb * C + cw)[:, None]
-        s_base = s2_ptr + e64 * stride_s2e + ((jb * BI) // 128) * stride_s2k
-        d_ar = tl.arange(0, BLOCK_D)
-        if W2FMA:
-            shifts = tl.arange(0, 8) * 4
-            for m in range(nv):
-                hm = tl.sum(tl.where((m_ar == m)[:, None], h.to(tl.float32), 0.0), axis=0)    # [BI]
-                h3 = tl.reshape(hm, (C, 8))
-                wm = tl.sum(tl.where(m_ar == m, wt, 0.0), axis=0)
-                t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
-                for d0 in range(0, K, BLOCK_D):
-                    d = d0 + d_ar
-                    p = tl.load(w_base + d.to(tl.int64)[None, :] * stride_w2n)              # [C, BLOCK_D]
-                    q = ((p[:, None, :] >> shifts[None, :, None]) & 0xF) | 0x4B000000
-                    q = q.to(tl.float32, bitcast=True) - 8388616.0                      # [C, 8, BLOCK_D]
-                    z = tl.sum(tl.sum(q * h3[:, :, None], axis=1), axis=0)            # [BLOCK_D]
-                    s = tl.load(s_base + d.to(tl.int64) * stride_s2n).to(tl.float32)
-                    tl.atomic_add(out_ptr + t_m * stride_ot + d, z * s * wm, sem="relaxed")
-        else:
-            for d0 in range(0, K, BLOCK_D):
-                d = d0 + d_ar
-                p = tl.load(w_base + d.to(tl.int64)[None, :] * stride_w2n)                  # [C, BLOCK_D]
-                b = _unpack_kn(p, BI, BLOCK_D).to(tl.float16)                           # [BI, BLOCK_D]
-                z = tl.dot(h, b)                                                        # [BLOCK_M, BLOCK_D]
-                s = tl.load(s_base + d.to(tl.int64) * stride_s2n).to(tl.float32)
-                tl.atomic_add(out_ptr + tok[:, None] * stride_ot + d[None, :], z * s[None, :] * wt[:, None],
-                              mask=mvalid[:, None], sem="relaxed")
-
-
 # ---- launchers ------------------------------------------------------------------------------------
 def _check_weights(name, packed, scale, E, N, K, x):
     check.tensor(f"{name}_packed", packed, torch.int32)  # 8 nibbles per word
@@ -790,22 +692,17 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         swiglu_limit: the clamp ``L`` (DeepSeek-V4: 10.0): a positive normal float32 <= 255 (the
             bound that keeps the prefill path's fp16 ``h`` finite).
         config: a row of ``CONFIGS``; ``config["path"]`` is ``"decode"`` or ``"prefill"``;
-            default: decode for ``num_tokens * topk <= DECODE_MAX_PAIRS`` (256) pairs, prefill above;
-            with ``accumulate`` the one-launch decode row (variant ``"fused"``) up to
-            ``FUSED_MAX_PAIRS`` pairs (without ``accumulate`` a ``"fused"`` row adds into a zeroed
-            fp32 buffer and rounds it into ``out``: 2 more launches).
+            default: decode for ``num_tokens * topk <= DECODE_MAX_PAIRS`` (256) pairs, prefill above.
         out: optional ``(num_tokens, hidden)`` bfloat16 output (overwritten); with ``accumulate``
             required: ``(num_tokens, hidden)`` float32, row-contiguous, holding what the experts add to
             (the model: the shared expert's fp32 down projection).
-        accumulate: add into ``out`` instead of overwriting it. The one-launch row adds with fp32
-            atomics (the order of the ``topk * inter / BI`` adds per element is not fixed: results
-            may differ run to run by fp32 rounding, ~1e-6 relative); the other rows add one fp32
-            top-k sum per element in their last launch (deterministic).
+        accumulate: add into ``out`` instead of overwriting it: the mma decode rows and prefill add
+            one fp32 top-k sum per element in their last launch, the older decode variants compute
+            their result then add it once (deterministic either way).
         workspace: optional dict of preallocated buffers (tests fill them with NaN to prove that
             padding rows never reach valid rows): decode ``{"part": fp32 (splits, pairs, 2*inter)}``
             (variant "mma" also ``"h"`` fp16 (pairs, inter), ``"y"`` fp32 (pairs, hidden),
-            ``"counters"`` zeroed int32, ``"xs"`` bf16 (tokens, hidden) with ``"xperm"``; variant "fused"
-            ``"xs"`` only);
+            ``"counters"`` zeroed int32, ``"xs"`` bf16 (tokens, hidden) with ``"xperm"``);
             prefill ``{"h": fp16 (>= pairs, inter), "y": fp32 (pairs, hidden)}``.
 
     Returns:
@@ -863,15 +760,8 @@ def fused_moe_w4a16(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         raise ValueError(f"out: expected bfloat16 ({T}, {D}) row-contiguous on {dev}")
     if T == 0 or K_TOP == 0:
         return out if accumulate else out.zero_()
-    cfg = config or pick_config(T * K_TOP, dev, accumulate=accumulate)
+    cfg = config or pick_config(T * K_TOP, dev)
     path = cfg.get("path")
-    if cfg.get("variant") == "fused" and not accumulate:
-        # the one-launch row behind the overwrite API (registry sweep, compile report): a zeroed fp32
-        # accumulator, then one rounding to bf16 (2 extra torch launches; the model calls accumulate=True)
-        acc = torch.zeros((T, D), dtype=torch.float32, device=dev)
-        _decode(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, limit, cfg, acc,
-                workspace, True)
-        return out.copy_(acc)
     if path == "decode":
         _decode(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, limit, cfg,
                 out, workspace, accumulate)
@@ -889,8 +779,6 @@ def _decode(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, accumu
     I = N2 // 2
     K_TOP = ids.shape[1]
     P = T * K_TOP
-    if cfg.get("variant") == "fused":
-        return _decode_fused(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace)
     if cfg.get("variant") == "mma":
         return _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, accumulate)
     if accumulate:   # the older decode variants (table rows, never defaults): their result, then one add
@@ -1043,39 +931,6 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     return out
 
 
-def _decode_fused(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace):
-    """Decode variant "fused" (rows ``fused_*``, issue 20 moe1): one launch, ``(pairs, inter / BI)``
-    programs; each leader computes h for its BI intermediate columns over the whole hidden K and adds
-    its chunk of the down projection into the fp32 ``out`` with atomics (``_dec_fused_kernel``)."""
-    T, D = x.shape
-    E, N2 = w13p.shape[:2]
-    I = N2 // 2
-    K_TOP = ids.shape[1]
-    P = T * K_TOP
-    BI, BD = cfg["BLOCK_I"], min(cfg["BLOCK_D"], D)
-    if BI not in (16, 32, 64, 128) or I % BI or D % BD or BD < 16:
-        raise ValueError(f"config: BLOCK_I={BI} must be 16/32/64/128 and divide inter={I}; BLOCK_D={BD} must be "
-                         f">= 16 and divide hidden={D}")
-    PB = 16 if (cfg.get("pb") == "tight" and P <= 16) else max(128, triton.next_power_of_2(P))
-    asm = 1 if (cfg.get("deq") == "asm" and not _interpreting()) else 0
-    xperm = 1 if cfg.get("xperm") else 0
-    xs = x
-    if xperm:
-        xs = (workspace or {}).get("xs")
-        if xs is None:
-            xs = torch.empty((T, D), dtype=torch.bfloat16, device=x.device)
-        elif xs.dtype != torch.bfloat16 or tuple(xs.shape) != (T, D) or not xs.is_contiguous():
-            raise ValueError(f"workspace['xs']: expected contiguous bfloat16 ({T}, {D})")
-    _dec_fused_kernel[(P, I // BI)](
-        x, w13p, w13s, w2p, w2s, ids, tw, out, xs, P, I, E, float(limit),
-        x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
-        w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2), out.stride(0),
-        K=D, TOPK=K_TOP, PB=PB, BLOCK_M=16, BI=BI, BLOCK_D=BD, ASM=asm, XPERM=xperm,
-        W2FMA=1 if cfg.get("w2") == "fma" else 0,
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
-    return out
-
-
 def moe_tile_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Group (token, slot) pairs by expert into ragged ``block_m`` tiles, on the ids' device with no
     host sync. Returns ``order`` (pairs sorted by expert, stable: within an expert, ascending pair
@@ -1185,24 +1040,6 @@ _DECODE = {
                     "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
     "mma_n32s8w2": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 2,
                     "BLOCK_N2": 32, "num_warps2": 2, "num_stages": 4},
-    # candidates (issue 20, moe1; NOTES "W4A16 MoE decode in one launch (issue 20, moe1)"): variant "fused",
-    # one launch for the whole routed MoE, accumulate=True only (fp32 out, atomic adds). Program = (expert
-    # tile of <= 16 pairs, BLOCK_I intermediate columns): w13 as mmaq_*x over the whole hidden K (packed
-    # dequant, x in plane order, tight id scan), SwiGLU, then w2's BLOCK_I-wide K-chunk over hidden in
-    # BLOCK_D column tiles ("w2": "fma": CUDA-core GEMV per valid row; else tl.dot). T=1 (6 pairs): 6 x
-    # inter/BLOCK_I programs, each 2*BLOCK_I*hidden/2 B of w13 + hidden*BLOCK_I/2 B of w2 (BLOCK_I 16: 96 KB).
-    # num_stages: the w13 loop moves 2 x 16 x BLOCK_I x 4 B per step (BLOCK_I 16: 2 KB), so deep pipelines
-    # keep bytes in flight at T=1 where an SM runs 1-2 programs
-    "fused_i16": {"path": "decode", "variant": "fused", "deq": "asm", "pb": "tight", "xperm": 1,
-                  "BLOCK_I": 16, "BLOCK_D": 256, "num_warps": 4, "num_stages": 6},
-    "fused_i32": {"path": "decode", "variant": "fused", "deq": "asm", "pb": "tight", "xperm": 1,
-                  "BLOCK_I": 32, "BLOCK_D": 256, "num_warps": 4, "num_stages": 4},
-    "fused_i64": {"path": "decode", "variant": "fused", "deq": "asm", "pb": "tight", "xperm": 1,
-                  "BLOCK_I": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
-    "fused_i16f": {"path": "decode", "variant": "fused", "deq": "asm", "pb": "tight", "xperm": 1, "w2": "fma",
-                   "BLOCK_I": 16, "BLOCK_D": 256, "num_warps": 4, "num_stages": 6},
-    "fused_i32f": {"path": "decode", "variant": "fused", "deq": "asm", "pb": "tight", "xperm": 1, "w2": "fma",
-                   "BLOCK_I": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {
@@ -1228,8 +1065,6 @@ _INTERP = {
                "BLOCK_N2": 256, "BLOCK_K2": 128, "num_warps2": 4},
     "prefill": {"path": "prefill", "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_N2": 128,
                 "num_warps": 4, "SUM_T": 16, "SUM_N": 256},
-    "fused": {"path": "decode", "variant": "fused", "deq": "asm", "pb": "tight", "xperm": 1,
-              "BLOCK_I": 64, "BLOCK_D": 256, "num_warps": 4, "num_stages": 1},
 }
 
 #: (token, expert) pairs up to which the decode path runs (prefill above). 256 covers batch 16 with MTP
@@ -1238,39 +1073,18 @@ _INTERP = {
 #: step's batch-16 MTP row, not yet by the kernel bench (its T=32 shape ran the prefill rows only).
 DECODE_MAX_PAIRS = 256
 
-#: with ``accumulate=True`` (fp32 ``out``), pairs up to which ``pick_config`` returns the one-launch row
-#: ``FUSED_DEFAULT`` on a GPU (above: the two-launch decode row, adding in its last launch's top-k tail, or
-#: prefill). 0 (OFF): the H200 timed it in session 7 (results/issue20/s7/call1/moe, `OUT=DIR bash
-#: scripts/gpu/moe.sh`, TP=4, CUDA graph, cold L2) and every one-launch row LOST to the two-launch mmaq_n64s2x,
-#: sm_89 build / native, us: T=1 best fused_i16f 49.9 / fused_i32 39.3 vs 25.4 / 25.3; T=4 fused_i32f 71.3 /
-#: 72.0 vs 56.5 / 58.4; T=16 fused_i32f 214.6 / fused_i64 212.0 vs 189.7 / 191.7 (NOTES "moe1" predicted 10-12
-#: us at T=1). The rows stay benchmark candidates; the interpreter keeps exercising the path.
-FUSED_MAX_PAIRS = 0
-#: the interpreter lane (CPU tests of the model and the kernel) runs the one-launch row up to this many pairs,
-#: so the composition's fp32 hand-off and the kernel stay exercised while the GPU default is off
-INTERP_FUSED_MAX_PAIRS = 96
-#: the one-launch row pick_config returns up to FUSED_MAX_PAIRS pairs (accumulate=True)
-FUSED_DEFAULT = "fused_i16"
-
-
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
-GPU_DEFAULTS = {a: ("mmaq_n64s2x",) + ((FUSED_DEFAULT,) if FUSED_MAX_PAIRS else ()) + ("prefill",)
-                for a in ("sm_89", "sm_90")}
+GPU_DEFAULTS = {a: ("mmaq_n64s2x", "prefill") for a in ("sm_89", "sm_90")}
 
 
-def pick_config(pairs: int, device: torch.device, accumulate: bool = False) -> dict:
-    """The default row for ``pairs`` (token, expert) pairs on ``device``; ``accumulate``: the caller adds
-    into a float32 ``out``, so the one-launch row (``FUSED_DEFAULT``) serves up to ``FUSED_MAX_PAIRS`` (GPU) /
-    ``INTERP_FUSED_MAX_PAIRS`` (interpreter)."""
+def pick_config(pairs: int, device: torch.device) -> dict:
+    """The default row for ``pairs`` (token, expert) pairs on ``device``; ``accumulate`` does not change
+    it (every path can add into a float32 ``out``)."""
     path = "decode" if pairs <= DECODE_MAX_PAIRS else "prefill"
-    top = FUSED_MAX_PAIRS if device.type == "cuda" else INTERP_FUSED_MAX_PAIRS
-    fused = accumulate and top > 0 and pairs <= top
     if device.type != "cuda":
-        return _INTERP["fused" if fused else path]
+        return _INTERP[path]
     arch = arch_of(device)
-    if fused:
-        return CONFIGS[arch][FUSED_DEFAULT]
     if path == "decode":
         # H200 (issue 20, session 5, NOTES "W4A16 MoE decode bandwidth (moe5)"): TP4 cold L2, sm_89 build /
         # native, us: mmaq_n64s2x T=1 25.6 / 25.2, T=4 58.6 / 58.1, T=16 189.8 / 191.8, the fastest row at

@@ -232,7 +232,7 @@ def test_step_terms_take_the_newest_default_run_not_an_ab_variant():
     step_rows = (rows_of("2026-12-01T10:00:00+00:00", 500.0, "python3 -m ds4lab.harness.step")
                  + rows_of("2026-12-02T10:00:00+00:00", 450.0, "python3 -m ds4lab.harness.step")
                  + rows_of("2026-12-02T10:00:00+00:00", 1111.0,
-                           "python3 -m ds4lab.harness.step --set 'backend_kernel.FUSE_Q_NORM=True'"))
+                           "python3 -m ds4lab.harness.step --set 'backend_kernel.COMPRESS_ONE_LAUNCH=False'"))
     terms = ada.step_terms(step_rows, load_results(), CARD, 4, 1)
     assert [t["us"] for t in terms if t["op"] == "attn.wq_b"] == [pytest.approx(450.0)]   # one run, the newest (above the floor)
     assert sum(t["op"] == "moe.experts" for t in terms) == 1                             # no variant merged in

@@ -152,8 +152,7 @@ def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, arch, cap):
         mhc: [mhc.pick_config(t, dev, f) for t in (1, 2, 4, 5, 64, 65, 4096) for f in (False, True)],
         moe_routing: [moe_routing.pick_config(t, dev) for t in (1, 512, 513, 10**5)],
         moe_gate: [moe_gate.pick_config(t, dev) for t in (1, 2, 3, 4, 16, 17, 64, 65, 4096)],
-        moe_w4a16: [moe_w4a16.pick_config(p, dev, acc) for p in (1, moe_w4a16.FUSED_MAX_PAIRS, moe_w4a16.FUSED_MAX_PAIRS + 1,
-                                                              256, 257, 10**5) for acc in (False, True)],
+        moe_w4a16: [moe_w4a16.pick_config(p, dev) for p in (1, 256, 257, 10**5)],
         sparse_mla: [sparse_mla.pick_config(h, dev, num_tokens=t) for h in (8, 16, 32, 64) for t in (1, 64)],
         topk: [topk.pick_config(n, dev) for n in (100, 16383, 16384, 10**6)],
     }

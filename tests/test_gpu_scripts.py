@@ -52,13 +52,6 @@ def test_ncu_digest_reads_a_real_ncu_raw_csv():
     assert mod.digest("no csv here") == ["no ncu rows (did the profiled calls run? see the .err file)"]
 
 
-def test_qmla_script_writes_logs_under_a_caller_relative_out_and_exits_1_without_cuda(tmp_path):
-    r = subprocess.run(["bash", str(ROOT / "scripts/gpu/qmla.sh")], cwd=tmp_path, capture_output=True, text=True,
-                       env={**_env(tmp_path), "OUT": "o", "BUILDS": "native", "QMLA_TIMEOUT": "60"}, timeout=90)
-    assert r.returncode == 1 and "QMLA native FAILED" in r.stdout, r.stdout + r.stderr
-    assert (tmp_path / "o" / "qmla_native.log").is_file()
-
-
 def test_compress_1l_script_smoke_and_exits_1_without_cuda(tmp_path):
     """scripts/gpu/compress_1l.py --smoke runs its own checks on the interpreter (one launch == the pair);
     the .sh reports the missing GPU as a failure."""

@@ -1,7 +1,7 @@
 """MoE routing and W4A16 experts: specifics beyond the registry sweep (issue 9): ragged experts
 (5, 0, 33 tokens), NaN in padding rows / workspaces, tiny scales, untouched experts never read,
-token permutation (bitwise), decode == prefill, router NaN/inf/ties/hash, bad inputs, the
-safetensors loader."""
+token permutation (bitwise), decode == prefill, accumulate=True into a float32 out, router
+NaN/inf/ties/hash, bad inputs, the safetensors loader."""
 import pytest
 import torch
 
@@ -239,6 +239,52 @@ def test_moe_bad_inputs():
         f(**{**ok, "x": ok["x"][:, :200]})
     with pytest.raises(ValueError, match="path"):
         f(**ok, config={"path": "nope"})
+
+
+# ---- accumulate=True: add into a float32 out (the model: the shared expert's fp32 output) ---------------
+def _acc_inputs(T=4, k=3, E=8, seed=11):
+    w = _weights(E=E, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(T, 256, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    tw = (torch.rand(T, k, generator=g) + 0.1).float()
+    out0 = torch.randn(T, 256, generator=g).float()      # nonzero: the add must keep it
+    return _dev({"x": x, **w, "topk_weights": tw, "topk_ids": ids}), out0
+
+
+@pytest.mark.parametrize("path", ["mmaq", "prefill", "decode"])
+def test_accumulate_adds_into_float32_out(path):
+    """The mma top-k tail and prefill's top-k sum add ``out`` in their last launch, the older decode
+    variant adds its result once: ``out - out0`` against the float64 routed sum on the bf16 budget; a
+    deliberately broken sum (the last pair's term left out) fails the same check."""
+    inp, out0 = _acc_inputs()
+    out = out0.clone().to(DEVICE)
+    assert K.fused_moe_w4a16(**inp, out=out, accumulate=True, config=PATHS[path]) is out
+    cpu = {k: v.cpu() for k, v in inp.items()}
+    zeros = torch.zeros(out0.shape, dtype=torch.float64)
+    ref = R.fused_moe_w4a16(**cpu, out=zeros, accumulate=True)
+    rep = compare(out.cpu().double() - out0.double(), ref, "bfloat16")
+    assert rep, rep.summary()
+    tw2 = cpu["topk_weights"].clone()
+    tw2[-1, -1] = 0.0
+    broken = R.fused_moe_w4a16(**{**cpu, "topk_weights": tw2}, out=zeros, accumulate=True)
+    assert not compare(broken, ref, "bfloat16")
+
+
+def test_accumulate_bad_out():
+    """accumulate=True needs a float32 (tokens, hidden) row-contiguous out on x's device (errors name
+    ``out``); no tokens: out returned untouched."""
+    inp, out0 = _acc_inputs(T=2)
+    f = K.fused_moe_w4a16
+    bads = ((None, ValueError), (out0.bfloat16().to(DEVICE), TypeError),
+            (torch.zeros(2, 128, device=DEVICE), ValueError), (torch.zeros(3, 256, device=DEVICE), ValueError),
+            (torch.zeros(2, 256, device="meta"), ValueError), (torch.zeros(256, 2, device=DEVICE).t(), ValueError))
+    for bad, err in bads:
+        with pytest.raises(err, match="out"):
+            f(**inp, out=bad, accumulate=True, config=MMAQ)
+    e = torch.zeros(0, 256, device=DEVICE)
+    empty = {**inp, "x": inp["x"][:0], "topk_weights": inp["topk_weights"][:0], "topk_ids": inp["topk_ids"][:0]}
+    assert f(**empty, out=e, accumulate=True) is e
 
 
 # ---- router ----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ def test_moe_bench_rows_and_table(tmp_path, monkeypatch):
         calls.append(len(fns))
         return (1.0, 2.0, 3.0), "stub"
     monkeypatch.setattr(bench, "time_calls", fake_time)
-    monkeypatch.setattr(moe_bench, "candidate_labels", lambda arch: ["mma_n32s4", "fused_i32", "broken"])
+    monkeypatch.setattr(moe_bench, "candidate_labels", lambda arch: ["mma_n32s4", "mmaq_n64s2x", "broken"])
     from ds4lab_kernels import moe_w4a16
     monkeypatch.setitem(moe_w4a16.CONFIGS["sm_89"], "broken", {"path": "nope"})
     monkeypatch.setattr(peer_moe, "SWEEP", {"m16n32k128w4s4": peer_moe.SWEEP["m16n32k128w4s4"]})
@@ -32,7 +32,7 @@ def test_moe_bench_rows_and_table(tmp_path, monkeypatch):
     monkeypatch.setattr("ds4lab.harness.specs.moe.MOE_CASES", ("random", "padding_nan"))
     rows = moe_bench.run("sm89", 4, [2], str(tmp_path), log=lambda *_: None, shape_of=shape, numerics_t=2)
     got = {(r["impl"], r["config_label"]): r["status"] for r in rows}
-    assert got[("ds4lab", "mma_n32s4")] == "OK" and got[("ds4lab", "fused_i32")] == "OK"
+    assert got[("ds4lab", "mma_n32s4")] == "OK" and got[("ds4lab", "mmaq_n64s2x")] == "OK"
     assert got[("ds4lab", "broken")] == "FAIL"
     assert got[(moe_bench.PEER, "vllm")] == "OK" and got[(moe_bench.PEER_GEMMS, "vllm")] == "OK"
     assert got[(moe_bench.PEER, "m16n32k128w4s4")] == "OK"

@@ -8,11 +8,11 @@ from ds4lab.model import backend_kernel as BK
 
 
 @pytest.mark.parametrize("text, words", [
-    ("FUSE_Q_NORM=True", "MODULE.NAME=VALUE"),
-    ("backend_kernel.FUSE_Q_NORM", "MODULE.NAME=VALUE"),
+    ("COMPRESS_ONE_LAUNCH=True", "MODULE.NAME=VALUE"),
+    ("backend_kernel.COMPRESS_ONE_LAUNCH", "MODULE.NAME=VALUE"),
     ("backend_kernel.fuse=True", "upper-case"),
     ("backend_kernel._X=1", "upper-case"),
-    ("backend_kernel.FUSE_Q_NORM=yes please", "not a Python literal"),
+    ("backend_kernel.COMPRESS_ONE_LAUNCH=yes please", "not a Python literal"),
     ("no-such.X=1", "not a name"),
 ])
 def test_malformed_settings_name_the_argument(text, words):
@@ -22,13 +22,15 @@ def test_malformed_settings_name_the_argument(text, words):
 
 
 def test_apply_rebinds_and_restores(monkeypatch):
-    monkeypatch.setattr(BK, "FUSE_Q_NORM", BK.FUSE_Q_NORM)
+    monkeypatch.setattr(BK, "COMPRESS_ONE_LAUNCH", BK.COMPRESS_ONE_LAUNCH)
     monkeypatch.setattr(BK, "INDEXER_FUSED_MAX_N", BK.INDEXER_FUSED_MAX_N)
-    old = BK.FUSE_Q_NORM
-    applied = S.apply_settings([f"backend_kernel.FUSE_Q_NORM={not old}", "backend_kernel.INDEXER_FUSED_MAX_N=0"])
-    assert BK.FUSE_Q_NORM is (not old) and BK.INDEXER_FUSED_MAX_N == 0
-    assert applied[0] == ("ds4lab.model.backend_kernel", "FUSE_Q_NORM", old, not old)
-    assert S.describe(applied) == f"set backend_kernel.FUSE_Q_NORM={not old!r}; backend_kernel.INDEXER_FUSED_MAX_N=0"
+    old = BK.COMPRESS_ONE_LAUNCH
+    applied = S.apply_settings([f"backend_kernel.COMPRESS_ONE_LAUNCH={not old}",
+                                "backend_kernel.INDEXER_FUSED_MAX_N=0"])
+    assert BK.COMPRESS_ONE_LAUNCH is (not old) and BK.INDEXER_FUSED_MAX_N == 0
+    assert applied[0] == ("ds4lab.model.backend_kernel", "COMPRESS_ONE_LAUNCH", old, not old)
+    assert S.describe(applied) == (f"set backend_kernel.COMPRESS_ONE_LAUNCH={not old!r}; "
+                                   "backend_kernel.INDEXER_FUSED_MAX_N=0")
 
 
 def test_kernel_module_table_keeps_its_type(monkeypatch):
@@ -40,7 +42,7 @@ def test_kernel_module_table_keeps_its_type(monkeypatch):
 
 @pytest.mark.parametrize("text, words", [
     ("backend_kernel.NO_SUCH_SWITCH=1", "has no NO_SUCH_SWITCH"),
-    ("backend_kernel.FUSE_Q_NORM=1", "is bool"),
+    ("backend_kernel.COMPRESS_ONE_LAUNCH=1", "is bool"),
     ("backend_kernel.INDEXER_FUSED_MAX_N=2.5", "is int"),
     ("not_a_kernel_module.X=1", "does not import"),
 ])
@@ -56,5 +58,5 @@ def test_step_cli_takes_repeated_set():
     from ds4lab.harness import step
     p = argparse.ArgumentParser()
     step.add_arguments(p)
-    a = p.parse_args(["--set", "backend_kernel.FUSE_Q_NORM=True", "--set", "moe_w4a16.FUSED_MAX_PAIRS=96"])
-    assert a.settings == ["backend_kernel.FUSE_Q_NORM=True", "moe_w4a16.FUSED_MAX_PAIRS=96"]
+    a = p.parse_args(["--set", "backend_kernel.COMPRESS_ONE_LAUNCH=True", "--set", "moe_w4a16.DECODE_MAX_PAIRS=96"])
+    assert a.settings == ["backend_kernel.COMPRESS_ONE_LAUNCH=True", "moe_w4a16.DECODE_MAX_PAIRS=96"]

@@ -45,10 +45,9 @@ def _shape(tp: int, T: int) -> dict:
 
 
 def candidate_labels(arch: str, only: list[str] | None = None) -> list[str]:
-    """The ds4lab rows timed: the decode rows ``pick_config`` returns today (``GPU_DEFAULTS``), every
-    ``mmaq_*`` candidate (issue 20, moe5: the packed-dequant variants) and every ``fused_*`` row (moe1:
-    one launch, timed as the model calls it, ``accumulate=True`` into an fp32 ``out``); ``only``: those
-    labels of the table (ValueError naming an unknown one)."""
+    """The ds4lab rows timed: the decode rows ``pick_config`` returns today (``GPU_DEFAULTS``) and every
+    ``mmaq_*`` candidate (issue 20, moe5: the packed-dequant variants); ``only``: those labels of the
+    table (ValueError naming an unknown one)."""
     from ds4lab_kernels.moe_w4a16 import CONFIGS, GPU_DEFAULTS
     t = CONFIGS[arch]
     if only:
@@ -57,22 +56,7 @@ def candidate_labels(arch: str, only: list[str] | None = None) -> list[str]:
             raise ValueError(f"--labels: {unknown} are not decode rows of the {arch} table")
         return list(only)
     defaults = [k for k in dict.fromkeys(GPU_DEFAULTS[arch]) if t[k]["path"] == "decode"]
-    return defaults + [k for k in t if k.startswith(("mmaq_", "fused_")) and k not in defaults]
-
-
-def _call(fn, inp: dict, cfg: dict, acc=None):
-    """One call of a row: the one-launch rows (variant "fused") add into the fp32 ``acc`` (the model's
-    shared-expert output buffer: ``accumulate=True``, no bf16 output); the others return bf16."""
-    if cfg.get("variant") == "fused":
-        return fn(**inp, config=cfg, out=acc, accumulate=True)
-    return fn(**inp, config=cfg)
-
-
-def _checked(fn, inp: dict, cfg: dict):
-    """A row's result for the numerics check: the fused rows add into zeros (their sum, fp32)."""
-    import torch
-    acc = torch.zeros(inp["x"].shape, dtype=torch.float32, device=inp["x"].device)
-    return _call(fn, inp, cfg, acc)
+    return defaults + [k for k in t if k.startswith("mmaq_") and k not in defaults]
 
 
 def _sync():
@@ -119,7 +103,7 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
         want = ref_fn(**inp)
         for label in labels:
             try:
-                got = _checked(fused_moe_w4a16, inp, CONFIGS[arch][label])
+                got = fused_moe_w4a16(**inp, config=CONFIGS[arch][label])
                 _sync()
                 reps = check_moe(got, want, inp)
                 ok = all(reps)
@@ -162,7 +146,7 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
             cfg = CONFIGS[arch][label]
             row = {**common, "impl": "ds4lab", "config_label": label, "config": json.dumps(cfg), "repro": repro}
             try:
-                got = _checked(fused_moe_w4a16, sets[0], cfg)
+                got = fused_moe_w4a16(**sets[0], config=cfg)
                 _sync()
                 reps = check_moe(got, want, sets[0])
                 ok, row["numerics"] = all(reps), "; ".join(r.summary() for r in reps)
@@ -175,10 +159,7 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
                 rows.append(row)
                 log(f"FAIL T={T} {label}: {row['numerics'][:200]}")
                 continue
-            # fused rows: one fp32 accumulator per set, allocated outside the graph (it grows by the MoE
-            # output each replay: finite over the bench's replays)
-            accs = [torch.zeros(s["x"].shape, dtype=torch.float32, device=dev) for s in sets]
-            emit(row, [lambda s=s, c=cfg, a=a: _call(fused_moe_w4a16, s, c, a) for s, a in zip(sets, accs)])
+            emit(row, [lambda s=s, c=cfg: fused_moe_w4a16(**s, config=c) for s in sets])
 
         if peer is not None:
             for plabel, pcfg in peer_moe.sweep_for(T, shape["topk"]).items():
@@ -249,7 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/local")
     p.add_argument("--peer-src", metavar="DIR")
     p.add_argument("--labels", nargs="+", metavar="LABEL",
-                   help="time only these ds4lab decode rows (default: the defaults, every mmaq_* and fused_* row)")
+                   help="time only these ds4lab decode rows (default: the defaults and every mmaq_* row)")
     p.add_argument("--peer-configs", nargs="+", metavar="LABEL",
                    help="time only these peer configs (labels of peer_moe.sweep_for: vllm, m16n32k64w2s4, ...)")
     p.add_argument("--straw-max-t", type=int, default=16,

@@ -85,8 +85,6 @@ ALLREDUCE_AFTER = {"attn.o_proj": 1, "moe.experts": 2}
 GROUP_OPS = {
     # attn.wq_b: in C4A layers the indexer's wq_b runs in the same GEMM (ds4lab.model.weights.fuse_layer)
     "attn.wqkv_a": ("wq_a_wkv",), "attn.wq_b": ("wq_b", "indexer_wq_b"), "attn.o_proj": ("o_proj", "wo_b"),
-    # attn.sparse_mla: with the fused q norm (backend_kernel.FUSE_Q_NORM) it reads the raw q instead of the
-    # normed one, the same T x H x 512 bf16 its bytes already count; attn.q_norm_rope (no formula) is gone
     "attn.sparse_mla": ("sparse_mla",),
     # the SWA and indexer K inserts run inside their producers' launches (q_kv_norm_rope(swa_cache=),
     # compressor_insert): their bytes are those groups' (a lower bound: the norm's and the compressor's

@@ -1,10 +1,10 @@
 """Run-time overrides of the decode path's module switches, for A/B runs of the step and the model check.
 
-The kernel backend's choices (``ds4lab.model.backend_kernel.FUSE_Q_NORM``, ``COMPRESS_ONE_LAUNCH``,
-``INDEXER_FUSED_MAX_N``, ...) and the kernels' own tables (``ds4lab_kernels.moe_gate.DECODE_DEFAULTS``,
-``ds4lab_kernels.moe_w4a16.FUSED_MAX_PAIRS``, ...) are module constants, so that one home holds each
-default. ``--set backend_kernel.FUSE_Q_NORM=True`` rebinds one of them in this process before the model
-is built, so a single device call can time the step with a candidate switched on and off.
+The kernel backend's choices (``ds4lab.model.backend_kernel.COMPRESS_ONE_LAUNCH``, ``INDEXER_FUSED_MAX_N``,
+``GATE_FUSED_MAX_T``, ...) and the kernels' own tables (``ds4lab_kernels.moe_gate.DECODE_DEFAULTS``,
+``ds4lab_kernels.moe_w4a16.DECODE_MAX_PAIRS``, ...) are module constants, so that one home holds each
+default. ``--set backend_kernel.COMPRESS_ONE_LAUNCH=False`` rebinds one of them in this process before the
+model is built, so a single device call can time the step with a candidate switched on and off.
 
 A setting is ``MODULE.NAME=VALUE``: ``MODULE`` is ``backend_kernel`` (``ds4lab.model.backend_kernel``) or
 a kernel module of ``ds4lab_kernels`` (``moe_gate``, ``fp8_gemm``, ...); ``NAME`` must already exist there
@@ -44,7 +44,7 @@ def parse_setting(text: str) -> tuple[str, str, object]:
         raise ValueError(f"--set {text!r}: expected MODULE.NAME=VALUE")
     mod, dot, name = key.strip().rpartition(".")
     if not dot or not mod:
-        raise ValueError(f"--set {text!r}: expected MODULE.NAME=VALUE (e.g. backend_kernel.FUSE_Q_NORM=True)")
+        raise ValueError(f"--set {text!r}: expected MODULE.NAME=VALUE (e.g. backend_kernel.COMPRESS_ONE_LAUNCH=False)")
     if not name.isidentifier() or name.startswith("_") or name.upper() != name:
         raise ValueError(f"--set {text!r}: NAME {name!r} must be a public upper-case constant")
     try:
@@ -105,7 +105,7 @@ def restore(applied: list[tuple[str, str, object, object]]) -> None:
 
 @contextlib.contextmanager
 def overridden(settings):
-    """``with overridden(["backend_kernel.FUSE_Q_NORM=True"]):`` the settings hold inside the block only
+    """``with overridden(["backend_kernel.COMPRESS_ONE_LAUNCH=False"]):`` the settings hold inside the block only
     (the step's A/B variants: one model, one cache fill, one CUDA graph per variant)."""
     applied = apply_settings(list(settings))
     try:
@@ -115,7 +115,7 @@ def overridden(settings):
 
 
 def describe(applied: list[tuple[str, str, object, object]]) -> str:
-    """The rows' note for a run with overrides: ``"set backend_kernel.FUSE_Q_NORM=True; ..."`` ('' if none)."""
+    """The rows' note for a run with overrides: ``"set backend_kernel.COMPRESS_ONE_LAUNCH=False; ..."`` ('' if none)."""
     if not applied:
         return ""
     short = {v: k for k, v in _PACKAGES.items()}
@@ -128,8 +128,8 @@ def add_set_argument(p: argparse.ArgumentParser, ab: bool = False) -> None:
     one extra variant per use, each timed after the plain run at every point."""
     p.add_argument("--set", dest="settings", action="append", metavar="MODULE.NAME=VALUE",
                    help="override a decode switch before the model is built, e.g. "
-                        "backend_kernel.FUSE_Q_NORM=True or moe_w4a16.FUSED_MAX_PAIRS=96 (repeatable)")
+                        "backend_kernel.COMPRESS_ONE_LAUNCH=False or moe_w4a16.DECODE_MAX_PAIRS=96 (repeatable)")
     if ab:
         p.add_argument("--ab", dest="variants", action="append", metavar="SETTING[,SETTING...]",
                        help="also time each point with these settings on top of --set (repeatable: one variant "
-                            "per use; the rows' note names it), e.g. --ab backend_kernel.COMPRESS_ONE_LAUNCH=True")
+                            "per use; the rows' note names it), e.g. --ab backend_kernel.COMPRESS_ONE_LAUNCH=False")

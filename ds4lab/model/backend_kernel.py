@@ -21,8 +21,6 @@ indexer_topk, decode        ``kernel:indexer.fp8_paged_mqa_topk`` (``max_len <=`
                             ``INDEXER_FUSED_MAX_N``, next_n 1, ``<= INDEXER_FUSED_MAX_B``; else the pair)
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
-  with ``q_norm``           ``kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)``: the q    1-2
-                            head norm + RoPE in the q load (``FUSE_Q_NORM``: off on GPUs: +1.4 us)
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
                             wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
 sparse_mla_o_proj           ``FUSE_O_QUANT`` (off on GPUs, untimed): the attention's merge writes     +0 /
@@ -35,8 +33,7 @@ hc_head                     ``kernel:mhc.hc_head``                              
 gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=16; above: mm + route) 1 / 2
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
 experts, INT4               ``kernel:moe_w4a16.fused_moe_w4a16`` (adds into the shared expert's  2 (decode)
-                            fp32 output; the one-launch row up to ``FUSED_MAX_PAIRS`` pairs:      / 3 (prefill)
-                            0 = off on GPUs: it lost on the H200, the interpreter runs it)       1 (one-launch)
+                            fp32 output in its last launch)                                      / 3 (prefill)
 compressor, T <= 64         ``kernel:compressor.compress_decode`` (state write + compress;     2 / 1
                             reads the bf16 GEMM output slice as is; ``COMPRESS_ONE_LAUNCH``: one
                             launch, bit-identical; on since session 7's H200 step A/B)
@@ -47,7 +44,6 @@ compressor_insert, T <= 64  ``kernel:compressor.compress_decode(+fp8_ds_mla|inde
 q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
                             (``swa_cache=``: ``(+fp8_ds_mla insert)``, the SWA entry in the launch)
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
-  (q: only unfused)
 rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
 index_maps (once a step)    ``kernel:step_maps.step_index_maps`` (all the step's maps)     1
 add (bf16 + bf16)           ``torch:add`` (one bf16 add: fp32 math, one rounding)              1
@@ -126,17 +122,6 @@ FUSE_SHARED_ACT_MAX_M = 32
 INDEXER_FUSED_MAX_N = 2048
 INDEXER_FUSED_MAX_B = 16
 INDEXER_FUSED_MAX_N_INTERP = 8192
-#: ``sparse_mla(q_norm=...)``: the q head RMSNorm + RoPE in sparse_mla_decode's q load (one launch a
-#: layer fewer, the same bf16 q: norm_rope's helpers) when True; False runs rmsnorm_rope then the
-#: attention. OFF on GPUs: the H200 (session 7, results/issue20/s7/call1/qmla, `OUT=DIR bash
-#: scripts/gpu/qmla.sh`) timed the fused launch 1.4-1.6 us SLOWER than the pair at T = 1 / 2 (sm89 C4A T=1:
-#: 15.57 vs 13.98 us; SWA 12.32 vs 10.89) and 5.2 us slower at C4A T=16 (NOTES.md "qmla6" predicted -1.5 to
-#: -2.2). The step A/B agrees (`ds4lab step --ab backend_kernel.FUSE_Q_NORM=True`, sm89, profiled op groups):
-#: attn.sparse_mla 476 -> 616 us at batch 1 (859 -> 1087 at batch 16) against attn.q_norm_rope 72 -> 0 and
-#: launch gaps -20: +40 to +150 us a step. The interpreter lane uses FUSE_Q_NORM_INTERP so the model's CPU
-#: tests keep exercising the fused load.
-FUSE_Q_NORM = False
-FUSE_Q_NORM_INTERP = True
 
 #: decode ``compressor`` / ``compressor_insert`` in ONE launch (``compress_decode``'s ``<name>_1l`` rows: each
 #: program writes its own state row and builds the window rows this launch writes from kv_score + ape;
@@ -178,7 +163,6 @@ K_Q_KV_NORM_ROPE_INSERT = "kernel:norm_rope.q_kv_rmsnorm_rope(+fp8_ds_mla insert
 K_COMPRESS_INSERT = ("kernel:compressor.compress_decode(+fp8_ds_mla insert)",
                      "kernel:compressor.compress_decode(+indexer K insert)")
 K_SPARSE_MLA = "kernel:sparse_mla.sparse_mla_decode"
-K_SPARSE_MLA_Q_NORM = "kernel:sparse_mla.sparse_mla_decode(fused q_norm_rope)"
 #: appended to the attention's kind when its merge writes o_proj's fp8 input (FUSE_O_QUANT)
 K_O_QUANT = "(+o_proj inv-RoPE + fp8 quant)"
 K_O_PROJ_FP8_INPUT = "kernel:o_proj.o_proj_fp8_input"
@@ -380,23 +364,13 @@ class KernelBackend(Backend):
 
     # ---- attention -------------------------------------------------------------------------
     def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
-                   swa_block, comp_block, scale, name="attn.sparse_mla", q_norm=None, o_quant=None):
-        """``q_norm`` with ``FUSE_Q_NORM`` (GPU) / ``FUSE_Q_NORM_INTERP`` (interpreter): the raw q (any token
-        stride, read in place) is normed and rotated inside the attention launch; else :meth:`normed_q`
-        first (its own launch). ``o_quant`` ``(positions, cos_sin, heads_per_group)`` (only from
-        :meth:`sparse_mla_o_proj`): returns o_proj's UE8M0 fp8 input ``(x, x_s)`` instead of the bf16 o."""
-        fused = q_norm is not None and (FUSE_Q_NORM if q.is_cuda else FUSE_Q_NORM_INTERP)
-        if not fused:
-            q = self.normed_q(q, q_norm).contiguous()
-        kw = {}
-        if fused:
-            positions, cos_sin, eps = q_norm
-            kw = {"q_norm_eps": eps, "positions": positions, "cos_sin": cos_sin}
-        if o_quant is not None:
-            kw.update(self._o_quant_kw(o_quant, kw))
-        with op_group(name, (K_SPARSE_MLA_Q_NORM if fused else K_SPARSE_MLA) + (K_O_QUANT if o_quant else "")):
+                   swa_block, comp_block, scale, name="attn.sparse_mla", o_quant=None):
+        """``o_quant`` ``(positions, cos_sin, heads_per_group)`` (only from :meth:`sparse_mla_o_proj`): returns
+        o_proj's UE8M0 fp8 input ``(x, x_s)`` instead of the bf16 o."""
+        kw = self._o_quant_kw(o_quant) if o_quant is not None else {}
+        with op_group(name, K_SPARSE_MLA + (K_O_QUANT if o_quant else "")):
             return self.k["smla"].sparse_mla_decode(
-                q.to(BF16), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
+                q.contiguous().to(BF16), swa_cache, swa_slots.to(torch.int32).contiguous(), swa_lens.to(torch.int32),
                 sink, comp_cache, None if comp_slots is None else comp_slots.to(torch.int32).contiguous(),
                 None if comp_lens is None else comp_lens.to(torch.int32).contiguous(), swa_block, comp_block, scale,
                 **kw)
@@ -413,16 +387,13 @@ class KernelBackend(Backend):
                                           check_positions=False, config=cfg)
 
     @staticmethod
-    def _o_quant_kw(o_quant, kw):
+    def _o_quant_kw(o_quant):
         positions, cos_sin, hpg = o_quant
-        if "positions" in kw and (kw["positions"] is not positions or kw["cos_sin"] is not cos_sin):
-            raise ValueError("o_quant: its positions / cos_sin must be the fused q norm's (one table per launch)")
         return {"o_fp8": True, "positions": positions, "cos_sin": cos_sin, "heads_per_group": hpg,
                 "scale_fmt": "ue8m0"}
 
     def sparse_mla_o_proj(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
-                          swa_block, comp_block, scale, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups,
-                          q_norm=None):
+                          swa_block, comp_block, scale, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups):
         """With ``FUSE_O_QUANT`` (GPU) / ``FUSE_O_QUANT_INTERP`` (interpreter), FP8 ``wo_a``/``wo_b`` and a
         decode-sized step: the attention launch writes o_proj's rotated, quantized input (group
         ``attn.sparse_mla``, kind ``... (+o_proj inv-RoPE + fp8 quant)``), then ``o_proj_fp8_input`` runs wo_a
@@ -431,14 +402,12 @@ class KernelBackend(Backend):
         on = FUSE_O_QUANT if q.is_cuda else FUSE_O_QUANT_INTERP
         oproj = self.k["oproj"]
         max_t = oproj.DECODE_DEFAULT_MAX_T if q.is_cuda else oproj.FUSED_MAX_T
-        qn_fused = q_norm is not None and (FUSE_Q_NORM if q.is_cuda else FUSE_Q_NORM_INTERP)
-        one_table = not qn_fused or (q_norm[0] is positions and q_norm[1] is cos_sin)
-        if not (on and wo_a.fp8 and wo_b.fp8 and q.shape[0] <= max_t and one_table):
+        if not (on and wo_a.fp8 and wo_b.fp8 and q.shape[0] <= max_t):
             return super().sparse_mla_o_proj(q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots,
                                              comp_lens, swa_block, comp_block, scale, positions, cos_sin, wo_a, wo_b,
-                                             n_groups, q_norm=q_norm)
+                                             n_groups)
         x, xs = self.sparse_mla(q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens, swa_block,
-                                comp_block, scale, q_norm=q_norm, o_quant=(positions, cos_sin, q.shape[1] // n_groups))
+                                comp_block, scale, o_quant=(positions, cos_sin, q.shape[1] // n_groups))
         with op_group("attn.o_proj", K_O_PROJ_FP8_INPUT):
             cfg = None if q.is_cuda else {"wo_b_fp8": _interp_gemm_config(q.shape[0])}
             return oproj.o_proj_fp8_input(x, xs, wo_a.weight, wo_b.weight, wo_a.scale, wo_b.scale, scale_fmt="ue8m0",
@@ -500,8 +469,8 @@ class KernelBackend(Backend):
 
     def experts(self, x, ex: Experts, weights, ids, limit, name="moe.experts", out=None):
         """INT4: ``fused_moe_w4a16``; with ``out`` (fp32, the shared expert's output) ``accumulate=True``:
-        up to ``moe_w4a16.FUSED_MAX_PAIRS`` pairs the one-launch row adds the routed experts into it with
-        fp32 atomics (no bf16 store of the routed output, no separate add)."""
+        the routed experts are added into it in the kernel's last launch (no bf16 store of the routed
+        output, no separate add)."""
         if ex.int4:
             with op_group(name, "kernel:moe_w4a16.fused_moe_w4a16"):
                 return self.k["moe"].fused_moe_w4a16(x.contiguous(), ex.w13_packed, ex.w13_scale, ex.w2_packed,

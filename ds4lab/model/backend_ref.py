@@ -119,8 +119,7 @@ class ReferenceBackend(Backend):
             return out.to(q_fp8.device)
 
     def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
-                   swa_block, comp_block, scale, name="attn.sparse_mla", q_norm=None):
-        q = self.normed_q(q, q_norm)          # the composition: q_norm_rope's bf16 q, then the attention
+                   swa_block, comp_block, scale, name="attn.sparse_mla"):
         with op_group(name, _k("sparse_mla.attend")):
             swa_all = rmla.dequant_slots(swa_cache, torch.arange(swa_cache.shape[0] * swa_block), swa_block)
             comp_all = None if comp_cache is None else \

@@ -180,8 +180,7 @@ class OpShadow:
         b.apply_defaults()
         A = b.arguments
         o = self.k.sparse_mla(*(A[n] for n in ("q", "swa_cache", "swa_slots", "swa_lens", "sink", "comp_cache",
-                                               "comp_slots", "comp_lens", "swa_block", "comp_block", "scale")),
-                              q_norm=A["q_norm"])
+                                               "comp_slots", "comp_lens", "swa_block", "comp_block", "scale")))
         r = self.r.o_proj(*(self._cpu(A[n]) if n != "o" else self._cpu(o)
                             for n in ("o", "positions", "cos_sin", "wo_a", "wo_b", "n_groups")))
         self._compare("o_proj", "attn.o_proj", [], [], out, r)

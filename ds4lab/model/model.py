@@ -18,8 +18,7 @@ mHC pre (+attn_norm) -> ``wqkv_a`` -> q_norm, kv_norm + RoPE (one op, ``q_kv_nor
 is written by the q/kv norm op -> [compressor (+ indexer compressor; each writes its boundary entries
 into its cache), indexer q, logits, top-512); C4A: the three bf16 GEMMs on ``x`` (both compressors'
 ``wkv_gate``, the indexer's ``weights_proj``) as one, ``attn.x_proj``, its column slices read in place]
--> per-head q RMSNorm + RoPE (``sparse_mla(q_norm=...)``: in the attention's q load on the kernel
-backend) and sparse MLA with sink over SWA (+
+-> per-head q RMSNorm + RoPE (``q_norm_rope``) and sparse MLA with sink over SWA (+
 compressed) -> o_proj (``sparse_mla_o_proj``: the kernel backend may quantize o_proj's input in the attention
 launch) -> mHC post -> mHC pre (+ffn_norm) ->
 router (hash ``tid2eid`` in layers < num_hash_layers, else sqrtsoftplus + bias) ->
@@ -108,7 +107,7 @@ class RankModel:
         else:
             q = o.linear(qr, L["wq_b"], "attn.wq_b")
             iq = o.linear(qr, L["idx"]["wq_b"], "indexer.wq_b") if idx else None
-        q = q.reshape(T, self.H, hd)      # raw: its head norm + RoPE run in the attention's q load (q_norm)
+        q = q.reshape(T, self.H, hd)      # raw (may be a column slice): normed right before the attention
         comp_cache = comp_slots = comp_lens = None
         if ratio:
             cm = maps["comp"][(ratio, C.n_comp)]
@@ -136,10 +135,11 @@ class RankModel:
                                             slot_base=cm["base"][:, 0])
             else:
                 comp_slots, comp_lens = cm["slots"], cm["lens"]
+        q = o.q_norm_rope(q, pos, cs, cfg.rms_norm_eps)    # per-head RMSNorm + RoPE, read in place
         # the attention and o_proj (kernel backend, FUSE_O_QUANT: o_proj's input quant in the attention launch)
         return o.sparse_mla_o_proj(q, C.swa, maps["swa_idx"], maps["swa_lens"], L["attn_sink"], comp_cache,
                                    comp_slots, comp_lens, 64, C.comp_block, hd ** -0.5, pos, cs, L["wo_a"], L["wo_b"],
-                                   self.G, q_norm=(pos, cs, cfg.rms_norm_eps))
+                                   self.G)
 
     def _compress(self, P, ks, pos, win, state, ratio, cs, name, cache, slots, block, insert_name):
         """``ks (T, 2*coff*hd)`` bf16: the ``wkv_gate`` GEMM output (may be a column slice of a
@@ -154,7 +154,7 @@ class RankModel:
                             L["tid2eid"])
         gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
         # the shared expert first, its down projection in fp32; the routed experts add into that buffer
-        # (the kernel backend: one launch, fp32 atomics); the fp32 sum is the mHC post's x (no add launch)
+        # (the kernel backend: in the experts kernel's last launch); the fp32 sum is the mHC post's x (no add launch)
         s = o.linear_swiglu(gu, L["shared_w2"], cfg.swiglu_limit, "moe.shared_w2", "moe.shared_act",
                             out_dtype=torch.float32)
         return o.experts(x, L["experts"], w, e, cfg.swiglu_limit, out=s)

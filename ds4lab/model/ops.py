@@ -231,36 +231,23 @@ class Backend:
 
     # ---- attention -------------------------------------------------------------------------
     def sparse_mla(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
-                   swa_block, comp_block, scale, name="attn.sparse_mla", q_norm=None):
-        """Sparse MLA with sink over the fp8_ds_mla caches -> ``(T, H, 512)`` bf16.
-
-        ``q_norm``: None (``q`` is the attention's q), or ``(positions, cos_sin, eps)``: ``q (T, H, hd)``
-        is the raw ``wq_b`` output (any token stride: a column slice of a fused GEMM output), and the
-        attention reads :meth:`q_norm_rope`'s bf16 result of it (:meth:`normed_q`). A backend may fuse
-        that norm into the attention's q load (the kernel backend does: no ``attn.q_norm_rope`` launch)."""
+                   swa_block, comp_block, scale, name="attn.sparse_mla"):
+        """Sparse MLA with sink over the fp8_ds_mla caches -> ``(T, H, 512)`` bf16 (``q``: the bf16 output
+        of :meth:`q_norm_rope`)."""
         raise NotImplementedError
-
-    def normed_q(self, q, q_norm):
-        """``q`` itself (``q_norm`` None) or :meth:`q_norm_rope` of it (group ``attn.q_norm_rope``):
-        the unfused form of :meth:`sparse_mla`'s ``q_norm``."""
-        if q_norm is None:
-            return q
-        positions, cos_sin, eps = q_norm
-        return self.q_norm_rope(q, positions, cos_sin, eps)
 
     def o_proj(self, o, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups, name="attn.o_proj"):
         """Inverse RoPE -> grouped ``wo_a`` -> ``wo_b`` -> ``(T, D)`` bf16."""
         raise NotImplementedError
 
     def sparse_mla_o_proj(self, q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens,
-                          swa_block, comp_block, scale, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups,
-                          q_norm=None):
+                          swa_block, comp_block, scale, positions, cos_sin, wo_a: Linear, wo_b: Linear, n_groups):
         """:meth:`sparse_mla` (group ``attn.sparse_mla``) then :meth:`o_proj` of its output at ``positions``
         (group ``attn.o_proj``) -> ``(T, D)`` bf16. This default composes the two; a backend may write
         o_proj's rotated, quantized input from the attention launch itself (the kernel backend with
         ``FUSE_O_QUANT``: the same bits, one launch fewer)."""
         a = self.sparse_mla(q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots, comp_lens, swa_block,
-                            comp_block, scale, q_norm=q_norm)
+                            comp_block, scale)
         return self.o_proj(a, positions, cos_sin, wo_a, wo_b, n_groups)
 
     # ---- mHC -------------------------------------------------------------------------------
@@ -299,8 +286,8 @@ class Backend:
         """Routed experts with the SwiGLU clamp -> ``(T, D)`` bf16. ``out``: a ``(T, D)`` float32 tensor
         holding the shared expert's output (:meth:`linear_swiglu` with ``out_dtype=float32``); the routed
         sum is added into it in place and ``out`` returned, the MoE's output for the mHC post. How the sum
-        rounds is the backend's: the kernel backend keeps it in fp32 (one launch adds the routed experts
-        into it); the reference rounds as vLLM does, ``bf16(bf16(routed) + bf16(shared))``."""
+        rounds is the backend's: the kernel backend keeps it in fp32 (the experts kernel's last launch adds
+        the routed sum into it); the reference rounds as vLLM does, ``bf16(bf16(routed) + bf16(shared))``."""
         raise NotImplementedError
 
     def swiglu(self, gu, limit, name):

@@ -15,7 +15,6 @@ Exit status 1 if any check fails. CSV -> DIR/cache_fused_<arch>.csv
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import sys
@@ -26,38 +25,15 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 TS = (1, 2, 16, 64)
 
 
-def _bytes(c):
-    import torch
-    return torch.as_strided(c, ((c.shape[0] - 1) * c.stride(0) + c[0].numel(),), (1,)) if c.dim() == 3 else c
-
-
-def _clone(d):
-    import torch
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, torch.Tensor) and not v.is_contiguous() and v.numel():
-            span = sum((n - 1) * s for n, s in zip(v.shape, v.stride())) + 1
-            v = torch.as_strided(torch.as_strided(v, (span,), (1,)).clone(), v.shape, v.stride())
-        elif isinstance(v, torch.Tensor):
-            v = v.clone()
-        out[k] = v
-    return out
+def _add_arguments(p):
+    p.add_argument("--cases", default="all", help="'all' or a comma list (the CPU smoke run: random)")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="sm89", choices=["native", "sm89"])
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--cases", default="all", help="'all' or a comma list (the CPU smoke run: random)")
-    args = p.parse_args(argv)
-    from ds4lab.harness.bench import _setup_build
-    _setup_build(args.arch)
+    from ds4lab.harness.gpu_check import cache_bytes, clone_inputs, setup
+    args, gpu = setup(argv, __doc__.splitlines()[0], _add_arguments, default_arch="sm89")   # the build first
+    cpu = not gpu   # a smoke run of the script's own code on the interpreter: T=1, no graph, no profiler
     import torch
-    cpu = not torch.cuda.is_available()
-    if cpu:   # a smoke run of the script's own code on the interpreter: T=1, no graph, no profiler
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        from ds4lab import interp
-        interp.install()
     from ds4lab.geometry import DEFAULT_CONFIG as cfg
     from ds4lab.harness.bench import kernels_per_call, time_calls
     from ds4lab.harness.registry import get
@@ -92,7 +68,7 @@ def main(argv=None) -> int:
             d = S.make_qkv_inputs(shape, case, 100 + T, dev)
             a = {k: v for k, v in d.items() if k not in ("kv_cache", "slot_mapping", "block_size")}
             try:
-                f, u = _clone(d), _clone(d)
+                f, u = clone_inputs(d), clone_inputs(d)
                 q1 = q_kv_rmsnorm_rope(**f)
                 q0, kv = q_kv_rmsnorm_rope(**a)
                 fp8_ds_mla_insert(kv, u["slot_mapping"], u["kv_cache"], 64)
@@ -125,7 +101,7 @@ def main(argv=None) -> int:
             for case in cut(list(S.COMP_CASES)):
                 d = S.make_comp_inputs(shape, case, 200 + T, dev)
                 try:
-                    f, u = _clone(d), _clone(d)
+                    f, u = clone_inputs(d), clone_inputs(d)
                     compress_decode(**f)
                     a = {k: v for k, v in u.items() if k not in ("cache", "cache_slots", "block_size")}
                     e = compress_decode(**a)
@@ -134,9 +110,10 @@ def main(argv=None) -> int:
                         fp8_ds_mla_insert(e, sl, u["cache"], u["block_size"])
                     else:
                         indexer_k_cache_insert(e, u["cache"], sl)
-                    same = torch.equal(_bytes(f["cache"]), _bytes(u["cache"])) and torch.equal(f["state"], u["state"])
+                    same = torch.equal(cache_bytes(f["cache"]), cache_bytes(u["cache"])) and \
+                        torch.equal(f["state"], u["state"])
                     row(f"compress_decode c{ratio} hd{hd}", T, f"bit_identical:{case}", same)
-                    reps = cspec.check(f["cache"], cspec.reference_fn()(**_clone(d)), f)
+                    reps = cspec.check(f["cache"], cspec.reference_fn()(**clone_inputs(d)), f)
                     row(f"compress_decode c{ratio} hd{hd}", T, f"reference:{case}", all(reps),
                         "; ".join(r.summary() for r in reps if not r))
                 except Exception as e:

@@ -31,24 +31,6 @@ CHECK_STEPS = [(1, 1), (2, 1), (2, 2), (8, 2), (16, 1), (16, 2), (64, 1), (64, 2
 TIME_STEPS = [(1, 1), (2, 2), (16, 1), (32, 2), (64, 1)]
 
 
-def _clone(d):
-    import torch
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, torch.Tensor) and not v.is_contiguous() and v.numel():
-            span = sum((n - 1) * s for n, s in zip(v.shape, v.stride())) + 1
-            v = torch.as_strided(torch.as_strided(v, (span,), (1,)).clone(), v.shape, v.stride())
-        elif isinstance(v, torch.Tensor):
-            v = v.clone()
-        out[k] = v
-    return out
-
-
-def _bytes(c):
-    import torch
-    return torch.as_strided(c, ((c.shape[0] - 1) * c.stride(0) + c[0].numel(),), (1,)) if c.dim() == 3 else c
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm89", choices=["native", "sm89"])
@@ -68,6 +50,7 @@ def main(argv=None) -> int:
         return 2
     from ds4lab.geometry import DEFAULT_CONFIG as cfg
     from ds4lab.harness.bench import kernels_per_call, time_calls
+    from ds4lab.harness.gpu_check import cache_bytes, clone_inputs
     from ds4lab.harness.specs.cache_fused import add_comp_cache
     from ds4lab.harness.specs.compressor import make_step_inputs
     from ds4lab_kernels.compressor import compress_decode, pick_config
@@ -94,15 +77,16 @@ def main(argv=None) -> int:
                 tag = "shuffled" if shuffle else "ordered"
                 try:
                     d = make_step_inputs(shape, 300 + T + nn, dev)
-                    a, b = _clone(d), _clone(d)
+                    a, b = clone_inputs(d), clone_inputs(d)
                     same = torch.equal(compress_decode(**a, config=pair), compress_decode(**b, config=one)) and \
                         torch.equal(a["state"], b["state"])
                     row(op, T, nn, f"bit_identical:{tag}", same)
                     dc = add_comp_cache(d, shape, 400 + T, dev)
-                    a, b = _clone(dc), _clone(dc)
+                    a, b = clone_inputs(dc), clone_inputs(dc)
                     compress_decode(**a, config=pair)
                     compress_decode(**b, config=one)
-                    same = torch.equal(_bytes(a["cache"]), _bytes(b["cache"])) and torch.equal(a["state"], b["state"])
+                    same = torch.equal(cache_bytes(a["cache"]), cache_bytes(b["cache"])) and \
+                        torch.equal(a["state"], b["state"])
                     row(op + " +cache", T, nn, f"bit_identical:{tag}", same)
                 except Exception as e:   # fail-soft: one error is a row
                     row(op, T, nn, f"error:{tag}", False, f"{type(e).__name__}: {e}")

@@ -17,8 +17,6 @@ Usage (tree root): python3 scripts/gpu/idx_topk_check.py --arch sm89 --out DIR  
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import os
 import sys
 import time
@@ -26,44 +24,26 @@ import time
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="native", choices=["native", "sm89"])
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+def _add_arguments(p):
     p.add_argument("--quick", action="store_true", help="N = 2048 only, default config only (a CPU smoke run)")
-    args = p.parse_args(argv)
-    from ds4lab.harness.bench import _setup_build
-    _setup_build(args.arch)
+
+
+def main(argv=None) -> int:
+    from ds4lab.harness.gpu_check import Checks, setup
+    args, gpu = setup(argv, __doc__.splitlines()[0], _add_arguments)     # the build first, before triton
     import torch
-    if not torch.cuda.is_available():   # a smoke run of this script's logic on the interpreter
-        os.environ["TRITON_INTERPRET"] = "1"
-        from ds4lab import interp
-        interp.install()
     from ds4lab.geometry import DEFAULT_CONFIG
     from ds4lab.harness.numerics import compare_exact
     from ds4lab.harness.registry import get
     from ds4lab.harness.specs import indexer as S
     from ds4lab_kernels import indexer as K
     from ds4lab_kernels._arch import arch_of
-    gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
     table = arch_of(dev)
     spec = get("fp8_paged_mqa_topk")
     H, k = DEFAULT_CONFIG.index_n_heads, DEFAULT_CONFIG.index_topk
-    rows = []
-
-    def row(check, what, ok, detail=""):
-        rows.append({"build": args.arch, "check": check, "what": what, "status": "PASS" if ok else "FAIL",
-                     "detail": str(detail)[:160]})
-        if not ok:
-            print(f"FAIL {check:<9} {what:<60} {rows[-1]['detail']}", flush=True)
-
-    def attempt(check, what, fn):
-        try:
-            ok, detail = fn()
-        except Exception as e:   # one failing candidate must not stop the rest
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        row(check, what, ok, detail)
+    ck = Checks(args.arch, widths=(9, 60))
+    rows, attempt = ck.rows, ck.attempt
 
     def left():
         return int(sum(int(b.abs().sum()) for b in K._ARRIVALS.values()))
@@ -142,16 +122,9 @@ def main(argv=None) -> int:
             attempt("graph", f"{shape}", graph)
 
     secs = time.time() - t0
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"idx_topk_check_{args.arch}.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    fails = [r for r in rows if r["status"] != "PASS"]
-    by = {}
-    for r in rows:
-        by.setdefault(r["check"], [0, 0])[r["status"] == "PASS"] += 1
+    path = ck.write_csv(args.out, "idx_topk_check")
+    fails = ck.failing()
+    by = ck.tally()
     print(f"\nbuild {args.arch} (table {table})\n{'check':<10} {'pass':>5} {'fail':>5}")
     for c, (nf, npass) in by.items():
         print(f"{c:<10} {npass:>5} {nf:>5}")

@@ -15,7 +15,6 @@ Exit status 1 if any check fails. CSV -> DIR/oproj_check_<arch>.csv
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import sys
@@ -30,33 +29,13 @@ class _SmokeDone(Exception):
     """CPU smoke run: the CUDA-only checks (graph, profiler) are skipped."""
 
 
-def _kernels_per_call(fn) -> int:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-             and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    return len(names)
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="sm89", choices=["native", "sm89"])
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args(argv)
-    from ds4lab.harness.bench import _setup_build
-    _setup_build(args.arch)
+    from ds4lab.harness.gpu_check import setup
+    args, gpu = setup(argv, __doc__.splitlines()[0], default_arch="sm89")   # the build first, before triton
+    cpu = not gpu   # a CPU smoke run of this script's own code: tiny shapes on the interpreter, no graph/profiler
     import torch
-    cpu = not torch.cuda.is_available()
-    if cpu:  # a CPU smoke run of this script's own code: tiny shapes on the interpreter, no graph/profiler
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        from ds4lab import interp
-        interp.install()
     from ds4lab.geometry import DEFAULT_CONFIG, op_shapes
+    from ds4lab.harness.bench import kernels_per_call
     from ds4lab.harness.numerics import compare_exact
     from ds4lab.harness.registry import get
     from ds4lab.harness.specs import o_proj as S
@@ -145,7 +124,7 @@ def main(argv=None) -> int:
             g.replay()
             torch.cuda.synchronize()
             checks["graph_replay_equal"] = torch.equal(gout, a)
-            n = _kernels_per_call(call)
+            n = kernels_per_call(call)
             checks[f"launches={n}"] = n <= max_launches
         except _SmokeDone:
             pass

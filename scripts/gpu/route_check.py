@@ -16,8 +16,6 @@ Usage (tree root): python3 scripts/gpu/route_check.py --arch sm89 --out DIR   (e
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import os
 import sys
 import time
@@ -28,37 +26,16 @@ NAMES = ("gate_sqrtsoftplus_topk", "indexer_q_rope_quant", "sqrtsoftplus_topk")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="native", choices=["native", "sm89"])
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args(argv)
-    from ds4lab.harness.bench import _setup_build
-    _setup_build(args.arch)
+    from ds4lab.harness.gpu_check import Checks, setup
+    args, gpu = setup(argv, __doc__.splitlines()[0])     # the build first, before triton is imported
     import torch
-    if not torch.cuda.is_available():   # a smoke run of this script's logic on the interpreter
-        os.environ["TRITON_INTERPRET"] = "1"
-        from ds4lab import interp
-        interp.install()
     from ds4lab.geometry import DEFAULT_CONFIG
     from ds4lab.harness.registry import get
     from ds4lab_kernels._arch import arch_of
-    gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
     table = arch_of(dev)
-    rows = []
-
-    def row(check, what, ok, detail=""):
-        rows.append({"build": args.arch, "check": check, "what": what, "status": "PASS" if ok else "FAIL",
-                     "detail": str(detail)[:160]})
-        if not ok:
-            print(f"FAIL {check:<11} {what:<70} {rows[-1]['detail']}", flush=True)
-
-    def attempt(check, what, fn):
-        try:
-            ok, detail = fn()
-        except Exception as e:   # one failing candidate must not stop the rest
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        row(check, what, ok, detail)
+    ck = Checks(args.arch, widths=(11, 70))
+    rows, attempt = ck.rows, ck.attempt
 
     t0 = time.time()
     # ---- registry checks -------------------------------------------------------------------------
@@ -152,17 +129,9 @@ def main(argv=None) -> int:
         attempt("graph", f"gate T={T}", graph)
 
     secs = time.time() - t0
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"route_check_{args.arch}.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    fails = [r for r in rows if r["status"] != "PASS"]
-    by = {}
-    for r in rows:
-        k = (r["check"], r["what"].split(" ")[0])
-        by.setdefault(k, [0, 0])[r["status"] == "PASS"] += 1
+    path = ck.write_csv(args.out, "route_check")
+    fails = ck.failing()
+    by = ck.tally(lambda r: (r["check"], r["what"].split(" ")[0]))
     print(f"\n{'build':<7} {'check':<12} {'kernel':<26} {'pass':>5} {'fail':>5}")
     for (c, k), (nf, npass) in by.items():
         print(f"{args.arch:<7} {c:<12} {k:<26} {npass:>5} {nf:>5}")

@@ -8,7 +8,6 @@ from ds4lab.geometry import op_shapes
 from ds4lab.harness import costs
 from ds4lab.harness.numerics import Report, compare, compare_exact
 from ds4lab.harness.registry import KernelSpec, kernel_configs, reference_baseline, register
-from ds4lab_kernels import moe_w4a16 as _moe
 
 GROUP = 128
 
@@ -297,8 +296,6 @@ register(KernelSpec(
                "vllm_triton_w4a16": _vllm_peer},
     bound="memory",
     aot_shape={"T": 16, "E": 8, "D": 4096, "I": 512, "topk": 6},
-    # the one-launch kernel is built for sm_120 (which compiles only GPU_DEFAULTS) once it is a GPU default
     sm89_mma={"_prefill_w13_kernel": "HMMA", "_prefill_w2_kernel": "HMMA",
-              "_dec_mma_w13_kernel": "HMMA", "_dec_mma_w2_kernel": "HMMA",
-              **({"_dec_fused_kernel": "HMMA"} if _moe.FUSED_DEFAULT in _moe.GPU_DEFAULTS["sm_89"] else {})},
+              "_dec_mma_w13_kernel": "HMMA", "_dec_mma_w2_kernel": "HMMA"},
 ))
