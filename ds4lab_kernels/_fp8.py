@@ -11,6 +11,12 @@ import triton.language as tl
 E4M3_MAX = 448.0
 
 
+#: the activation quant's amax floor (vLLM ``per_token_group_quant_fp8``'s ``eps``): the default of
+#: ``fp8_quant.per_token_group_quant_fp8``, ``fp8_gemm.w8a8_block_fp8_linear`` and the producers that write
+#: a linear's FP8 operand (``norm_rope.q_kv_rmsnorm_rope(q_fp8=True)``)
+ACT_QUANT_EPS = 1e-10
+
+
 @triton.jit
 def round_to_e4m3_grid(x):
     """fp32 -> fp32 on the e4m3 grid: clamp to ±448 (NaN propagates), round to nearest even."""

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
-from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2, ue8m0_to_fp32
+from ._fp8 import ACT_QUANT_EPS, fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2, ue8m0_to_fp32
 
 BLOCK_K = 128
 
@@ -488,7 +488,7 @@ ACTS = (None, "swiglu_clamp")
 
 def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                           out: torch.Tensor | None = None, config: dict | None = None,
-                          eps: float = 1e-10, fused: bool | None = None, act: str | None = None,
+                          eps: float = ACT_QUANT_EPS, fused: bool | None = None, act: str | None = None,
                           act_limit: float | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Block-FP8 linear from bf16 activations: ``per_token_group_quant_fp8(x, 128, "ue8m0")`` then
     :func:`fp8_gemm_nt`, with the activation quant fused into the GEMM's prologue for decode.

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of, require_fp8
-from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3
+from ._fp8 import ACT_QUANT_EPS, fp32_pow2_to_ue8m0, quant_rows_e4m3
 
 SCALE_FMTS = ("fp32", "pow2", "ue8m0", "ue8m0_packed")
 _FMT_CODE = {"fp32": 0, "pow2": 1, "ue8m0": 2, "ue8m0_packed": 2}
@@ -45,7 +45,7 @@ def _per_token_group_quant_fp8_kernel(
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128, scale_fmt: str = "fp32",
-                              eps: float = 1e-10, config: dict | None = None):
+                              eps: float = ACT_QUANT_EPS, config: dict | None = None):
     """Quantize activations to float8_e4m3fn with one scale per ``group_size`` columns.
 
     Args:

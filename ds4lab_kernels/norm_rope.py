@@ -23,7 +23,8 @@ import triton.language as tl
 
 from . import _checks
 from . import mla_cache
-from ._arch import arch_of
+from ._arch import arch_of, require_fp8
+from ._fp8 import ACT_QUANT_EPS, fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2
 from .mla_cache import fp8_ds_mla_pack
 
 __all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "swiglu_clamp", "CONFIGS", "rms_rstd", "rope_cos_sin",
@@ -131,14 +132,16 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
 
 @triton.jit
 def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_ptr, stride_xt, DQ, DKV, max_pos,
-                           eps, slot_ptr, c_u8_ptr, c_f8_ptr, c_bf16_ptr, stride_blk, n_slots,
-                           R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CACHE: tl.constexpr,
-                           CACHE_BLOCK: tl.constexpr):
+                           eps, slot_ptr, c_u8_ptr, c_f8_ptr, c_bf16_ptr, stride_blk, n_slots, q8_ptr, qs_ptr,
+                           q8_eps, R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                           CACHE: tl.constexpr, CACHE_BLOCK: tl.constexpr, Q_FP8: tl.constexpr):
     """Grid ``(T, 2)``.
     One program owns one segment of token ``t``: ``(t, 0)`` the q segment ``x[t, :DQ]`` (norm x gain
     -> ``q[t]``); ``(t, 1)`` the kv segment ``x[t, DQ:DQ+DKV]`` (norm x gain, bf16 round, GPT-J RoPE on the last
     ``R`` dims as ``R/2`` (even, odd) pairs -> ``kv[t]``; with ``CACHE`` (DKV 512, R 64) the row is not
-    stored but written as the fp8_ds_mla entry of slot ``slot_ptr[t]`` (``mla_cache.fp8_ds_mla_pack``))."""
+    stored but written as the fp8_ds_mla entry of slot ``slot_ptr[t]`` (``mla_cache.fp8_ds_mla_pack``)).
+    ``Q_FP8``: the q program also writes the bf16 q row's 1x128 FP8 quant (e4m3 ``q8[t]``, UE8M0 bytes
+    ``qs[t]``: ``fp8_gemm``'s prologue quant, ``_fp8.quant_rows_e4m3_pow2``), the next linear's operand."""
     t = tl.program_id(0)
     seg = tl.program_id(1)
     xrow = x_ptr + t.to(tl.int64) * stride_xt
@@ -149,7 +152,15 @@ def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_pt
         xq = tl.load(xrow + cq, mask=mq, other=0.0).to(tl.float32)
         rq = rms_rstd(xq, DQ, eps, 0)
         wq = tl.load(wq_ptr + cq, mask=mq, other=0.0).to(tl.float32)
-        tl.store(q_ptr + t.to(tl.int64) * DQ + cq, (xq * rq * wq).to(tl.bfloat16), mask=mq)
+        qb = (xq * rq * wq).to(tl.bfloat16)
+        tl.store(q_ptr + t.to(tl.int64) * DQ + cq, qb, mask=mq)
+        if Q_FP8:
+            # groups past DQ (BLOCK_Q > DQ) hold zeros and are not stored
+            g8, s8 = quant_rows_e4m3_pow2(tl.reshape(qb.to(tl.float32), (BLOCK_Q // 128, 128)), q8_eps, True)
+            tl.store(q8_ptr + t.to(tl.int64) * DQ + cq, tl.reshape(g8, (BLOCK_Q,)), mask=mq)
+            gi = tl.arange(0, BLOCK_Q // 128)
+            tl.store(qs_ptr + t.to(tl.int64) * (DQ // 128) + gi, fp32_pow2_to_ue8m0(s8).to(tl.uint8),
+                     mask=gi < DQ // 128)
     else:
         ck = tl.arange(0, BLOCK_KV)
         mk = ck < DKV
@@ -292,7 +303,7 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float
 def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, q_dim: int, eps: float,
                       positions: torch.Tensor, cos_sin: torch.Tensor, config: dict | None = None, *,
                       kv_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-                      block_size: int = 64):
+                      block_size: int = 64, q_fp8: bool = False):
     """The q_norm and kv_norm of the fused ``wq_a | wkv`` output, and the kv RoPE, one launch;
     optionally the kv's fp8_ds_mla cache insert in the same launch.
 
@@ -316,6 +327,8 @@ def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.
             a slot outside ``[0, num_blocks * block_size)`` (``-1``) skips the token; slots must be
             distinct (as for the insert).
         block_size: with ``kv_cache``: entries per cache block.
+        q_fp8: also return the q rows' 1x128 FP8 quant, the operand of the next block-FP8 linear
+            (``wq_b``) written by this launch: ``q_dim`` a multiple of 128, a device with FP8.
 
     Returns:
         ``(q (T, q_dim), kv (T, Dkv))`` bfloat16, contiguous: ``q = bf16(rms(x_q) * q_weight)``,
@@ -323,11 +336,16 @@ def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.
         between its norm and its rotation, as vLLM's ``kv_norm`` output feeds its rope kernel).
         With ``kv_cache``: ``q`` only; the cache holds, byte for byte, what
         ``fp8_ds_mla_insert(kv, slot_mapping, kv_cache, block_size)`` writes.
+        With ``q_fp8``: ``q`` is replaced by ``(q, q_fp8 (T, q_dim) float8_e4m3fn, q_scale (T, q_dim/128)
+        uint8 UE8M0)``, byte for byte ``fp8_quant.per_token_group_quant_fp8(q, 128, "ue8m0", eps=1e-10)``
+        (what ``fp8_gemm.w8a8_block_fp8_linear`` quantizes in its prologue), so the linear can run
+        ``fp8_gemm_nt`` on it.
 
     Raises:
         TypeError: wrong dtypes. ValueError: wrong shapes, ``q_dim`` outside the row, last dim not
         contiguous, bad ``cos_sin``, devices that differ; with ``kv_cache``: ``Dkv != 512`` or
-        ``R != 64``, a bad cache / ``block_size`` / ``slot_mapping`` (named), a device without FP8.
+        ``R != 64``, a bad cache / ``block_size`` / ``slot_mapping`` (named), a device without FP8;
+        with ``q_fp8``: ``q_dim`` not a multiple of 128, a device without FP8.
 
     Semantics: vLLM 0.32 ``models/deepseek_v4`` attention (``q_norm``, ``kv_norm`` RMSNorm modules,
     then the kv side of ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``);
@@ -362,6 +380,17 @@ def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.
             raise ValueError(f"{n}: device {t.device} != x device {x.device}")
     fused = kv_cache is not None
     q = torch.empty(T, q_dim, dtype=torch.bfloat16, device=x.device)
+    if not isinstance(q_fp8, bool):
+        raise TypeError(f"q_fp8={q_fp8!r}: expected a bool")
+    if q_fp8:
+        if q_dim % 128:
+            raise ValueError(f"q_fp8: needs q_dim a multiple of 128 (1x128 quant groups), got q_dim={q_dim}")
+        require_fp8("x", x.device, "q_kv_rmsnorm_rope(q_fp8=True)")
+        q8 = torch.empty(T, q_dim, dtype=torch.float8_e4m3fn, device=x.device)
+        qs = torch.empty(T, q_dim // 128, dtype=torch.uint8, device=x.device)
+    else:
+        q8 = qs = q                              # dummy pointers (not written)
+    ret_q = (q, q8, qs) if q_fp8 else q
     if fused:
         if dkv != mla_cache.HEAD_DIM or R != mla_cache.ROPE_DIM:
             raise ValueError(f"kv_cache: the fp8_ds_mla entry needs Dkv={mla_cache.HEAD_DIM} and R="
@@ -380,17 +409,18 @@ def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.
         u8 = f8 = bf = slots = x                 # dummy pointers (not read)
         stride = n_slots = 0
     if T == 0:
-        return q if fused else (q, kv)
+        return ret_q if fused else (ret_q, kv)
     if fused and n_slots == 0:
         u8 = f8 = bf = x                         # an empty cache: every slot is skipped
     cfg = config or pick_config("q_kv_rmsnorm_rope", T, x.device)
     _q_kv_norm_rope_kernel[(T, 2)](x, q_weight.contiguous(), kv_weight.contiguous(), positions.contiguous(),
                                    cos_sin.contiguous(), q, kv, x.stride(0), q_dim, dkv, cos_sin.shape[0],
-                                   float(eps), slots, u8, f8, bf, stride, n_slots, R=R,
-                                   BLOCK_Q=triton.next_power_of_2(q_dim), BLOCK_KV=triton.next_power_of_2(dkv),
-                                   CACHE=fused, CACHE_BLOCK=block_size if fused else 1,
+                                   float(eps), slots, u8, f8, bf, stride, n_slots, q8, qs, ACT_QUANT_EPS, R=R,
+                                   BLOCK_Q=max(128, triton.next_power_of_2(q_dim)),
+                                   BLOCK_KV=triton.next_power_of_2(dkv), CACHE=fused,
+                                   CACHE_BLOCK=block_size if fused else 1, Q_FP8=q_fp8,
                                    num_warps=cfg["num_warps"], num_stages=1)
-    return q if fused else (q, kv)
+    return ret_q if fused else (ret_q, kv)
 
 
 def swiglu_clamp(gu: torch.Tensor, limit: float, config: dict | None = None) -> torch.Tensor:

@@ -10,6 +10,8 @@ op (Backend method)         kind                                                
 linear, FP8 weight, T<=32   ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)``         1
                             (``FUSE_ACT_QUANT_MAX_M``; sm_89 T=1: the GEMV row ``gemv_w8``, T>2 ``fq_16x64``)
 linear, FP8 weight, T>32    ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
+linear, FP8 input copy      ``kernel:fp8_gemm.fp8_gemm_nt(producer quant)``: the input's producer   1
+                            wrote its FP8 copy (``PRODUCER_QUANT``: ``wq_b`` after ``q_kv_norm_rope``)
 shared down (SwiGLU input)  ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused swiglu_clamp + quant)`` up to
                             ``FUSE_SHARED_ACT_MAX_M`` (32) tokens, else swiglu_clamp + the linear         1
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
@@ -42,7 +44,8 @@ compressor_insert, T <= 64  ``kernel:compressor.compress_decode(+fp8_ds_mla|inde
                             ``COMPRESS_ONE_LAUNCH`` as above; T > 64: torch compressor + the insert,
                             groups ``name`` + ``insert_name``)
 q_kv_norm_rope              ``kernel:norm_rope.q_kv_rmsnorm_rope`` (q_norm + kv_norm + kv rope) 1
-                            (``swa_cache=``: ``(+fp8_ds_mla insert)``, the SWA entry in the launch)
+                            (``swa_cache=``: ``(+fp8_ds_mla insert)``, the SWA entry in the launch;
+                            ``PRODUCER_QUANT``: ``(+fp8_ds_mla insert, q fp8)``, q's FP8 copy too)
 rmsnorm / q_norm_rope /     ``kernel:norm_rope.rmsnorm_rope(norm|norm+rope|rope)`` (q: any     1 each
 rope / swiglu               token stride) / ``kernel:norm_rope.swiglu_clamp``                    1
 index_maps (once a step)    ``kernel:step_maps.step_index_maps`` (all the step's maps)     1
@@ -144,6 +147,20 @@ COMPRESS_ONE_LAUNCH_INTERP = True
 FUSE_O_QUANT = False
 FUSE_O_QUANT_INTERP = True
 
+#: producer quant (issue 20 "fuse the activation quant into the producer of each linear's input", ``pq``):
+#: the op that makes a block-FP8 linear's input also writes its 1x128 FP8 copy (UE8M0 scales, byte for
+#: byte the quant ``w8a8_block_fp8_linear`` runs in its prologue), and the linear runs ``fp8_gemm_nt`` on
+#: it (no quant in the GEMM, no quant launch). Today: ``q_kv_norm_rope`` for ``wq_b`` (and C4A's fused
+#: ``wq_b | indexer wq_b``). The handoff is the attribute :data:`FP8_COPY` on the bf16 output (kept, for
+#: any other reader and the model check's op shadow). The H200 rows (session 7, sm89, us, plain vs fused
+#: quant, same tiles): wq_b M=1 4.96 vs 6.36 (session 5), M=16 6.11 vs 7.61, M=32 6.94 vs 9.25. OFF on GPUs
+#: until the step A/B times it (`ds4lab step --ab backend_kernel.PRODUCER_QUANT=True`); the interpreter lane
+#: uses PRODUCER_QUANT_INTERP so the model's CPU tests exercise it.
+PRODUCER_QUANT = False
+PRODUCER_QUANT_INTERP = True
+#: the attribute a producer sets on its bf16 output: ``(x_fp8 (T, K) float8_e4m3fn, x_scale (T, K/128) uint8)``
+FP8_COPY = "ds4lab_fp8_copy"
+
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
 DECODE_MAX_T = 64
@@ -151,6 +168,7 @@ DECODE_MAX_T = 64
 K_LINEAR_FP8 = "kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt"
 K_LINEAR_FP8_FUSED = "kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)"
 K_LINEAR_FP8_FUSED_ACT = "kernel:fp8_gemm.w8a8_block_fp8_linear(fused swiglu_clamp + quant)"
+K_LINEAR_FP8_PRODUCER = "kernel:fp8_gemm.fp8_gemm_nt(producer quant)"
 K_INDEXER_TOPK_FUSED = "kernel:indexer.fp8_paged_mqa_topk"
 K_INDEXER_TOPK = "kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices"
 K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
@@ -159,6 +177,7 @@ K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
 K_Q_KV_NORM_ROPE = "kernel:norm_rope.q_kv_rmsnorm_rope"
 K_STEP_MAPS = "kernel:step_maps.step_index_maps"
 K_Q_KV_NORM_ROPE_INSERT = "kernel:norm_rope.q_kv_rmsnorm_rope(+fp8_ds_mla insert)"
+K_Q_KV_NORM_ROPE_INSERT_Q8 = "kernel:norm_rope.q_kv_rmsnorm_rope(+fp8_ds_mla insert, q fp8)"
 #: [fp8_ds_mla (hd 512), indexer K (hd 128)]
 K_COMPRESS_INSERT = ("kernel:compressor.compress_decode(+fp8_ds_mla insert)",
                      "kernel:compressor.compress_decode(+indexer K insert)")
@@ -232,6 +251,9 @@ class KernelBackend(Backend):
 
     def linear(self, x, lin: Linear, name, out_dtype=BF16):
         x2 = x.reshape(-1, x.shape[-1])
+        copy = getattr(x, FP8_COPY, None)
+        if lin.fp8 and copy is not None:
+            return self._linear_fp8_copy(x, copy, lin, name, out_dtype)
         if lin.fp8:
             # up to FUSE_ACT_QUANT_MAX_M tokens the quant runs in the GEMM's prologue (1 launch,
             # bit-identical); above, quant + GEMM (2 launches)
@@ -252,6 +274,27 @@ class KernelBackend(Backend):
                 y = F.linear(x2.to(lin.weight.dtype), lin.weight).to(out_dtype)
         return y.reshape(*x.shape[:-1], -1)
 
+    def _linear_fp8_copy(self, x, copy, lin: Linear, name, out_dtype):
+        """The linear on its input's FP8 copy (``PRODUCER_QUANT``): ``fp8_gemm_nt`` alone, at the tiles the
+        fused-quant launch would take for this many tokens (``fp8_gemm.fused_config_label``; above
+        ``FUSED_MAX_M`` the plain table), so the only change is the quant moved to the producer."""
+        q8, qs = copy
+        M = q8.shape[0]
+        g = self.k["gemm"]
+        if not x.is_cuda:
+            cfg = _interp_gemm_config(M)
+        elif M <= g.FUSED_MAX_M:
+            cfg = g.pick_fused_config(M, x.device)
+        else:
+            cfg = g.pick_config(M, x.device)
+        od = out_dtype if out_dtype in (BF16, F32) else BF16
+        with op_group(name, K_LINEAR_FP8_PRODUCER):
+            out = torch.empty((M, lin.weight.shape[0]), dtype=od, device=x.device)
+            y = g.fp8_gemm_nt(q8, qs, lin.weight, lin.scale, out=out, config=cfg)
+            if out_dtype != od:
+                y = y.to(out_dtype)
+        return y.reshape(*x.shape[:-1], -1)
+
     def q_kv_norm_rope(self, qkv, q_dim, q_weight, kv_weight, eps, positions, cos_sin, name="attn.q_kv_norm_rope",
                        swa_cache=None, swa_slots=None, swa_block=64):
         """``swa_cache`` given: the kv's fp8_ds_mla entry is written in the same launch (any T: one
@@ -260,9 +303,15 @@ class KernelBackend(Backend):
             with op_group(name, K_Q_KV_NORM_ROPE):
                 return self.k["nr"].q_kv_rmsnorm_rope(qkv.to(BF16), q_weight, kv_weight, q_dim, eps, positions,
                                                       cos_sin)
-        with op_group(name, K_Q_KV_NORM_ROPE_INSERT):
-            return self.k["nr"].q_kv_rmsnorm_rope(qkv.to(BF16), q_weight, kv_weight, q_dim, eps, positions, cos_sin,
-                                                  kv_cache=swa_cache, slot_mapping=swa_slots, block_size=swa_block)
+        q8 = (PRODUCER_QUANT if qkv.is_cuda else PRODUCER_QUANT_INTERP) and q_dim % 128 == 0
+        with op_group(name, K_Q_KV_NORM_ROPE_INSERT_Q8 if q8 else K_Q_KV_NORM_ROPE_INSERT):
+            q = self.k["nr"].q_kv_rmsnorm_rope(qkv.to(BF16), q_weight, kv_weight, q_dim, eps, positions, cos_sin,
+                                               kv_cache=swa_cache, slot_mapping=swa_slots, block_size=swa_block,
+                                               q_fp8=q8)
+        if q8:     # wq_b reads the FP8 copy (see PRODUCER_QUANT); q itself stays for any other reader
+            q, qf, qs = q
+            setattr(q, FP8_COPY, (qf, qs))
+        return q
 
     def q_norm_rope(self, q, positions, cos_sin, eps, name="attn.q_norm_rope"):
         with op_group(name, K_NORM_ROPE):      # q may be a column slice of a fused GEMM output (row stride)
