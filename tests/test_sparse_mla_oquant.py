@@ -272,10 +272,11 @@ def test_backend_switch_same_output_one_launch_fewer(monkeypatch):
         def exit(self, name, kind):
             pass
     from ds4lab.model.ops import set_hook
-    assert bk.FUSE_O_QUANT is False and bk.FUSE_O_QUANT_INTERP is True
+    sw = "FUSE_O_QUANT_INTERP" if DEVICE == "cpu" else "FUSE_O_QUANT"   # the switch this device reads
+    monkeypatch.setattr(bk, sw, True)
     kb.sparse_mla_o_proj(*args)       # first call: the split-K counter buffers are allocated (zeroed) once
     fused, n = count_launches(kb.sparse_mla_o_proj, *args)
-    monkeypatch.setattr(bk, "FUSE_O_QUANT_INTERP", False)
+    monkeypatch.setattr(bk, sw, False)
     old = set_hook(Hook())
     try:
         kb.sparse_mla_o_proj(*args)
@@ -288,7 +289,7 @@ def test_backend_switch_same_output_one_launch_fewer(monkeypatch):
         assert n["attn.sparse_mla"] == n2["attn.sparse_mla"] == 2 and n["attn.o_proj"] == n2["attn.o_proj"] == 2, \
             (n, n2)
     assert kinds["attn.o_proj"] == "kernel:o_proj.o_proj" and kinds["attn.sparse_mla"] == bk.K_SPARSE_MLA
-    monkeypatch.setattr(bk, "FUSE_O_QUANT_INTERP", True)
+    monkeypatch.setattr(bk, sw, True)
     old = set_hook(Hook())
     try:
         kb.sparse_mla_o_proj(*args)

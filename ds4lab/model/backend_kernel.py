@@ -120,9 +120,14 @@ FUSE_SHARED_ACT_MAX_M = 32
 #: N=2,048 one launch vs the pair: B=1 15.3 / 14.5 vs 17.3 / 15.2; B=2 15.8 vs 18.6; B=16 21.5 / 21.0 vs
 #: 23.2 / 21.4. It loses at B=32 (26.1 vs 25.0), at next_n 2 (B=1: 27.7 vs 20.9: the select reads both
 #: rows serially) and at N=8,192 (44.0 vs 23.1: the one-program select of a long row). 0 turns it off.
+#: The bound is the static cache size (``n_comp``: ``ceil(max_ctx / 4)`` rounded up to the 64-entry block),
+#: not the live length: the step at ctx 8k (max_ctx 8,200) has n_comp 2,112, so 2,048 never engaged it there.
+#: Session 8 (results/issue20/s8/call2, `ds4lab step --ab backend_kernel.INDEXER_FUSED_MAX_N=4096 --abba`,
+#: sums of the profiled op groups): batch 1 -133 us (sm89) / -97 (native), batch 16 -20 / -5; next_n 2 does
+#: not take it. So 2,048 -> 2,112 (the largest size timed in the step; 8,192 lost at kernel level).
 #: The interpreter lane uses INDEXER_FUSED_MAX_N_INTERP at any next_n and batch, so the model's CPU tests
 #: keep exercising it.
-INDEXER_FUSED_MAX_N = 2048
+INDEXER_FUSED_MAX_N = 2112
 INDEXER_FUSED_MAX_B = 16
 INDEXER_FUSED_MAX_N_INTERP = 8192
 
@@ -142,8 +147,11 @@ COMPRESS_ONE_LAUNCH_INTERP = True
 #: merge launch (``sparse_mla_decode(o_fp8=True)``, the bits of ``inv_rope_fp8_quant`` of the bf16 o), then
 #: ``o_proj_fp8_input`` (wo_a + wo_b: 2 launches); False = the attention's bf16 o, then o_proj's 3 launches.
 #: Up to ``o_proj.DECODE_DEFAULT_MAX_T`` tokens on a GPU (the 3-launch row's range), ``o_proj.FUSED_MAX_T``
-#: on the interpreter. OFF on GPUs until the H200 times it (`ds4lab step --ab backend_kernel.FUSE_O_QUANT=True`,
-#: NOTES.md "ofuse"); the interpreter lane runs it so the model's CPU tests keep exercising it.
+#: on the interpreter. OFF on GPUs: the session-8 step A/B (results/issue20/s8/call2, --abba, sm89, sums of
+#: the profiled op groups) moved the cost, it did not remove it: attn.sparse_mla +68 us at batch 1 (+1.6 us a
+#: layer: the 128-dim merge programs with the epilogue), attn.o_proj -69, launch gaps -28 (one launch a layer
+#: fewer): batch 1 -37 / MTP -20 us, batch 16 +5 / MTP +30 (sparse_mla +129 / +149); native -31 / -6 / +19 /
+#: -28. The interpreter lane runs it so the model's CPU tests keep exercising it (NOTES.md "ofuse").
 FUSE_O_QUANT = False
 FUSE_O_QUANT_INTERP = True
 
@@ -152,11 +160,13 @@ FUSE_O_QUANT_INTERP = True
 #: byte the quant ``w8a8_block_fp8_linear`` runs in its prologue), and the linear runs ``fp8_gemm_nt`` on
 #: it (no quant in the GEMM, no quant launch). Today: ``q_kv_norm_rope`` for ``wq_b`` (and C4A's fused
 #: ``wq_b | indexer wq_b``). The handoff is the attribute :data:`FP8_COPY` on the bf16 output (kept, for
-#: any other reader and the model check's op shadow). The H200 rows (session 7, sm89, us, plain vs fused
-#: quant, same tiles): wq_b M=1 4.96 vs 6.36 (session 5), M=16 6.11 vs 7.61, M=32 6.94 vs 9.25. OFF on GPUs
-#: until the step A/B times it (`ds4lab step --ab backend_kernel.PRODUCER_QUANT=True`); the interpreter lane
-#: uses PRODUCER_QUANT_INTERP so the model's CPU tests exercise it.
-PRODUCER_QUANT = False
+#: any other reader and the model check's op shadow). The H200 kernel rows (session 7, sm89, us, plain vs
+#: fused quant, same tiles): wq_b M=1 4.96 vs 6.36 (session 5), M=16 6.11 vs 7.61, M=32 6.94 vs 9.25. The step
+#: A/B, session 8 (results/issue20/s8/call2, `ds4lab step --ab backend_kernel.PRODUCER_QUANT=True --abba`, sums
+#: of the profiled op groups, us): sm89 batch 1 -134, batch 1 MTP -110, batch 16 -79, batch 16 MTP -133;
+#: native -11 / -123 / -105 / -159; the model check (batch 4 x next_n 1) passed with it. ON. The interpreter
+#: lane uses PRODUCER_QUANT_INTERP.
+PRODUCER_QUANT = True
 PRODUCER_QUANT_INTERP = True
 #: the attribute a producer sets on its bf16 output: ``(x_fp8 (T, K) float8_e4m3fn, x_scale (T, K/128) uint8)``
 FP8_COPY = "ds4lab_fp8_copy"
