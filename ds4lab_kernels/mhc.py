@@ -27,12 +27,16 @@ import triton
 import triton.language as tl
 
 from . import _checks as check
-from ._arch import arch_of, num_sms
+from ._arch import arch_of, num_sms, require_fp8
+from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2
+from .fp8_quant import per_token_group_quant_fp8
 
 HC = 4  # DeepSeek-V4 hc_mult
 SEAM_MAX_TILES = 64  # token blocks the seam's barrier buffer serves (16 tokens each)
 SEAM_MAX_T = 64  # the seam rows serve decode sizes; above, a seam row falls back to the two-pass kernels
 PRECISIONS = ("tf32", "ieee")
+QUANT_GROUP = 128  # mhc_fused_post_pre(quant_out=True): columns per UE8M0 scale (DeepSeek-V4's 1x128 activations)
+QUANT_EPS = 1e-10  # its amax floor: per_token_group_quant_fp8's default, what the FP8 linears' fused prologue uses
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -152,11 +156,11 @@ def _mhc_post_kernel(
 @triton.jit
 def _mhc_apply_kernel(
     mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, w_ptr,
-    post_ptr, comb_ptr, out_ptr, res_out_ptr,
-    T, S, D, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps,
-    stride_ms, stride_mt, stride_ss, stride_rt, stride_rh, stride_ot, stride_rot, stride_roh,
+    post_ptr, comb_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr,
+    T, S, D, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps, q_eps,
+    stride_ms, stride_mt, stride_ss, stride_rt, stride_rh, stride_ot, stride_rot, stride_roh, stride_qt, stride_qst,
     HC_: tl.constexpr, HEAD: tl.constexpr, HAS_NORM: tl.constexpr, BROADCAST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False,
 ):
     """Grid ``(cdiv(T, BLOCK_T),)``.
     One program: BLOCK_T tokens, each with its whole hidden row (reduce, gates, Sinkhorn, collapse).
@@ -165,6 +169,10 @@ def _mhc_apply_kernel(
 
     HEAD: hc_head (4 mixes, pre gates only, no norm). BROADCAST: the residual is one ``[T, D]`` row read for
     every stream (layer 0); the 4 copies are written to ``res_out``.
+    QUANT (issue 20, pq-mhc): also the layer input's FP8 copy, from the bf16 values written: e4m3 to ``q_ptr``
+    (row stride ``stride_qt``) and one UE8M0 byte per 128 columns to ``qs_ptr`` (``stride_qst``), the program's
+    whole rows as ``[BLOCK_T * BLOCK_D / 128, 128]`` groups (:func:`_fp8.quant_rows_e4m3_pow2`, amax floor
+    ``q_eps``); needs ``D % 128 == 0`` (groups past D are padding, not stored).
     """
     pid = tl.program_id(0)
     rt = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -225,9 +233,20 @@ def _mhc_apply_kernel(
         yf = yb.to(tl.float32)
         inv = tl.math.rsqrt(tl.sum(yf * yf, axis=1) / D + norm_eps)
         w = tl.load(w_ptr + rd, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(o_row, (yf * inv[:, None] * w[None, :]).to(tl.bfloat16), mask=m2d)
+        ob = (yf * inv[:, None] * w[None, :]).to(tl.bfloat16)
+        tl.store(o_row, ob, mask=m2d)
     else:
+        ob = yb
         tl.store(o_row, yb, mask=m2d)
+    if QUANT:
+        NG: tl.constexpr = BLOCK_D // 128
+        tl.static_assert(BLOCK_D % 128 == 0)
+        q, sc = quant_rows_e4m3_pow2(tl.reshape(ob.to(tl.float32), (BLOCK_T * NG, 128)), q_eps)
+        tl.store(q_ptr + rt64[:, None] * stride_qt + rd[None, :], tl.reshape(q, (BLOCK_T, BLOCK_D)), mask=m2d)
+        rg = tl.arange(0, NG)
+        tl.store(qs_ptr + rt64[:, None] * stride_qst + rg[None, :],
+                 tl.reshape(fp32_pow2_to_ue8m0(sc).to(tl.uint8), (BLOCK_T, NG)),
+                 mask=tmask[:, None] & (rg < D // 128)[None, :])
 
 
 @triton.jit
@@ -559,13 +578,13 @@ def _count_sync(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr):
 def _mhc_seam1_kernel(
     x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
     fn_ptr, scale_ptr, base_ptr, w_ptr, part_ptr, cnt_ptr,
-    post_ptr, comb_ptr, out_ptr,
-    T, D, S, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps,
+    post_ptr, comb_ptr, out_ptr, q_ptr, qs_ptr,
+    T, D, S, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps, q_eps,
     stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh, stride_fn,
-    stride_yt,
+    stride_yt, stride_qt, stride_qst,
     HC_: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     PART_W: tl.constexpr, STEP: tl.constexpr,
-    HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
+    HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr, QUANT: tl.constexpr = False,
 ):
     """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``; 1-4 token blocks (fp32 FMA mixes).
     One program (m, s) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` x hidden columns ``[s*BLOCK_D, +BLOCK_D)`` of
@@ -586,6 +605,9 @@ def _mhc_seam1_kernel(
     fixed order (the same bits whichever program is last). PHASE 0: one launch (GPU). PHASE 1 / 2: phase
     A / B as two launches (the interpreter, ``SEAM1_LAUNCHES = 2`` rows, grids above the SM count);
     phase B then re-reads its columns of ``res_out`` and program s = 0 runs Sinkhorn.
+    QUANT (phase B; ``BLOCK_D`` divides 128, ``D % 128 == 0``): also the layer input's FP8 copy, as the seamr
+    kernel: every program collapses its whole 128-column group from the group's new streams (re-read from
+    L2 after the sync) and stores its own columns (:func:`_quant_group_store`).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -651,11 +673,20 @@ def _mhc_seam1_kernel(
     else:
         last = pid_s == 0
     if PHASE == 2:
-        n0 = tl.load(o_row, mask=m2, other=0.0)
-        n1 = tl.load(o_row + stride_oh, mask=m2, other=0.0)
-        n2 = tl.load(o_row + 2 * stride_oh, mask=m2, other=0.0)
-        n3 = tl.load(o_row + 3 * stride_oh, mask=m2, other=0.0)
+        if not QUANT:
+            n0 = tl.load(o_row, mask=m2, other=0.0)
+            n1 = tl.load(o_row + stride_oh, mask=m2, other=0.0)
+            n2 = tl.load(o_row + 2 * stride_oh, mask=m2, other=0.0)
+            n3 = tl.load(o_row + 3 * stride_oh, mask=m2, other=0.0)
     if PHASE != 1:
+        if QUANT:  # the whole 128-column group's new streams (other programs wrote some: L2 reads)
+            gc = (pid_s * BLOCK_D // 128) * 128 + tl.arange(0, 128)
+            gm = tmask[:, None] & (gc < D)[None, :]
+            g_row = res_out_ptr + rm64[:, None] * stride_ot + gc[None, :]
+            g0 = tl.load(g_row, mask=gm, other=0.0, cache_modifier=".cg")
+            g1 = tl.load(g_row + stride_oh, mask=gm, other=0.0, cache_modifier=".cg")
+            g2 = tl.load(g_row + 2 * stride_oh, mask=gm, other=0.0, cache_modifier=".cg")
+            g3 = tl.load(g_row + 3 * stride_oh, mask=gm, other=0.0, cache_modifier=".cg")
         if last:  # post gates + Sinkhorn: only the next seam reads them
             post_acc = tl.zeros((BLOCK_M, HC_), dtype=tl.float32)
             comb_acc = tl.zeros((BLOCK_M, HH), dtype=tl.float32)
@@ -681,13 +712,22 @@ def _mhc_seam1_kernel(
             lm = ((rs < S)[:, None] & tmask[None, :])[:, :, None]
             pre_acc += _sum_parts(part_ptr, row, lm, 0, HC_, PART_W)
             gram += _sum_parts(part_ptr, row, lm, 6 * HC_, HH, PART_W)
-        yb, inv = _seam_layer_input(pre_acc, gram, h, hh, n0, n1, n2, n3, scale_ptr, base_ptr, rms_numel,
-                                    rms_eps, pre_eps, D, norm_eps, HC_)
-        y_row = out_ptr + rm64[:, None] * stride_yt + dd[None, :]
-        if HAS_NORM:
-            tl.store(y_row, (yb.to(tl.float32) * inv[:, None] * wn[None, :]).to(tl.bfloat16), mask=m2)
+        if QUANT:
+            yb, inv = _seam_layer_input(pre_acc, gram, h, hh, g0, g1, g2, g3, scale_ptr, base_ptr, rms_numel,
+                                        rms_eps, pre_eps, D, norm_eps, HC_)
+            if HAS_NORM:
+                gw = tl.load(w_ptr + gc, mask=gc < D, other=0.0).to(tl.float32)
+                yb = (yb.to(tl.float32) * inv[:, None] * gw[None, :]).to(tl.bfloat16)
+            _quant_group_store(yb, gc, pid_s * BLOCK_D, rm64, tmask, out_ptr, stride_yt, q_ptr, stride_qt, qs_ptr,
+                               stride_qst, q_eps, BLOCK_D)
         else:
-            tl.store(y_row, yb, mask=m2)
+            yb, inv = _seam_layer_input(pre_acc, gram, h, hh, n0, n1, n2, n3, scale_ptr, base_ptr, rms_numel,
+                                        rms_eps, pre_eps, D, norm_eps, HC_)
+            y_row = out_ptr + rm64[:, None] * stride_yt + dd[None, :]
+            if HAS_NORM:
+                tl.store(y_row, (yb.to(tl.float32) * inv[:, None] * wn[None, :]).to(tl.bfloat16), mask=m2)
+            else:
+                tl.store(y_row, yb, mask=m2)
 
 
 # ---- the row-tile seam (issue 20, mhc6: `seamr_*` rows) -------------------------------------------
@@ -741,6 +781,24 @@ def _gram_ab(r):
     a = tl.where(r < 4, 0, tl.where(r < 7, 1, tl.where(r < 9, 2, 3)))
     b = tl.where(r < 4, r, tl.where(r < 7, r - 3, tl.where(r < 9, r - 5, 3)))
     return a, b
+
+
+@triton.jit
+def _quant_group_store(y, gc, d0, rows64, rmask, out_ptr, stride_yt, q_ptr, stride_qt, qs_ptr, stride_qst, q_eps,
+                       BLOCK_D: tl.constexpr):
+    """Store a seam program's share of the layer input ``y`` (bf16 ``[BLOCK_M, 128]``: the whole 128-column
+    group ``gc`` holding columns ``[d0, d0 + BLOCK_D)``, the same bits in every program of the group) and of
+    its FP8 copy: the program's own columns of ``y`` (bf16) and of ``q`` (e4m3), and (the group's first
+    program) the group's UE8M0 byte per token; ``q, s = quant_rows_e4m3_pow2(y)`` as
+    ``per_token_group_quant_fp8(layer_input, 128, "ue8m0")``. ``rows64`` ``[BLOCK_M]`` int64 token rows,
+    ``rmask`` their validity; the caller guarantees ``D % 128 == 0``."""
+    tl.static_assert(128 % BLOCK_D == 0)
+    own = ((gc >= d0) & (gc < d0 + BLOCK_D))[None, :] & rmask[:, None]
+    tl.store(out_ptr + rows64[:, None] * stride_yt + gc[None, :], y, mask=own)
+    q, sc = quant_rows_e4m3_pow2(y.to(tl.float32), q_eps)
+    tl.store(q_ptr + rows64[:, None] * stride_qt + gc[None, :], q, mask=own)
+    tl.store(qs_ptr + rows64 * stride_qst + d0 // 128, fp32_pow2_to_ue8m0(sc).to(tl.uint8),
+             mask=rmask & (d0 % 128 == 0))
 
 
 @triton.jit
@@ -804,17 +862,32 @@ def _rows_token_a(x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
 def _rows_token_b(part_ptr, res_out_ptr, w_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, out_ptr,
                   tok, valid, dd, dmask, prow0, S, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters,
                   norm_eps, D, stride_ot, stride_oh, stride_yt, last,
-                  BLOCK_S: tl.constexpr, PART_W: tl.constexpr, ROW_STEP: tl.constexpr, HAS_NORM: tl.constexpr):
+                  BLOCK_S: tl.constexpr, PART_W: tl.constexpr, ROW_STEP: tl.constexpr, HAS_NORM: tl.constexpr,
+                  q_ptr, qs_ptr, stride_qt, stride_qst, q_eps, d0, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
     """Phase B of one token: reduce its S partial rows (``prow0 + s * ROW_STEP``), the pre gates and the layer
     input of this program's columns (``mean(y^2) = pre^T G pre / D`` from the packed Gram entries, as the
-    seam1 kernel); ``last``: also the post gates and Sinkhorn of the comb (16 per-thread scalars)."""
+    seam1 kernel); ``last``: also the post gates and Sinkhorn of the comb (16 per-thread scalars).
+
+    QUANT: the layer input of the whole 128-column group holding this program's ``BLOCK_D`` columns (from
+    ``d0``; ``BLOCK_D`` divides 128) from the group's new streams (L2), the same values in every program
+    of the group; the program stores its own columns of it (bf16 and e4m3) and the group's first program
+    the UE8M0 byte (:func:`_quant_group_store`)."""
     m = dmask & valid
     tok64 = tok.to(tl.int64)
-    o_row = res_out_ptr + tok64 * stride_ot + dd
-    n0 = tl.load(o_row, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    n1 = tl.load(o_row + stride_oh, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    n2 = tl.load(o_row + 2 * stride_oh, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    n3 = tl.load(o_row + 3 * stride_oh, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if QUANT:
+        gc = (d0 // 128) * 128 + tl.arange(0, 128)
+        gmask = (gc < D) & valid
+        o_row = res_out_ptr + tok64 * stride_ot + gc
+        n0 = tl.load(o_row, mask=gmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        n1 = tl.load(o_row + stride_oh, mask=gmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        n2 = tl.load(o_row + 2 * stride_oh, mask=gmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        n3 = tl.load(o_row + 3 * stride_oh, mask=gmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        o_row = res_out_ptr + tok64 * stride_ot + dd
+        n0 = tl.load(o_row, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        n1 = tl.load(o_row + stride_oh, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        n2 = tl.load(o_row + 2 * stride_oh, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        n3 = tl.load(o_row + 3 * stride_oh, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
     c = tl.arange(0, 16)
     g = tl.zeros((16,), dtype=tl.float32)
     v = tl.zeros((32,), dtype=tl.float32)
@@ -840,12 +913,19 @@ def _rows_token_b(part_ptr, res_out_ptr, w_ptr, scale_ptr, base_ptr, post_ptr, c
     ysq = tl.maximum(tl.sum(tl.where(c < 10, g * wq, 0.0), axis=0), 0.0)
     inv = tl.math.rsqrt(ysq / D + norm_eps)
     y = (p0 * n0 + p1 * n1 + p2 * n2 + p3 * n3).to(tl.bfloat16)
-    y_row = out_ptr + tok64 * stride_yt + dd
-    if HAS_NORM:
-        wn = tl.load(w_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(y_row, (y.to(tl.float32) * inv * wn).to(tl.bfloat16), mask=m)
+    if QUANT:
+        if HAS_NORM:
+            y = (y.to(tl.float32) * inv * tl.load(w_ptr + gc, mask=gc < D, other=0.0).to(tl.float32)).to(tl.bfloat16)
+        one = tl.arange(0, 1)
+        _quant_group_store(y[None, :], gc, d0, tok64 + one.to(tl.int64), (one == 0) & valid, out_ptr, stride_yt,
+                           q_ptr, stride_qt, qs_ptr, stride_qst, q_eps, BLOCK_D)
     else:
-        tl.store(y_row, y, mask=m)
+        y_row = out_ptr + tok64 * stride_yt + dd
+        if HAS_NORM:
+            wn = tl.load(w_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+            tl.store(y_row, (y.to(tl.float32) * inv * wn).to(tl.bfloat16), mask=m)
+        else:
+            tl.store(y_row, y, mask=m)
     if last:  # post gates + Sinkhorn: only the next seam reads them
         post = tl.sigmoid(v * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + 4 + c32, mask=c32 < 4, other=0.0))
         tl.store(post_ptr + tok64 * 4 + c32, post * post_mult, mask=(c32 < 4) & valid)
@@ -904,12 +984,13 @@ def _count_sync_acq(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr):
 def _mhc_seam_rows_kernel(
     x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
     fn_ptr, scale_ptr, base_ptr, w_ptr, part_ptr, cnt_ptr,
-    post_ptr, comb_ptr, out_ptr,
-    T, D, S, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps,
+    post_ptr, comb_ptr, out_ptr, q_ptr, qs_ptr,
+    T, D, S, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps, q_eps,
     stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh, stride_fn,
-    stride_yt,
+    stride_yt, stride_qt, stride_qst,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PART_W: tl.constexpr,
     STEP: tl.constexpr, HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
+    QUANT: tl.constexpr = False,
 ):
     """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``.
     One program (m, s) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` (1-4, or 8 at most; one token after the other) x hidden columns
@@ -929,6 +1010,10 @@ def _mhc_seam_rows_kernel(
     the programs that are resident at once (2 per SM at 4 warps: at most 255 x 128 registers each).
     PHASE 0: one launch (GPU). PHASE 1 / 2: phase A / B as two launches (the interpreter, grids above the
     resident limit); program s = 0 is then the one that runs Sinkhorn.
+    QUANT (phase B; ``BLOCK_D`` divides 128, ``D % 128 == 0``): also the layer input's FP8 copy (e4m3 to
+    ``q_ptr``, a UE8M0 byte per 128 columns to ``qs_ptr``): each program computes the layer input of its whole
+    128-column group from the group's new streams (the partner programs' columns re-read from L2, like its
+    own), stores its own columns of it and of the quant (:func:`_quant_group_store`).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -964,7 +1049,8 @@ def _mhc_seam_rows_kernel(
             _rows_token_b(part_ptr, res_out_ptr, w_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, out_ptr,
                           tok, tok < T, dd, dmask, (pid_m.to(tl.int64) * S * BLOCK_M + t) * PART_W, S, rms_numel,
                           rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps, D, stride_ot, stride_oh,
-                          stride_yt, last, BLOCK_S, PART_W, BLOCK_M * PART_W, HAS_NORM)
+                          stride_yt, last, BLOCK_S, PART_W, BLOCK_M * PART_W, HAS_NORM,
+                          q_ptr, qs_ptr, stride_qt, stride_qst, q_eps, pid_s * BLOCK_D, BLOCK_D, QUANT)
 
 
 # ---- input checks --------------------------------------------------------------------------------
@@ -1094,7 +1180,8 @@ def _prenorm_partials(x2d, fn, num_splits, precision, cfg, out=None):
 
 
 def _apply(mixes, sqrsum, hc_scale, hc_base, res, res_strides, norm_weight, D, rms_numel, rms_eps, pre_eps,
-           sk_eps, post_mult, n_iters, norm_eps, cfg, head=False, res_out=None):
+           sk_eps, post_mult, n_iters, norm_eps, cfg, head=False, res_out=None, quant=None):
+    """``quant``: optional ``(q (T, D) float8_e4m3fn, s (T, D/128) uint8)`` the kernel fills too (QUANT)."""
     S, T = sqrsum.shape
     dev = sqrsum.device
     out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
@@ -1103,16 +1190,18 @@ def _apply(mixes, sqrsum, hc_scale, hc_base, res, res_strides, norm_weight, D, r
     if T == 0:
         return post, comb, out
     BT = cfg["APPLY_BLOCK_T"]
+    q, qs = quant if quant is not None else (out, out)
     _mhc_apply_kernel[(triton.cdiv(T, BT),)](
         mixes, sqrsum, hc_scale, hc_base, res, norm_weight if norm_weight is not None else out,
-        post, comb, out, res_out if res_out is not None else out,
+        post, comb, out, res_out if res_out is not None else out, q, qs,
         T, S, D, float(rms_numel), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
-        float(norm_eps),
+        float(norm_eps), QUANT_EPS,
         mixes.stride(0), mixes.stride(1), sqrsum.stride(0), res_strides[0], res_strides[1], out.stride(0),
         res_out.stride(0) if res_out is not None else 0, res_out.stride(1) if res_out is not None else 0,
+        q.stride(0), qs.stride(0),
         HC_=HC, HEAD=head, HAS_NORM=norm_weight is not None, BROADCAST=res_out is not None,
         BLOCK_T=BT, BLOCK_S=min(64, triton.next_power_of_2(S)), BLOCK_D=triton.next_power_of_2(D),
-        num_warps=cfg["APPLY_WARPS"], num_stages=1)
+        QUANT=quant is not None, num_warps=cfg["APPLY_WARPS"], num_stages=1)
     return post, comb, out
 
 
@@ -1253,7 +1342,7 @@ def seam1_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dic
 
 
 def _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, pre_eps, sk_eps,
-           post_mult, n_iters, norm_eps, cfg):
+           post_mult, n_iters, norm_eps, cfg, quant=None):
     T, _, D = residual.shape
     dev = residual.device
     res_cur = torch.empty_like(residual)
@@ -1265,22 +1354,23 @@ def _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weig
     part_w = 64  # pre 0-3, post 4-7, comb 8-23, Gram 24-39 (fp32; 256-byte rows)
     part = torch.empty((S * BM, part_w), dtype=torch.float32, device=dev)
     cnt = _count_buffer(dev) if plan["launches"] == 1 else part
+    q, qs = quant if quant is not None else (out, out)
     args = (x, x2 if x2 is not None else x, residual, post_mix, comb_mix, res_cur,
             fn, hc_scale, hc_base, norm_weight if norm_weight is not None else out, part, cnt,
-            post, comb, out,
+            post, comb, out, q, qs,
             T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
-            float(norm_eps),
+            float(norm_eps), QUANT_EPS,
             x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
             post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
-            out.stride(0))
+            out.stride(0), q.stride(0), qs.stride(0))
     meta = dict(HC_=HC, BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_W=part_w,
                 STEP=SEAM1_STEP, HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None,
                 num_warps=cfg["SEAM1_WARPS"], num_stages=1)
     if plan["launches"] == 1:
-        _mhc_seam1_kernel[(1, S)](*args, PHASE=0, **meta)
+        _mhc_seam1_kernel[(1, S)](*args, PHASE=0, QUANT=quant is not None, **meta)
     else:
         _mhc_seam1_kernel[(1, S)](*args, PHASE=1, **meta)
-        _mhc_seam1_kernel[(1, S)](*args, PHASE=2, **meta)
+        _mhc_seam1_kernel[(1, S)](*args, PHASE=2, QUANT=quant is not None, **meta)
     return res_cur, post, comb, out
 
 
@@ -1317,7 +1407,7 @@ def seamr_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dic
 
 
 def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, pre_eps, sk_eps,
-               post_mult, n_iters, norm_eps, cfg):
+               post_mult, n_iters, norm_eps, cfg, quant=None):
     T, _, D = residual.shape
     dev = residual.device
     res_cur = torch.empty_like(residual)
@@ -1328,22 +1418,23 @@ def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_
     BM, S, mt = plan["BLOCK_M"], plan["S"], plan["m_tiles"]
     part = torch.empty((mt * S * BM, SEAMR_PART_W), dtype=torch.float32, device=dev)
     cnt = _count_buffer(dev) if plan["launches"] == 1 else part
+    q, qs = quant if quant is not None else (out, out)
     args = (x, x2 if x2 is not None else x, residual, post_mix, comb_mix, res_cur,
             fn, hc_scale, hc_base, norm_weight if norm_weight is not None else out, part, cnt,
-            post, comb, out,
+            post, comb, out, q, qs,
             T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
-            float(norm_eps),
+            float(norm_eps), QUANT_EPS,
             x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
             post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
-            out.stride(0))
+            out.stride(0), q.stride(0), qs.stride(0))
     meta = dict(BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_W=SEAMR_PART_W,
                 STEP=SEAM1_STEP, HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None,
                 num_warps=cfg["SEAMR_WARPS"], num_stages=1)
     if plan["launches"] == 1:
-        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=0, **meta)
+        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=0, QUANT=quant is not None, **meta)
     else:
         _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=1, **meta)
-        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=2, **meta)
+        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=2, QUANT=quant is not None, **meta)
     return res_cur, post, comb, out
 
 
@@ -1548,7 +1639,7 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
                        norm_weight: torch.Tensor | None = None, rms_eps: float = 1e-6, hc_pre_eps: float = 1e-6,
                        hc_sinkhorn_eps: float = 1e-6, hc_post_mult: float = 2.0, sinkhorn_iters: int = 20,
                        norm_eps: float = 1e-6, precision: str = "tf32", config: dict | None = None,
-                       x2: torch.Tensor | None = None):
+                       x2: torch.Tensor | None = None, quant_out: bool = False):
     """mHC post of one sublayer fused with the pre of the next (the per-sublayer seam).
 
     Semantics: vLLM ``mhc_fused_post_pre_tilelang``: ``residual_cur = mhc_post(x, residual, post, comb)``
@@ -1565,36 +1656,103 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
     ``mean(y^2)`` from the streams' Gram matrix (fp32 ``y``) instead of squaring ``bf16(y)``; the two
     differ by ~1e-5 relative (a bf16 output may move by one step).
 
-    Args: as :func:`mhc_post` (``x2`` included) then :func:`mhc_pre`.
+    Args: as :func:`mhc_post` (``x2`` included) then :func:`mhc_pre`, and
+
+        quant_out: also return the layer input's FP8 copy (issue 20, pq-mhc: the input of the FP8 linears that
+            read it, ``wqkv_a`` / ``shared_w13``, then skips their quant prologue). A bool; needs
+            ``hidden % 128 == 0`` and an FP8 device (compute capability >= 8.9, or the CPU interpreter).
 
     Returns:
         ``(residual_cur, post_mix, comb_mix, layer_input)``: ``(num_tokens, 4, hidden)`` bfloat16,
         ``(num_tokens, 4, 1)`` float32, ``(num_tokens, 4, 4)`` float32, ``(num_tokens, hidden)`` bfloat16.
+        With ``quant_out=True`` a 5-tuple ``(residual_cur, post_mix, comb_mix, layer_input,
+        (layer_input_fp8, layer_input_scale))``: ``(num_tokens, hidden)`` float8_e4m3fn and
+        ``(num_tokens, hidden / 128)`` uint8 UE8M0 exponent bytes (scale ``2^(b - 127)``), both contiguous
+        (row-major; scale ``[t, g]`` covers columns ``[128 g, 128 g + 128)``), bit for bit
+        ``ds4lab_kernels.fp8_quant.per_token_group_quant_fp8(layer_input, 128, scale_fmt="ue8m0", eps=1e-10)``
+        of the bf16 ``layer_input`` returned (an all-zero group: scale ``ceil_pow2(1e-10 / 448)``, zeros; a
+        group with NaN: byte 255). The other four outputs are the ``quant_out=False`` ones, bit for bit.
+        Where the quant is fused (:func:`quant_out_path`): the ``seamr_*`` and ``seam1_*`` kernels (every
+        program computes its whole 128-column group's layer input, stores its own columns) and the two-pass
+        apply kernel (``decode`` / ``prefill`` rows: whole rows per program), i.e. every path the decode
+        defaults (``SEAM_DEFAULTS``, then ``decode``) take; the ``seam_*`` rows run
+        ``per_token_group_quant_fp8`` as a second launch.
 
     Raises:
-        TypeError / ValueError naming the offending argument.
+        TypeError / ValueError naming the offending argument (``quant_out`` not a bool, or True with
+        ``hidden % 128 != 0`` or a device without FP8).
     """
     T, D = _check_post_inputs(x, residual, post_mix, comb_mix, x2)
     _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, ("residual", residual))
     _check_scalars(sinkhorn_iters, hc_post_mult, rms_eps=rms_eps, hc_pre_eps=hc_pre_eps,
                    hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
     _check_precision(precision)
+    _check_quant_out(quant_out, D, residual.device)
     cfg = config or pick_config(T, residual.device, fused=True)
-    if cfg.get("SEAMR_BLOCK_D") and 1 <= T <= cfg.get("SEAMR_MAX_T", SEAMR_MAX_T):
-        return _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps,
-                          hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg)
-    if cfg.get("SEAM1_BLOCK_D") and 1 <= T <= SEAM1_MAX_T:
-        return _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
-                      hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg)
-    if cfg.get("SEAM_BLOCK_D") and T <= SEAM_MAX_T:
-        return _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
+    path = seam_path(T, cfg)
+    quant = None
+    if quant_out and quant_out_path(T, cfg) == "fused":
+        quant = (torch.empty((T, D), dtype=torch.float8_e4m3fn, device=residual.device),
+                 torch.empty((T, D // QUANT_GROUP), dtype=torch.uint8, device=residual.device))
+    if path == "seamr":
+        outs = _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps,
+                          hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg, quant)
+    elif path == "seam1":
+        outs = _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
+                      hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg, quant)
+    elif path == "seam":
+        outs = _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
                      hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, precision, cfg)
-    res_cur = torch.empty_like(residual)
-    mixes, sqrsum = _post(x, residual, post_mix, comb_mix, res_cur, cfg, fn=fn, precision=precision, x2=x2)
-    post, comb, out = _apply(mixes, sqrsum, hc_scale, hc_base, res_cur, (res_cur.stride(0), res_cur.stride(1)),
-                             norm_weight, D, HC * D, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult,
-                             sinkhorn_iters, norm_eps, cfg)
-    return res_cur, post, comb, out
+    else:
+        res_cur = torch.empty_like(residual)
+        mixes, sqrsum = _post(x, residual, post_mix, comb_mix, res_cur, cfg, fn=fn, precision=precision, x2=x2)
+        post, comb, out = _apply(mixes, sqrsum, hc_scale, hc_base, res_cur, (res_cur.stride(0), res_cur.stride(1)),
+                                 norm_weight, D, HC * D, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult,
+                                 sinkhorn_iters, norm_eps, cfg, quant=quant)
+        outs = (res_cur, post, comb, out)
+    if not quant_out:
+        return outs
+    if quant is None:  # a path without the fused write: the standalone quant of the bf16 layer input
+        quant = per_token_group_quant_fp8(outs[3], QUANT_GROUP, scale_fmt="ue8m0", eps=QUANT_EPS)
+    return (*outs, quant)
+
+
+def seam_path(num_tokens: int, cfg: dict) -> str:
+    """Which kernels :func:`mhc_fused_post_pre` runs for ``num_tokens`` with config row ``cfg``: ``"seamr"``
+    (``_mhc_seam_rows_kernel``), ``"seam1"`` (``_mhc_seam1_kernel``), ``"seam"`` (``_mhc_seam_kernel``) or
+    ``"two_pass"`` (``_mhc_post_kernel`` + ``_mhc_apply_kernel``); the first whose row keys and token range
+    match, in that order."""
+    T = num_tokens
+    if cfg.get("SEAMR_BLOCK_D") and 1 <= T <= cfg.get("SEAMR_MAX_T", SEAMR_MAX_T):
+        return "seamr"
+    if cfg.get("SEAM1_BLOCK_D") and 1 <= T <= SEAM1_MAX_T:
+        return "seam1"
+    if cfg.get("SEAM_BLOCK_D") and T <= SEAM_MAX_T:
+        return "seam"
+    return "two_pass"
+
+
+def quant_out_path(num_tokens: int, cfg: dict) -> str:
+    """``"fused"`` when :func:`mhc_fused_post_pre` ``(quant_out=True)`` writes the FP8 copy from the kernel that
+    writes the layer input (a seamr / seam1 row whose column block divides 128, or the two-pass apply kernel),
+    else ``"separate"`` (one ``per_token_group_quant_fp8`` launch after: the ``seam_*`` rows)."""
+    path = seam_path(num_tokens, cfg)
+    if path == "two_pass":
+        return "fused"
+    if path in ("seamr", "seam1"):
+        bd = cfg["SEAMR_BLOCK_D"] if path == "seamr" else cfg["SEAM1_BLOCK_D"]
+        return "fused" if QUANT_GROUP % bd == 0 else "separate"
+    return "separate"
+
+
+def _check_quant_out(quant_out, D, device):
+    if not isinstance(quant_out, bool):
+        raise TypeError(f"quant_out={quant_out!r}: expected a bool")
+    if quant_out:
+        if D % QUANT_GROUP:
+            raise ValueError(f"quant_out=True: hidden={D} is not a multiple of {QUANT_GROUP} (the FP8 copy's "
+                             f"1x{QUANT_GROUP} scale groups)")
+        require_fp8("quant_out", device, "mhc_fused_post_pre(quant_out=True)")
 
 
 def hc_head(residual: torch.Tensor, fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
