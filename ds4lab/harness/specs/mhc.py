@@ -106,6 +106,8 @@ def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu", 
         if case == "x2_cancel" and T:
             x2[::2] = -io["x"][::2].cpu()
         io["x2"] = x2.to(dev)
+    if kind == "fused" and shape.get("quant_out"):  # the compile report's quant_out variant (pq-mhc)
+        io["quant_out"] = True
     return io if kind == "post" else {**io, **common}
 
 
@@ -163,10 +165,16 @@ def check_fused(out, ref, inputs):
     RESIDUAL THE KERNEL WROTE: fp32 vs fp64 post arithmetic flips ~5e-5 of the bf16 roundings by one ulp,
     and one flipped element moves a mix by ~2^-8 |fn| (1e-3 at the small test K), which is not an error."""
     from ds4lab.reference.mhc import mhc_pre
-    pre_kw = {k: v for k, v in inputs.items() if k not in ("x", "x2", "residual", "post_mix", "comb_mix")}
+    from ds4lab_kernels.fp8_quant import per_token_group_quant_fp8
+    pre_kw = {k: v for k, v in inputs.items() if k not in ("x", "x2", "residual", "post_mix", "comb_mix", "quant_out")}
     ref_pre = mhc_pre(out[0], **pre_kw)
-    return [_rowwise(out[0], ref[0], "residual_cur"),
-            *_check_pre_outputs(*out[1:], *ref_pre, inputs, norm=inputs.get("norm_weight") is not None)]
+    reports = [_rowwise(out[0], ref[0], "residual_cur"),
+               *_check_pre_outputs(*out[1:4], *ref_pre, inputs, norm=inputs.get("norm_weight") is not None)]
+    if inputs.get("quant_out"):  # the FP8 copy: the standalone quant of the layer input returned, bit for bit
+        q, s = per_token_group_quant_fp8(out[3], 128, scale_fmt="ue8m0", eps=1e-10)
+        reports += [compare_exact(out[4][0], q, "layer_input_fp8 (bytes; any NaN equals any NaN)"),
+                    compare_exact(out[4][1], s, "layer_input_scale (UE8M0 bytes)")]
+    return reports
 
 
 def check_head(out, ref, inputs):
@@ -240,6 +248,8 @@ def _config_for_kernel(name):
         seam = {c for c, row in table.items() if is_seam(row)}
         # the seam rows change only mhc_fused_post_pre: every other launcher would run them as `decode`
         labels = [c for c in table if name == "mhc_fused_post_pre" or c not in seam]
+        if shape.get("aot") == "quant":
+            return [step_row(shape["T"])]
         if shape.get("aot"):
             # compile each distinct seam kernel once: rows whose launch plan and warps coincide at this
             # shape build the same code (at T = 8 every seam_* row's dot blocks are 32 columns, two
@@ -274,6 +284,15 @@ AOT_SHAPE = {"T": 8, "D": 4096, "hc": 4, "N": 24, "aot": 1}  # "aot": every conf
 # what compiles (at T = 8 the 16-token blocks make 129 programs: two launches on the 128-SM target); the
 # seam1 rows compile only here (64 / 128 programs: one launch; seam1x2_d64: its two launches)
 AOT_SHAPE_SEAM = {"T": 1, "D": 4096, "hc": 4, "N": 24, "aot": "seam", "x2": 1}  # with the x2 addend
+# quant_out=True (pq-mhc, issue 20): only the row the decode step picks at each token count's kernel
+# (mhc.SEAM_DEFAULTS, then `decode`): T=1 seamr_d64, T=4 seam1_d64 (its 4-token block), T=8 the two-pass apply
+AOT_SHAPES_QUANT = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "x2": 1, "quant_out": 1} for t in (1, 4, 8)]
+
+
+def step_row(T: int) -> str:
+    """The mhc row the decode step's ``mhc_fused_post_pre`` runs at ``T`` tokens on a GPU (pick_config)."""
+    from ds4lab_kernels import mhc as K
+    return next((label for top, label in K.SEAM_DEFAULTS if T <= top), "decode" if T <= 64 else "prefill")
 
 _KINDS = [
     # name, kind, check, cases, bench (tp=1, tp=4), bound
@@ -303,7 +322,7 @@ for _name, _kind, _check, _cases, (_b1, _b4), _bound in _KINDS:
         config_for=_config_for_kernel(_name),
         baselines={"torch_eager": reference_baseline(f"ds4lab.reference.mhc:{_name}", compute_dtype=torch.float32)},
         bound=_bound,
-        aot_shape=[AOT_SHAPE, AOT_SHAPE_SEAM] if _kind == "fused" else AOT_SHAPE,
+        aot_shape=[AOT_SHAPE, AOT_SHAPE_SEAM, *AOT_SHAPES_QUANT] if _kind == "fused" else AOT_SHAPE,
         sm89_mma={"_hc_prenorm_gemm_kernel": "HMMA"} if _kind in ("gemm", "pre", "broadcast", "head")
         else ({"_mhc_post_kernel": "HMMA"} if _kind == "fused" else {}),
     ))
