@@ -18,6 +18,9 @@ kernels in ``tilelang_kernels.py`` used by ``models/deepseek_v4/nvidia/model.py`
   (the MoE's shared expert) ``x`` is first ``bf16(x.float() + x2.float())``, the model's separate add.
 - decode seam (``SEAM_*`` rows, issue 20): post + next pre in one launch, a grid barrier between the
   column programs' partials and their collapse, Sinkhorn in a program of its own (``_mhc_seam_kernel``).
+- ``mhc_fused_post_pre(quant_out=True)`` (issue 20, pq-mhc): also the layer input's FP8 copy, e4m3 + one UE8M0
+  byte per 128 columns, ``per_token_group_quant_fp8(layer_input, 128, "ue8m0")`` bit for bit, written by the
+  kernel that writes the layer input where :func:`quant_out_path` says ``"fused"``.
 - hc_head: 4 mixes, ``pre = sigmoid(mix r scale[0] + base) + hc_eps``, ``out = bf16(sum_i pre_i res_i)``.
 """
 import os

@@ -186,3 +186,14 @@ def test_compile_report_rows():
     assert got == [(1, ["seamr_d64"]), (4, ["seam1_d64"]), (8, ["decode"])]
     assert all(S.make_inputs(sh, "random", 0, "cpu", kind="fused")["quant_out"] is True
                for sh in S.AOT_SHAPES_QUANT[:1])
+
+
+def test_reference_quant_out():
+    """The float64 reference takes the same flag: its 5th output is the reference quant of its layer input."""
+    from ds4lab.reference import mhc as R
+    from ds4lab.reference.quant import per_token_group_quant_fp8 as ref_quant
+    inp = S.make_inputs({"T": 2, "D": 256}, "x2", 0, "cpu", kind="fused")
+    outs = R.mhc_fused_post_pre(**inp, quant_out=True)
+    q, s = ref_quant(outs[3], 128, scale_fmt="ue8m0", eps=1e-10)
+    assert len(outs) == 5 and torch.equal(outs[4][0].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(outs[4][1], s) and len(R.mhc_fused_post_pre(**inp)) == 4

@@ -101,11 +101,16 @@ def mhc_post(x, residual, post_mix, comb_mix, out=None, compute_dtype=torch.floa
 
 def mhc_fused_post_pre(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight=None, rms_eps=1e-6,
                        hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult=2.0, sinkhorn_iters=20, norm_eps=1e-6,
-                       compute_dtype=torch.float64, x2=None, **_):
-    """``residual_cur = mhc_post(...)`` (bf16, ``x2`` as there), then ``mhc_pre(residual_cur, ...)``."""
+                       compute_dtype=torch.float64, x2=None, quant_out=False, **_):
+    """``residual_cur = mhc_post(...)`` (bf16, ``x2`` as there), then ``mhc_pre(residual_cur, ...)``;
+    ``quant_out``: also ``(fp8, ue8m0 bytes)`` of the layer input, ``per_token_group_quant_fp8(., 128, "ue8m0")``."""
     cur = mhc_post(x, residual, post_mix, comb_mix, compute_dtype=compute_dtype, x2=x2)
-    return (cur, *mhc_pre(cur, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+    outs = (cur, *mhc_pre(cur, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
                           hc_post_mult, sinkhorn_iters, norm_eps, compute_dtype=compute_dtype))
+    if not quant_out:
+        return outs
+    from ds4lab.reference.quant import per_token_group_quant_fp8
+    return (*outs, per_token_group_quant_fp8(outs[3], 128, scale_fmt="ue8m0", eps=1e-10))
 
 
 def hc_head(residual, fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6, compute_dtype=torch.float64, **_):
