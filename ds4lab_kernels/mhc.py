@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
-from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2
+from ._fp8 import ACT_QUANT_EPS, fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2
 from .fp8_quant import per_token_group_quant_fp8
 
 HC = 4  # DeepSeek-V4 hc_mult
@@ -39,7 +39,6 @@ SEAM_MAX_TILES = 64  # token blocks the seam's barrier buffer serves (16 tokens 
 SEAM_MAX_T = 64  # the seam rows serve decode sizes; above, a seam row falls back to the two-pass kernels
 PRECISIONS = ("tf32", "ieee")
 QUANT_GROUP = 128  # mhc_fused_post_pre(quant_out=True): columns per UE8M0 scale (DeepSeek-V4's 1x128 activations)
-QUANT_EPS = 1e-10  # its amax floor: per_token_group_quant_fp8's default, what the FP8 linears' fused prologue uses
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -1198,7 +1197,7 @@ def _apply(mixes, sqrsum, hc_scale, hc_base, res, res_strides, norm_weight, D, r
         mixes, sqrsum, hc_scale, hc_base, res, norm_weight if norm_weight is not None else out,
         post, comb, out, res_out if res_out is not None else out, q, qs,
         T, S, D, float(rms_numel), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
-        float(norm_eps), QUANT_EPS,
+        float(norm_eps), ACT_QUANT_EPS,
         mixes.stride(0), mixes.stride(1), sqrsum.stride(0), res_strides[0], res_strides[1], out.stride(0),
         res_out.stride(0) if res_out is not None else 0, res_out.stride(1) if res_out is not None else 0,
         q.stride(0), qs.stride(0),
@@ -1362,7 +1361,7 @@ def _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weig
             fn, hc_scale, hc_base, norm_weight if norm_weight is not None else out, part, cnt,
             post, comb, out, q, qs,
             T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
-            float(norm_eps), QUANT_EPS,
+            float(norm_eps), ACT_QUANT_EPS,
             x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
             post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
             out.stride(0), q.stride(0), qs.stride(0))
@@ -1426,7 +1425,7 @@ def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_
             fn, hc_scale, hc_base, norm_weight if norm_weight is not None else out, part, cnt,
             post, comb, out, q, qs,
             T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
-            float(norm_eps), QUANT_EPS,
+            float(norm_eps), ACT_QUANT_EPS,
             x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
             post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
             out.stride(0), q.stride(0), qs.stride(0))
@@ -1716,7 +1715,7 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
     if not quant_out:
         return outs
     if quant is None:  # a path without the fused write: the standalone quant of the bf16 layer input
-        quant = per_token_group_quant_fp8(outs[3], QUANT_GROUP, scale_fmt="ue8m0", eps=QUANT_EPS)
+        quant = per_token_group_quant_fp8(outs[3], QUANT_GROUP, scale_fmt="ue8m0", eps=ACT_QUANT_EPS)
     return (*outs, quant)
 
 
