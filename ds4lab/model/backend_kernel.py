@@ -11,7 +11,8 @@ linear, FP8 weight, T<=32   ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused quant)
                             (``FUSE_ACT_QUANT_MAX_M``; sm_89 T=1: the GEMV row ``gemv_w8``, T>2 ``fq_16x64``)
 linear, FP8 weight, T>32    ``kernel:fp8_quant.per_token_group_quant_fp8+fp8_gemm.fp8_gemm_nt``  2
 linear, FP8 input copy      ``kernel:fp8_gemm.fp8_gemm_nt(producer quant)``: the input's producer   1
-                            wrote its FP8 copy (``PRODUCER_QUANT``: ``wq_b`` after ``q_kv_norm_rope``)
+                            wrote its FP8 copy (``PRODUCER_QUANT``: ``wq_b`` after ``q_kv_norm_rope``;
+                            ``SEAM_QUANT``: ``wqkv_a`` / ``shared_w13`` after the mHC seam)
 shared down (SwiGLU input)  ``kernel:fp8_gemm.w8a8_block_fp8_linear(fused swiglu_clamp + quant)`` up to
                             ``FUSE_SHARED_ACT_MAX_M`` (32) tokens, else swiglu_clamp + the linear         1
 linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)                         1-2
@@ -31,6 +32,8 @@ sparse_mla_o_proj           ``FUSE_O_QUANT`` (off on GPUs, untimed): the attenti
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x: the MoE's fp32   2 / 1
                             sum after the MoE)
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T=1 seamr_d64, T<=4 seam1_d64) 1 / 2
+                            (``SEAM_QUANT``: ``(+layer input fp8)``, the copy ``wqkv_a`` /
+                            ``shared_w13`` read)
 hc_head                     ``kernel:mhc.hc_head``                                             2
 gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=16; above: mm + route) 1 / 2
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
@@ -168,6 +171,11 @@ FUSE_O_QUANT_INTERP = True
 #: lane uses PRODUCER_QUANT_INTERP.
 PRODUCER_QUANT = True
 PRODUCER_QUANT_INTERP = True
+#: the same for the mHC seam's layer input (``mhc_fused_post_pre(quant_out=True)``, NOTES.md "pq-mhc"), read by
+#: ``wqkv_a`` and ``shared_w13`` (session 5 M=1 plain vs fused quant: 4.42 vs 6.90, 3.76 vs 4.95 us). OFF on
+#: GPUs until the step A/B times it (`ds4lab step --ab backend_kernel.SEAM_QUANT=True`).
+SEAM_QUANT = False
+SEAM_QUANT_INTERP = True
 #: the attribute a producer sets on its bf16 output: ``(x_fp8 (T, K) float8_e4m3fn, x_scale (T, K/128) uint8)``
 FP8_COPY = "ds4lab_fp8_copy"
 
@@ -195,6 +203,8 @@ K_SPARSE_MLA = "kernel:sparse_mla.sparse_mla_decode"
 #: appended to the attention's kind when its merge writes o_proj's fp8 input (FUSE_O_QUANT)
 K_O_QUANT = "(+o_proj inv-RoPE + fp8 quant)"
 K_O_PROJ_FP8_INPUT = "kernel:o_proj.o_proj_fp8_input"
+K_MHC_SEAM = "kernel:mhc.mhc_fused_post_pre"
+K_MHC_SEAM_Q8 = "kernel:mhc.mhc_fused_post_pre(+layer input fp8)"
 
 
 def _interp_gemm_config(M: int) -> dict:
@@ -487,11 +497,19 @@ class KernelBackend(Backend):
                                           x2=None if x2 is None else x2.contiguous())
 
     def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name, x2=None):
-        with op_group(name, "kernel:mhc.mhc_fused_post_pre"):
-            return self.k["mhc"].mhc_fused_post_pre(x.contiguous(), residual.contiguous(), post.contiguous(),
-                                                    comb.contiguous(), fn, scale, base, norm_weight,
-                                                    x2=None if x2 is None else x2.contiguous(),
-                                                    **self._hc_args(cfg))
+        """With ``SEAM_QUANT`` (GPU) / ``SEAM_QUANT_INTERP``: the seam also writes the layer input's
+        FP8 copy (``quant_out=True``, in the launch that writes the layer input on the decode paths) for the
+        next FP8 linear (``wqkv_a`` / ``shared_w13``; the bf16 readers keep the bf16 layer input)."""
+        q8 = (SEAM_QUANT if x.is_cuda else SEAM_QUANT_INTERP) and x.shape[-1] % 128 == 0
+        with op_group(name, K_MHC_SEAM_Q8 if q8 else K_MHC_SEAM):
+            r = self.k["mhc"].mhc_fused_post_pre(x.contiguous(), residual.contiguous(), post.contiguous(),
+                                                 comb.contiguous(), fn, scale, base, norm_weight,
+                                                 x2=None if x2 is None else x2.contiguous(), quant_out=q8,
+                                                 **self._hc_args(cfg))
+        if q8:
+            r, copy = r[:4], r[4]
+            setattr(r[3], FP8_COPY, copy)
+        return r
 
     def hc_head(self, residual, fn, scale, base, cfg, name="head.hc_head"):
         with op_group(name, "kernel:mhc.hc_head"):
