@@ -172,9 +172,12 @@ FUSE_O_QUANT_INTERP = True
 PRODUCER_QUANT = True
 PRODUCER_QUANT_INTERP = True
 #: the same for the mHC seam's layer input (``mhc_fused_post_pre(quant_out=True)``, NOTES.md "pq-mhc"), read by
-#: ``wqkv_a`` and ``shared_w13`` (session 5 M=1 plain vs fused quant: 4.42 vs 6.90, 3.76 vs 4.95 us). OFF on
-#: GPUs until the step A/B times it (`ds4lab step --ab backend_kernel.SEAM_QUANT=True`).
-SEAM_QUANT = False
+#: ``wqkv_a`` and ``shared_w13`` (session 5 M=1 plain vs fused quant: 4.42 vs 6.90, 3.76 vs 4.95 us). The step
+#: A/B, session 8 (results/issue20/s8/call3, `ds4lab step --ab backend_kernel.SEAM_QUANT=True --abba`, sums of
+#: the profiled op groups, us, sm89 / native): batch 1 -307 / -193 (wqkv_a -105, shared_w13 -50, and the two
+#: seamr seams -69 / -79 faster), batch 1 MTP +3 / -3 (the seam1 seams +67 each against the linears' -125),
+#: batch 16 -73 / -90, batch 16 MTP -94 / -101; the model check (batch 4 x next_n 1) passed with it. ON.
+SEAM_QUANT = True
 SEAM_QUANT_INTERP = True
 #: the attribute a producer sets on its bf16 output: ``(x_fp8 (T, K) float8_e4m3fn, x_scale (T, K/128) uint8)``
 FP8_COPY = "ds4lab_fp8_copy"
