@@ -327,18 +327,11 @@ def _check_q_norm(q, q_norm_eps, positions, cos_sin, o_fp8=False):
                                  f"the output quant are off)")
         return None
     eps = check.fp32_scalar("q_norm_eps", q_norm_eps, nonnegative=True)
-    T, _, D = q.shape
-    if positions is None or cos_sin is None:
-        raise ValueError(f"{'positions' if positions is None else 'cos_sin'}: required with q_norm_eps")
-    check.tensor("positions", positions, (torch.int32, torch.int64))
-    if tuple(positions.shape) != (T,):
-        raise ValueError(f"positions: expected shape ({T},) (num_tokens), got {tuple(positions.shape)}")
-    check.tensor("cos_sin", cos_sin, torch.float32)
-    R = cos_sin.shape[1] if cos_sin.dim() == 2 else 0
-    if cos_sin.dim() != 2 or cos_sin.shape[0] < 1 or R < 2 or R > D or R & (R - 1):
+    _check_positions_table(q, positions, cos_sin, "q_norm_eps")
+    D, R = q.shape[2], cos_sin.shape[1]
+    if R < 2 or R > D or R & (R - 1):
         raise ValueError(f"cos_sin: expected a float32 (max_pos >= 1, R) cos || sin table with R a power of "
                          f"two in 2..{D}; got shape {tuple(cos_sin.shape)}")
-    check.same_device("q", q, positions=positions, cos_sin=cos_sin)
     return eps, positions.contiguous(), cos_sin.contiguous()
 
 
