@@ -551,12 +551,7 @@ def w8a8_block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     out = _check_out(out, M, N, x.device, out_dtype)
     if M == 0 or N == 0:
         return out
-    if config is not None:
-        cfg = config
-    elif fused is not False and M <= FUSED_MAX_M:
-        cfg = pick_fused_config(M, x.device)   # the fused launch's own rows (pick_config's "small" cannot fuse)
-    else:
-        cfg = pick_config(M, x.device)
+    cfg = config if config is not None else linear_config(M, x.device, fused)
     BM, _ = _check_config(cfg)
     if fused is None:
         fused = M <= FUSED_MAX_M and BM <= FUSED_MAX_M
@@ -773,3 +768,13 @@ def fused_config_label(M: int, arch: str = "sm_89") -> str:
 def pick_fused_config(M: int, device: torch.device) -> dict:
     arch = arch_of(device)
     return CONFIGS[arch][fused_config_label(M, arch if device.type == "cuda" else "interp")]
+
+
+def linear_config(M: int, device: torch.device, fused: bool | None = None) -> dict:
+    """The default tiles of a block-FP8 linear of ``M`` tokens: the fused-quant launch's own rows
+    (:func:`pick_fused_config`; ``pick_config``'s "small" cannot fuse) up to ``FUSED_MAX_M`` unless
+    ``fused`` is False, else :func:`pick_config`. A GEMM on an input its producer quantized runs at the same
+    tiles, so moving the quant changes nothing else."""
+    if fused is not False and M <= FUSED_MAX_M:
+        return pick_fused_config(M, device)
+    return pick_config(M, device)

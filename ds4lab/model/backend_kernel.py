@@ -298,18 +298,13 @@ class KernelBackend(Backend):
         return y.reshape(*x.shape[:-1], -1)
 
     def _linear_fp8_copy(self, x, copy, lin: Linear, name, out_dtype):
-        """The linear on its input's FP8 copy (``PRODUCER_QUANT``): ``fp8_gemm_nt`` alone, at the tiles the
-        fused-quant launch would take for this many tokens (``fp8_gemm.fused_config_label``; above
-        ``FUSED_MAX_M`` the plain table), so the only change is the quant moved to the producer."""
+        """The linear on its input's FP8 copy (``PRODUCER_QUANT`` / ``SEAM_QUANT``): ``fp8_gemm_nt`` alone, at
+        the tiles ``w8a8_block_fp8_linear`` would take for this many tokens (``fp8_gemm.linear_config``), so
+        the only change is the quant moved to the producer."""
         q8, qs = copy
         M = q8.shape[0]
         g = self.k["gemm"]
-        if not x.is_cuda:
-            cfg = _interp_gemm_config(M)
-        elif M <= g.FUSED_MAX_M:
-            cfg = g.pick_fused_config(M, x.device)
-        else:
-            cfg = g.pick_config(M, x.device)
+        cfg = g.linear_config(M, x.device) if x.is_cuda else _interp_gemm_config(M)
         od = out_dtype if out_dtype in (BF16, F32) else BF16
         with op_group(name, K_LINEAR_FP8_PRODUCER):
             out = torch.empty((M, lin.weight.shape[0]), dtype=od, device=x.device)
