@@ -263,25 +263,30 @@ def test_backend_switch_same_output_one_launch_fewer(monkeypatch):
     args = (inp["q"], inp["swa_cache"], inp["swa_indices"], inp["swa_lens"], inp["attn_sink"], inp["comp_cache"],
             inp["comp_indices"], inp["comp_lens"], 64, 2, 512 ** -0.5, pos, cs, wo_a, wo_b, G)
     kb = bk.KernelBackend()
-    kinds = {}
-
-    class Hook:
-        def enter(self, name, kind):
-            kinds[name] = kind
-
-        def exit(self, name, kind):
-            pass
     from ds4lab.model.ops import set_hook
+
+    def kinds_of(call):
+        """The op-group kinds ``call`` reports, by group name."""
+        kinds = {}
+
+        class Hook:
+            def enter(self, name, kind):
+                kinds[name] = kind
+
+            def exit(self, name, kind):
+                pass
+        old = set_hook(Hook())
+        try:
+            call()
+        finally:
+            set_hook(old)
+        return kinds
     sw = "FUSE_O_QUANT_INTERP" if DEVICE == "cpu" else "FUSE_O_QUANT"   # the switch this device reads
     monkeypatch.setattr(bk, sw, True)
     kb.sparse_mla_o_proj(*args)       # first call: the split-K counter buffers are allocated (zeroed) once
     fused, n = count_launches(kb.sparse_mla_o_proj, *args)
     monkeypatch.setattr(bk, sw, False)
-    old = set_hook(Hook())
-    try:
-        kb.sparse_mla_o_proj(*args)
-    finally:
-        set_hook(old)
+    kinds = kinds_of(lambda: kb.sparse_mla_o_proj(*args))
     unfused, n2 = count_launches(kb.sparse_mla_o_proj, *args)
     assert torch.equal(fused, unfused)
     if DEVICE == "cpu":   # count_launches sees Triton launches on the interpreter only; the interpreter's
@@ -290,9 +295,5 @@ def test_backend_switch_same_output_one_launch_fewer(monkeypatch):
             (n, n2)
     assert kinds["attn.o_proj"] == "kernel:o_proj.o_proj" and kinds["attn.sparse_mla"] == bk.K_SPARSE_MLA
     monkeypatch.setattr(bk, sw, True)
-    old = set_hook(Hook())
-    try:
-        kb.sparse_mla_o_proj(*args)
-    finally:
-        set_hook(old)
+    kinds = kinds_of(lambda: kb.sparse_mla_o_proj(*args))
     assert kinds["attn.o_proj"] == bk.K_O_PROJ_FP8_INPUT and kinds["attn.sparse_mla"].endswith(bk.K_O_QUANT)
