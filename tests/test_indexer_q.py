@@ -82,7 +82,15 @@ def test_backend_indexer_q_is_one_kernel_and_matches_the_twin():
             pass
     old = set_hook(Hook())
     try:
-        q8, w = KernelBackend().indexer_q(inp["q"], inp["positions"], inp["cos_sin"], inp["weights"])
+        # as the model passes them: column slices of the fused projections' outputs (no copies made)
+        T = inp["q"].shape[0]
+        wide_q = torch.zeros(T, 64 * 128 + 96, dtype=torch.bfloat16, device=DEVICE)
+        wide_q[:, 32:32 + 64 * 128] = inp["q"].reshape(T, -1)
+        wide_w = torch.zeros(T, 64 + 40, dtype=inp["weights"].dtype, device=DEVICE)
+        wide_w[:, 40:] = inp["weights"]
+        q_view, w_view = wide_q[:, 32:32 + 64 * 128].reshape(T, 64, 128), wide_w[:, 40:]
+        assert not q_view.is_contiguous() and not w_view.is_contiguous()
+        q8, w = KernelBackend().indexer_q(q_view, inp["positions"], inp["cos_sin"], w_view)
     finally:
         set_hook(old)
     assert seen == [("indexer.q_quant", "kernel:indexer.indexer_q_rope_quant")]

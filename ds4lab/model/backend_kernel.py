@@ -395,9 +395,10 @@ class KernelBackend(Backend):
 
     # ---- indexer ---------------------------------------------------------------------------
     def indexer_q(self, q, positions, cos_sin, weights, name="indexer.q_quant"):
+        """One launch: ``q`` and ``weights`` are column slices of the fused projections' outputs
+        (row stride > row width at T > 1); the kernel reads their strides, so no copies."""
         with op_group(name, "kernel:indexer.indexer_q_rope_quant"):
-            return self.k["idx"].indexer_q_rope_quant(q.contiguous().to(BF16), positions, cos_sin,
-                                                      weights.contiguous())
+            return self.k["idx"].indexer_q_rope_quant(q.to(BF16), positions, cos_sin, weights)
 
     def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None,
                      slot_base=None):
