@@ -106,23 +106,41 @@ def _mul_once(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
+def rope_back_cos_sin(d, cs_row, mask, NOPE: tl.constexpr, HALF: tl.constexpr):
+    """The ``cos, sin`` values the inverse rotation of head dims ``d`` needs: ``cs_row`` pointers (any
+    shape broadcasting against ``d``'s) to ``cos || sin`` rows (``HALF`` cosines then ``HALF`` sines),
+    ``mask`` the rows to read, and only the rope dims ``d >= NOPE`` are read (1 / 0 elsewhere). Split from
+    :func:`rope_back_rows` so a kernel can issue the gather early (sparse MLA's fused merge, before its
+    split loop)."""
+    is_rope = d >= NOPE
+    ci = tl.maximum(d - NOPE, 0) >> 1
+    m2 = mask & is_rope
+    return tl.load(cs_row + ci, mask=m2, other=1.0), tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
+
+
+@triton.jit
+def rope_back_cs(x, xp, d, cosv, sinv, NOPE: tl.constexpr, EXACT: tl.constexpr):
+    """The rotation of :func:`rope_back_rows` with ``cosv, sinv`` given (:func:`rope_back_cos_sin`, broadcasting
+    against ``x``)."""
+    is_rope = d >= NOPE
+    r = tl.maximum(d - NOPE, 0)
+    a = _mul_once(x, cosv, EXACT)
+    b = _mul_once(xp, sinv, EXACT)
+    rot = tl.where(((r & 1) == 0)[None, :], a + b, a - b)
+    return tl.where(is_rope[None, :], rot, x)
+
+
+@triton.jit
 def rope_back_rows(x, xp, d, cs_row, rmask, NOPE: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
     """The inverse GPT-J rotation (``-theta``) of a ``(rows, cols)`` fp32 block of heads: ``x`` the
     values at head dims ``d (cols,)``, ``xp`` those at ``d ^ 1`` (the pair partners), ``cs_row (rows, 1)``
     pointers to each row's ``cos || sin`` row (``HALF`` cosines then ``HALF`` sines), ``rmask (rows,)``.
     Dims ``d >= NOPE`` become ``y[2i] = x[2i] cos_i + x[2i+1] sin_i``, ``y[2i+1] = x[2i+1] cos_i - x[2i] sin_i``
     (each product rounded to fp32, then the sum: ``_mul_once``); the others are returned as given. The
-    one home of the rotation: ``inv_rope_fp8_quant``'s chunks and sparse MLA's fused merge call it."""
-    is_rope = d >= NOPE
-    r = tl.maximum(d - NOPE, 0)
-    m2 = rmask[:, None] & is_rope[None, :]
-    ci = (r >> 1)[None, :]
-    cosv = tl.load(cs_row + ci, mask=m2, other=1.0)
-    sinv = tl.load(cs_row + HALF + ci, mask=m2, other=0.0)
-    a = _mul_once(x, cosv, EXACT)
-    b = _mul_once(xp, sinv, EXACT)
-    rot = tl.where(((r & 1) == 0)[None, :], a + b, a - b)
-    return tl.where(is_rope[None, :], rot, x)
+    one home of the rotation (:func:`rope_back_cos_sin` + :func:`rope_back_cs`): ``inv_rope_fp8_quant``'s
+    chunks and sparse MLA's fused merge use it."""
+    cosv, sinv = rope_back_cos_sin(d[None, :], cs_row, rmask[:, None], NOPE, HALF)
+    return rope_back_cs(x, xp, d, cosv, sinv, NOPE, EXACT)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from ._fp8 import ue8m0_to_fp32
 from .mla_cache import check_cache, flat_views
 from .norm_rope import head_rmsnorm_rope
 from . import o_proj as _oproj
-from .o_proj import quant_store_rows, rope_back_rows
+from .o_proj import quant_store_rows, rope_back_cs, rope_back_cos_sin
 
 HEAD_DIM = 512
 LOG2E = 1.4426950408889634
@@ -184,8 +184,13 @@ def _sparse_mla_merge_kernel(
     hmask = offs_h < H
     offs_d = dg * BLOCK_D + tl.arange(0, BLOCK_D)
     sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
-    if OQ:   # issued before the merge's loads: the epilogue's cos/sin rows then wait on nothing else
+    if OQ:   # the rope chunk's cos/sin row (one per token, shared by its heads) gathered before the merge's
+        # loads, so the epilogue waits on nothing but the merge; other chunks' loads are masked off
+        NOPE: tl.constexpr = D - ROPE
         pq = tl.load(pos_ptr + tok).to(tl.int64)
+        bad = (pq < 0) | (pq >= max_pos)
+        pq = tl.where(bad, 0, pq)
+        cosv, sinv = rope_back_cos_sin(offs_d, cs_ptr + pq * stride_cs, dg * BLOCK_D + BLOCK_D > NOPE, NOPE, ROPE // 2)
     sb = tl.arange(0, SB)
     mc = tl.full((BLOCK_H,), float("-inf"), tl.float32)                    # max over the candidates only
     for s0 in range(0, S, SB):
@@ -216,15 +221,11 @@ def _sparse_mla_merge_kernel(
         p = tl.load(pos_ptr + tok)
         o = tl.where((p >= 0) & (p < max_pos), o, float("nan"))
     if OQ:
-        NOPE: tl.constexpr = D - ROPE
         x = o.to(tl.bfloat16).to(tl.float32)                  # the bf16 o the plain mode stores
-        bad = (pq < 0) | (pq >= max_pos)
-        pq = tl.where(bad, 0, pq)
         if dg * BLOCK_D + BLOCK_D > NOPE:                     # the chunk holding the rope dims
             ev, od = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D // 2, 2)))
             xp = tl.reshape(tl.join(od, ev), (BLOCK_H, BLOCK_D))    # x[d ^ 1]
-            cs_row = cs_ptr + (pq * stride_cs + tl.zeros((BLOCK_H,), tl.int64))[:, None]
-            x = rope_back_rows(x, xp, offs_d, cs_row, hmask, NOPE, ROPE // 2, EXACT)
+            x = rope_back_cs(x, xp, offs_d, cosv[None, :], sinv[None, :], NOPE, EXACT)
         x = tl.where(bad, float("nan"), x)
         quant_store_rows(x, eps, x_ptr + tok * stride_xt + offs_h[:, None] * D + offs_d[None, :],
                          xs_ptr + tok * stride_xst + offs_h * (D // BLOCK_D) + dg, hmask, SCALE_FMT)
