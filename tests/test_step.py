@@ -22,6 +22,23 @@ def test_align_labels_maps_equal_sequences_and_aligns_the_rest():
     assert got == ["ffn.act_quant", "attn.wq_b", "(unattributed)", "attn.wo_b"]
 
 
+def test_align_labels_maps_interleaved_streams_occurrence_by_occurrence():
+    """Two streams (backend_kernel.BRANCH_STREAMS): the replay interleaves the side chain's kernels with
+    the main chain's in another order than the eager pass; each name's k-th occurrence keeps its group."""
+    eager = [("k_mm", "attn.x_proj"), ("k_comp", "attn.compressor"), ("k_gemm", "attn.wqkv_a"),
+             ("k_norm", "attn.q_kv_norm_rope"), ("k_gemm", "attn.wq_b")]
+    replay = ["k_gemm", "k_mm", "k_norm", "k_comp", "k_gemm"]
+    assert S.align_labels(eager, replay) == ["attn.wqkv_a", "attn.x_proj", "attn.q_kv_norm_rope",
+                                             "attn.compressor", "attn.wq_b"]
+
+
+def test_busy_us_counts_overlapping_activities_once():
+    acts = [("a", 0.0, 10.0), ("b", 5.0, 10.0), ("c", 6.0, 2.0), ("d", 20.0, 1.0)]
+    assert S.busy_us(acts) == 16.0          # [0, 15] and [20, 21]
+    assert S.busy_us([("a", 0.0, 1.0), ("b", 1.0, 1.0)]) == 2.0
+    assert S.busy_us([]) == 0.0
+
+
 def test_attribute_trace_uses_the_innermost_range_of_the_launch():
     """The kineto chrome-trace shape: user_annotation ranges on the CPU thread, cuda_runtime launches
     carrying a correlation id, kernels on the GPU with the same id."""

@@ -43,6 +43,7 @@ Rows go to ``results/decode_step.csv`` (:data:`FIELDS`: the provenance columns o
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import csv
 import datetime as _dt
@@ -243,6 +244,17 @@ def attribute_trace(events: list[dict]) -> list[tuple[str, str, float]]:
     return out
 
 
+def busy_us(acts: list[tuple[str, float, float]]) -> float:
+    """The time at least one of ``acts`` ``[(name, ts, us)]`` (sorted by ``ts``) runs: the length of the
+    union of their intervals (activities of concurrent streams overlap; a GPU idle gap counts nowhere)."""
+    busy, end = 0.0, float("-inf")
+    for _, t, d in acts:
+        if t + d > end:
+            busy += t + d - max(t, end)
+            end = t + d
+    return busy
+
+
 def replay_activities(events: list[dict]) -> list[tuple[str, float, float]]:
     """A profiled graph replay's GPU activities ``[(name, ts, us)]`` in GPU order."""
     return sorted(((e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
@@ -252,11 +264,20 @@ def replay_activities(events: list[dict]) -> list[tuple[str, float, float]]:
 def align_labels(eager: list[tuple[str, str]], replay_names: list[str]) -> list[str]:
     """Group label for each replayed activity from the eager ``[(name, group)]`` sequence.
 
-    Equal name sequences map one to one; otherwise a ``difflib`` alignment on names maps the
-    matching runs and leaves the rest ``(unattributed)`` (say, a kernel capture replaced)."""
+    Equal name sequences map one to one. The same names in another order (kernels of two streams
+    interleaved differently in the eager pass and the replay, ``backend_kernel.BRANCH_STREAMS``) map
+    occurrence by occurrence: the k-th replayed ``name`` gets the k-th eager ``name``'s group (each
+    stream keeps its own order, and no kernel name runs on both streams at once). Otherwise a
+    ``difflib`` alignment on names maps the matching runs and leaves the rest ``(unattributed)``
+    (say, a kernel capture replaced)."""
     names = [n for n, _ in eager]
     if names == replay_names:
         return [g for _, g in eager]
+    if collections.Counter(names) == collections.Counter(replay_names):
+        queues: dict[str, collections.deque] = {}
+        for n, g in eager:
+            queues.setdefault(n, collections.deque()).append(g)
+        return [queues[n].popleft() for n in replay_names]
     out = ["(unattributed)"] * len(replay_names)
     sm = difflib.SequenceMatcher(a=names, b=replay_names, autojunk=False)
     for a, b, n in sm.get_matching_blocks():
@@ -434,9 +455,12 @@ def _time_gpu(fn, rec: GroupRecorder, replays: int, profiled: int):
                 note = f"replay: {len(acts) / profiled:.0f} activities per step, eager {len(eager)} (aligned by name)"
             # the replays as one sequence, averaged per replay below
             reps = [[(a, lab, d) for (a, _, d), lab in zip(acts, labels)]]
-            span = acts[-1][1] + acts[-1][2] - acts[0][1]
-            busy = sum(d for _, _, d in acts)
+            span = max(t + d for _, t, d in acts) - acts[0][1]
+            busy = busy_us(acts)
             stats[GAPS] = {"us": (span - busy) / profiled, "launches": 0}
+            overlap = sum(d for _, _, d in acts) - busy
+            if overlap > 0.005 * span:   # concurrent streams: the groups add up to more than the busy time
+                note = (note + "; " if note else "") + f"streams overlap {overlap / profiled:.0f} us a step"
             scale = profiled
     else:
         reps = [eager]

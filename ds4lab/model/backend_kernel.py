@@ -182,6 +182,16 @@ SEAM_QUANT_INTERP = True
 #: the attribute a producer sets on its bf16 output: ``(x_fp8 (T, K) float8_e4m3fn, x_scale (T, K/128) uint8)``
 FP8_COPY = "ds4lab_fp8_copy"
 
+#: graph-level concurrency (issue 20, ``streams``): the composition's side chains (:meth:`Backend.branch`: a
+#: layer's compressor GEMM + compressors beside ``wqkv_a -> q/kv norm -> wq_b -> q norm``, the shared expert
+#: beside the router) run on a second CUDA stream, forked after the layer input and joined right before the
+#: first reader (the indexer / the attention; the routed experts, which add into the shared expert's output).
+#: The same kernels on the same inputs: the numbers are bit-identical; what changes is that the short
+#: latency-bound launches of the two chains overlap (vLLM's shared-expert stream does the same for its MoE).
+#: Off until timed on the H200 (``ds4lab step --ab backend_kernel.BRANCH_STREAMS=True --abba``); a no-op on a
+#: CPU (no streams).
+BRANCH_STREAMS = False
+
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
 DECODE_MAX_T = 64
@@ -235,6 +245,30 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
 
 
+class _StreamBranch:
+    """One side chain on ``stream``: entering waits for everything the current stream issued so far, then
+    makes ``stream`` current; :meth:`join` makes the stream current at that time wait for the chain (a
+    fork / join pair of events, which a CUDA graph capture records as graph edges)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.main = None
+        self._ctx = None
+
+    def __enter__(self):
+        self.main = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(self.main)
+        self._ctx = torch.cuda.stream(self.stream)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+    def join(self):
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
 class KernelBackend(Backend):
     """Every op through ``ds4lab_kernels`` where a launcher exists (see the module table).
 
@@ -261,6 +295,25 @@ class KernelBackend(Backend):
         self.k = dict(comp=comp, gemm=gemm, quant=quant, idx=idx, mhc=mhc, mla=mla, route=route, moe=moe,
                       oproj=oproj, smla=smla, topk=topk, nr=nr, gate=gate, maps=maps)
         self.mhc_precision = mhc_precision
+        self._side: dict[int, torch.cuda.Stream] = {}
+
+    # ---- concurrency -----------------------------------------------------------------------
+    def branch(self, device):
+        """With :data:`BRANCH_STREAMS` on a CUDA ``device``: the block's launches go to this backend's side
+        stream of that device (forked from, and joined back into, the current stream; see
+        :class:`_StreamBranch`). Otherwise issue order (None)."""
+        device = torch.device(device)
+        if not BRANCH_STREAMS or device.type != "cuda":
+            return super().branch(device)
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        s = self._side.get(idx)
+        if s is None:
+            s = self._side[idx] = torch.cuda.Stream(device=idx)
+        return _StreamBranch(s)
+
+    def join(self, br) -> None:
+        if br is not None:
+            br.join()
 
     # ---- dense glue ------------------------------------------------------------------------
     def embed(self, ids, table, name="embed"):

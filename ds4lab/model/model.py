@@ -95,11 +95,34 @@ class RankModel:
         ratio = L["ratio"]
         cs = self.cos_sin[ratio]
         hd, ql = cfg.head_dim, cfg.q_lora_rank
+        idx = ratio == 4
+        comp_cache = comp_slots = comp_lens = iks = iw = None
+        br = None
+        if ratio:
+            # the side chain (Backend.branch): the compressors' GEMM on x and the compressors, which write
+            # their boundary entries into the compressed / indexer K caches; forked before the q chain so the
+            # two overlap, joined before the first reader of those caches (the indexer, the attention)
+            cm = maps["comp"][(ratio, C.n_comp)]
+            with o.branch(x.device) as br:
+                if idx and "x_cat" in L:            # compressor | indexer compressor | weights_proj: one GEMM on x
+                    y = o.linear(x, L["x_cat"], "attn.x_proj")
+                    n1, n2, _ = L["x_cat_n"]
+                    ks, iks, iw = y[:, :n1], y[:, n1:n1 + n2], y[:, n1 + n2:]
+                else:
+                    ks = o.linear(x, L["comp"]["wkv_gate"], "attn.compressor.wkv_gate")
+                    if idx:
+                        iks = o.linear(x, L["idx"]["comp"]["wkv_gate"], "indexer.compressor.wkv_gate")
+                        iw = o.linear(x, L["idx"]["weights_proj"], "indexer.weights_proj")
+                # each compressor writes its boundary entries into its cache itself (no insert launch at decode)
+                self._compress(L["comp"], ks, pos, maps["win"][(ratio, C.state_ring)], C.state, ratio, cs,
+                               "attn.compressor", C.comp, cm["comp_w"], C.comp_block, "attn.comp_insert")
+                if idx:
+                    self._compress(L["idx"]["comp"], iks, pos, maps["win"][(4, C.idx_state_ring)], C.idx_state, 4,
+                                   cs, "indexer.compressor", C.idx, cm["comp_w"], None, "indexer.k_insert")
         qkv = o.linear(x, L["wqkv_a"], "attn.wqkv_a")
         # the kv's only use is its SWA entry: written by the norm/rope op itself (no insert launch)
         qr = o.q_kv_norm_rope(qkv, ql, L["q_norm"], L["kv_norm"], cfg.rms_norm_eps, pos, cs, swa_cache=C.swa,
                               swa_slots=maps["swa_slots"], swa_block=64)
-        idx = ratio == 4
         if idx and "wq_b_cat" in L:             # wq_b | indexer wq_b: one GEMM on qr (weights.fuse_layer)
             qq = o.linear(qr, L["wq_b_cat"], "attn.wq_b")     # its bytes: harness.step.GROUP_OPS
             nq = L["wq_b_cat_n"][0]
@@ -108,26 +131,11 @@ class RankModel:
             q = o.linear(qr, L["wq_b"], "attn.wq_b")
             iq = o.linear(qr, L["idx"]["wq_b"], "indexer.wq_b") if idx else None
         q = q.reshape(T, self.H, hd)      # raw (may be a column slice): normed right before the attention
-        comp_cache = comp_slots = comp_lens = None
+        q = o.q_norm_rope(q, pos, cs, cfg.rms_norm_eps)    # per-head RMSNorm + RoPE, read in place
+        o.join(br)
         if ratio:
-            cm = maps["comp"][(ratio, C.n_comp)]
-            if idx and "x_cat" in L:            # compressor | indexer compressor | weights_proj: one GEMM on x
-                y = o.linear(x, L["x_cat"], "attn.x_proj")
-                n1, n2, _ = L["x_cat_n"]
-                ks, iks, iw = y[:, :n1], y[:, n1:n1 + n2], y[:, n1 + n2:]
-            else:
-                ks = o.linear(x, L["comp"]["wkv_gate"], "attn.compressor.wkv_gate")
-                if idx:
-                    iks = o.linear(x, L["idx"]["comp"]["wkv_gate"], "indexer.compressor.wkv_gate")
-                    iw = o.linear(x, L["idx"]["weights_proj"], "indexer.weights_proj")
-            # each compressor writes its boundary entries into its cache itself (no insert launch at decode)
-            self._compress(L["comp"], ks, pos, maps["win"][(ratio, C.state_ring)], C.state, ratio, cs,
-                           "attn.compressor", C.comp, cm["comp_w"], C.comp_block, "attn.comp_insert")
             comp_cache = C.comp
             if idx:
-                I = L["idx"]
-                self._compress(I["comp"], iks, pos, maps["win"][(4, C.idx_state_ring)], C.idx_state, 4, cs,
-                               "indexer.compressor", C.idx, cm["comp_w"], None, "indexer.k_insert")
                 qf, wf = o.indexer_q(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), pos, cs, iw)
                 # the top-512 comes back as global compressed slots (req * n_comp added in the launch)
                 comp_slots = o.indexer_topk(qf, wf, C.idx, C.idx_block_table, req, cm["ncomp"], C.n_comp,
@@ -135,7 +143,6 @@ class RankModel:
                                             slot_base=cm["base"][:, 0])
             else:
                 comp_slots, comp_lens = cm["slots"], cm["lens"]
-        q = o.q_norm_rope(q, pos, cs, cfg.rms_norm_eps)    # per-head RMSNorm + RoPE, read in place
         # the attention and o_proj (kernel backend, FUSE_O_QUANT: o_proj's input quant in the attention launch)
         return o.sparse_mla_o_proj(q, C.swa, maps["swa_idx"], maps["swa_lens"], L["attn_sink"], comp_cache,
                                    comp_slots, comp_lens, 64, C.comp_block, hd ** -0.5, pos, cs, L["wo_a"], L["wo_b"],
@@ -150,13 +157,16 @@ class RankModel:
 
     def _moe(self, L, x, ids):
         o, cfg = self.ops, self.cfg
+        # the shared expert, its down projection in fp32, as a side chain (Backend.branch) beside the router; the
+        # routed experts add into its buffer (the kernel backend: in the experts kernel's last launch), so they
+        # join it; the fp32 sum is the mHC post's x (no add launch)
+        with o.branch(x.device) as br:
+            gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
+            s = o.linear_swiglu(gu, L["shared_w2"], cfg.swiglu_limit, "moe.shared_w2", "moe.shared_act",
+                                out_dtype=torch.float32)
         w, e = o.gate_route(x, L["gate"], L["bias"], cfg.num_experts_per_tok, cfg.routed_scaling_factor, ids,
                             L["tid2eid"])
-        gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
-        # the shared expert first, its down projection in fp32; the routed experts add into that buffer
-        # (the kernel backend: in the experts kernel's last launch); the fp32 sum is the mHC post's x (no add launch)
-        s = o.linear_swiglu(gu, L["shared_w2"], cfg.swiglu_limit, "moe.shared_w2", "moe.shared_act",
-                            out_dtype=torch.float32)
+        o.join(br)
         return o.experts(x, L["experts"], w, e, cfg.swiglu_limit, out=s)
 
     def _block(self, i, L, resid, ids, pos, req, C, maps, next_n=None, pre=None, nxt=None):

@@ -128,6 +128,20 @@ class Backend:
 
     name = "abstract"
 
+    # ---- concurrency -----------------------------------------------------------------------
+    def branch(self, device):
+        """A side chain of the step: ``with backend.branch(x.device) as br:`` the ops issued in the block
+        read only what was issued before the block, and nothing issued after it reads their results (or
+        writes what they read) until :meth:`join` ``(br)``. This default runs them in issue order: the
+        context is a no-op and ``br`` is None. A backend may run the block concurrently with what follows
+        (the kernel backend: a second CUDA stream, :data:`ds4lab.model.backend_kernel.BRANCH_STREAMS`)."""
+        return contextlib.nullcontext()
+
+    def join(self, br) -> None:
+        """Make every op issued after this call wait for branch ``br`` (what :meth:`branch` gave; None:
+        nothing to wait for). Every branch must be joined before the step ends (a CUDA graph capture
+        fails on an unjoined stream)."""
+
     # ---- dense glue ------------------------------------------------------------------------
     def embed(self, ids, table, name="embed"):
         """``ids (T,)`` int -> ``table[ids]`` ``(T, D)`` bf16."""
