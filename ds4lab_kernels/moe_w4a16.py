@@ -1040,17 +1040,14 @@ _DECODE = {
                     "BLOCK_N": 32, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 32, "num_warps2": 4, "num_stages": 3},
     "mma_n32s8w2": {"path": "decode", "variant": "mma", "BLOCK_N": 32, "SPLIT_K": 8, "num_warps": 2,
                     "BLOCK_N2": 32, "num_warps2": 2, "num_stages": 4},
-    # candidates (issue 20, session 9, NOTES "moe9"): the default's loop is latency-bound at T=1 (one warp per
-    # scheduler, ~0.9 us per 128-deep group); more warps per program, a deeper pipeline, or more K splits
-    "mmaq_n64s2x_w8": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                       "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 8, "BLOCK_N2": 64, "num_warps2": 8, "num_stages": 3},
+    # session 9 (NOTES "moe9"): the default's loop is latency-bound at T=1 (one warp per scheduler, ~0.9 us
+    # per 128-deep group); twice the K splits won at T=1 (22.9 vs 25.1 us, sm_89 build) and lost at T=16
+    # (202.2 vs 191.8); 8 warps, 4 stages and 128-wide tiles lost at both (rows removed, numbers in NOTES)
     "mmaq_n64s4x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                     "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
-    "mmaq_n64s2x_s4": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                       "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 4},
-    "mmaq_n128s4x_w8": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                        "BLOCK_N": 128, "SPLIT_K": 4, "num_warps": 8, "BLOCK_N2": 128, "num_warps2": 8,
-                        "num_stages": 3},
+    # candidate (moe9): the next step of the same trend, 8 splits of 64-wide tiles
+    "mmaq_n64s8x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {
@@ -1090,7 +1087,7 @@ DECODE_MAX_PAIRS = 256
 #: top-6: batch 1, plain and MTP); module constants so that ``ds4lab step --ab moe_w4a16.DECODE_ROW_NARROW=...``
 #: can time a candidate inside the step
 DECODE_ROW = "mmaq_n64s2x"
-DECODE_ROW_NARROW = "mmaq_n64s2x"
+DECODE_ROW_NARROW = "mmaq_n64s4x"
 DECODE_NARROW_MAX_PAIRS = 12
 GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW, "prefill"))) for a in ("sm_89", "sm_90")}
 
@@ -1106,6 +1103,7 @@ def pick_config(pairs: int, device: torch.device) -> dict:
         # H200 (issue 20, session 5, NOTES "W4A16 MoE decode bandwidth (moe5)"): TP4 cold L2, sm_89 build /
         # native, us: mmaq_n64s2x T=1 25.6 / 25.2, T=4 58.6 / 58.1, T=16 189.8 / 191.8, the fastest row at
         # every T in both builds (was mma_n32s4 32.5 / 32.1 at T=1, mma_n64s2 80.3 / 79.5 at T=4 and 261.3 /
-        # 268.9 at T=16); vLLM's Triton W4A16 at its best swept config 85.1 / 238.8 / 738.9 (sm89 build)
+        # 268.9 at T=16); vLLM's Triton W4A16 at its best swept config 85.1 / 238.8 / 738.9 (sm89 build).
+        # Session 9 (moe9): up to DECODE_NARROW_MAX_PAIRS pairs, mmaq_n64s4x (T=1 22.9 us vs 25.1, sm89 build)
         return CONFIGS[arch][DECODE_ROW_NARROW if pairs <= DECODE_NARROW_MAX_PAIRS else DECODE_ROW]
     return CONFIGS[arch][path]
