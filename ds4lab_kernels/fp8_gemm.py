@@ -704,7 +704,7 @@ DECODE_CANDIDATES = {4: ("decode", "decode_16x64", "decode_pf", "decode_64pf", "
                      32: ("decode", "decode_16x64", "decode_16x128", "decode_32x32", "decode_32x32_pf", "fq_16x32",
                           "fq_16x64")}
 # the rows pick_config can return on a GPU (the compile report builds these for sm_120)
-GPU_DEFAULTS = {"sm_89": ("gemv_w8", "decode_16x64", "fq_16x64", "decode", "small", "mid", "prefill"),
+GPU_DEFAULTS = {"sm_89": ("gemv_w8", "gemv", "decode_16x64", "fq_16x64", "decode", "small", "mid", "prefill"),
                 "sm_90": ("decode_16x64", "fq_16x64", "decode", "small", "mid", "prefill")}
 
 
@@ -728,7 +728,10 @@ def decode_candidates(M: int, arch: str | None = None) -> tuple[str, ...]:
 # fused quant summed over the five shapes: sm_89 decode_16x64 43.4 us (gemv_p8 42.8 but 12.0 on wo_b), sm_90
 # decode_16x64 43.5, vs the "decode" row 52.4 (sm_90) and quant + GEMM 45.3 / 44.9; sm_90 M=1 decode_16x64 37.2
 # vs decode 38.0 (fused), 35.0 vs 36.1 (plain).
-_PICK = {"sm_89": ((1, "gemv_w8"), (2, "decode_16x64"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
+# Session 9 (NOTES "gemv9"): at M=2 the plain rows above favour the GEMV (summed over the five shapes, sm_89 build:
+# gemv 27.4 us vs decode_16x64 34.9); the fused rows do not (gemv 44.3 vs 43.4), so the M=2 fused label stays
+# decode_16x64 (FUSED_M2_LABEL) and the plain table takes gemv.
+_PICK = {"sm_89": ((1, "gemv_w8"), (2, "gemv"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
          "sm_90": ((2, "decode_16x64"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
          "interp": ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill"))}
 
@@ -751,7 +754,10 @@ def pick_config(M: int, device: torch.device) -> dict:
 # the hardware-cast quant (Q_CVT) each program's 16 x 128 quant is ~140 PTX instructions a k-block (was ~400)
 # and the 16x64 tiles halve the programs that repeat it; wq_b's 128 tiles run unsplit (SPLIT_BELOW 0.5), the
 # N <= 1536 shapes split in-launch, shared_down (4 k-blocks) never.
-_PICK_FUSED = {"sm_89": ((1, "gemv_w8"), (2, "decode_16x64"), (None, "fq_16x64")),
+#: sm_89's fused-quant label at M=2 (a module constant so that ``ds4lab step --ab fp8_gemm.FUSED_M2_LABEL='gemv'``
+#: can time the GEMV there: fused + SwiGLU prologue at shared_down M=2 it measured 4.55 us vs 6.70, session 5)
+FUSED_M2_LABEL = "decode_16x64"
+_PICK_FUSED = {"sm_89": ((1, "gemv_w8"), (2, None), (None, "fq_16x64")),
                "sm_90": ((2, "decode_16x64"), (None, "fq_16x64")),
                "interp": ((None, "decode"),)}
 
@@ -761,7 +767,7 @@ def fused_config_label(M: int, arch: str = "sm_89") -> str:
     at ``num_tokens = M <= FUSED_MAX_M``."""
     for hi, label in _PICK_FUSED[arch]:
         if hi is None or M <= hi:
-            return label
+            return label or FUSED_M2_LABEL
     raise AssertionError
 
 
@@ -770,11 +776,21 @@ def pick_fused_config(M: int, device: torch.device) -> dict:
     return CONFIGS[arch][fused_config_label(M, arch if device.type == "cuda" else "interp")]
 
 
-def linear_config(M: int, device: torch.device, fused: bool | None = None) -> dict:
+#: a linear whose producer already wrote its FP8 input (the model's ``PRODUCER_QUANT`` / ``SEAM_QUANT``) runs
+#: ``fp8_gemm_nt`` alone: up to this many tokens at :func:`pick_config`'s plain row, above it at the fused
+#: launch's tiles (:func:`linear_config` with ``a_quantized``). 2: the GEMV rows at M <= 2 on sm_89 (session 9,
+#: NOTES "gemv9"); ``ds4lab step --ab fp8_gemm.PLAIN_PICK_MAX_M=...`` times another bound.
+PLAIN_PICK_MAX_M = 2
+
+
+def linear_config(M: int, device: torch.device, fused: bool | None = None, a_quantized: bool = False) -> dict:
     """The default tiles of a block-FP8 linear of ``M`` tokens: the fused-quant launch's own rows
     (:func:`pick_fused_config`; ``pick_config``'s "small" cannot fuse) up to ``FUSED_MAX_M`` unless
-    ``fused`` is False, else :func:`pick_config`. A GEMM on an input its producer quantized runs at the same
-    tiles, so moving the quant changes nothing else."""
+    ``fused`` is False, else :func:`pick_config`. ``a_quantized``: the GEMM runs on an input its producer
+    quantized (no quant in the launch): :func:`pick_config`'s plain row up to :data:`PLAIN_PICK_MAX_M`
+    tokens, the fused launch's tiles above (so moving the quant changes nothing else there)."""
+    if a_quantized and M <= PLAIN_PICK_MAX_M:
+        return pick_config(M, device)
     if fused is not False and M <= FUSED_MAX_M:
         return pick_fused_config(M, device)
     return pick_config(M, device)

@@ -787,6 +787,22 @@ def _o_proj_3(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per
     return _wo_a_wo_b(x, xs, wo_a, wo_a_s, wo_b, wo_b_s, scale_fmt, cfg, "o")
 
 
+#: up to this many tokens, o_proj's wo_b launch takes fp8_gemm's own pick by token count (the GEMV rows on
+#: sm_89) instead of its row's ``wo_b_fp8``; a row pins its own bound with ``"wo_b_pick_max_t"`` (0: always
+#: its ``wo_b_fp8``). H200 session 5 sweep (results/issue20/s5/gemm_decode_m2.csv), wo_b 4096 x 2048 at TP=4,
+#: sm_89 build, fp8 z, us: M=1 gemv_w8 4.90 vs decode_16x64 7.52, M=2 gemv 6.49 vs 7.43 (NOTES "gemv9");
+#: ``ds4lab step --ab o_proj.WO_B_PICK_MAX_T=0`` times the row alone.
+WO_B_PICK_MAX_T = 2
+
+
+def _wo_b_row(cfg: dict, T: int, device) -> dict | None:
+    """wo_b's launch row for ``T`` tokens: None (fp8_gemm's own pick) up to the row's bound
+    (:data:`WO_B_PICK_MAX_T` unless the row pins one) on a GPU, else the row's ``wo_b_fp8``."""
+    if device.type == "cuda" and T <= cfg.get("wo_b_pick_max_t", WO_B_PICK_MAX_T):
+        return None
+    return cfg.get("wo_b_fp8")
+
+
 def _wo_a_wo_b(x, xs, wo_a, wo_a_s, wo_b, wo_b_s, scale_fmt, cfg, name):
     """The last two launches of ``path="unfused3"`` on the quantized ``x (T, G, K)`` e4m3 + scales
     ``xs (T, G, K/128)``: the grouped ``wo_a`` product (split-K summed in the launch, z quantized in its
@@ -805,12 +821,13 @@ def _wo_a_wo_b(x, xs, wo_a, wo_a_s, wo_b, wo_b_s, scale_fmt, cfg, name):
     if quant_z == "wo_b" and pow2:
         z = torch.empty((T, G, R), dtype=torch.bfloat16, device=x.device)
         _fused_gemm(0, x, xs, wo_a, wo_a_s, T, G, R, K, ca, out=z, pow2=pow2)
-        return w8a8_block_fp8_linear(z.view(T, G * R), wo_b, wo_b_s, config=cfg.get("wo_b_fp8"))
+        return w8a8_block_fp8_linear(z.view(T, G * R), wo_b, wo_b_s, config=_wo_b_row(cfg, T, x.device))
     zq = torch.empty((T, G, R), dtype=torch.float8_e4m3fn, device=x.device)
     zs = torch.empty((T, G, R // W_BLOCK), dtype=torch.uint8 if scale_fmt == "ue8m0" else torch.float32,
                      device=x.device)
     _fused_gemm(0, x, xs, wo_a, wo_a_s, T, G, R, K, ca, q=zq, qs=zs, pow2=pow2)
-    return fp8_gemm_nt(zq.view(T, G * R), zs.view(T, G * R // W_BLOCK), wo_b, wo_b_s, config=cfg.get("wo_b_fp8"))
+    return fp8_gemm_nt(zq.view(T, G * R), zs.view(T, G * R // W_BLOCK), wo_b, wo_b_s,
+                       config=_wo_b_row(cfg, T, x.device))
 
 
 def _o_proj_fused(o, positions, cos_sin_cache, wo_a, wo_a_s, wo_b, wo_b_s, heads_per_group, scale_fmt,
@@ -1036,7 +1053,8 @@ CONFIGS = {
 # 2 x 1024 x 4096 (8 MiB), 16 tiles of 16x128 x split 16 (2 k steps each) = 256 programs, both steps'
 # loads in flight (3 stages = 2 buffers of 16 KiB weight + 2 KiB x); "unfused3_s8": split 8 = 128
 # programs of 4 k steps (4 stages), half the partials for the last split to sum. wo_b (4096 x 2048, 8 MiB) takes fp8_gemm's "decode_16x64" row
-# (H200 M=1: 7.56 us plain / 7.88 fused-quant vs "decode" 9.02 / 8.63; results/issue20/final).
+# (H200 M=1: 7.56 us plain / 7.88 fused-quant vs "decode" 9.02 / 8.63; results/issue20/final), and fp8_gemm's
+# own pick up to WO_B_PICK_MAX_T tokens (its GEMV rows, timed after that row was chosen).
 # "fused": the 2-launch path (inverse RoPE + quant in the wo_a prologue of every k step), kept as
 # the 2-launch reference of the issue's launch target; it measured 37-40 us (run 1) and its best
 # variant 31.5 us (fused_s8, round 2) vs the parts' 23.7: its other rows (fused_s8, fused_zbf16,

@@ -183,11 +183,30 @@ def test_gemv_tiles_and_split_floor_at_the_tp4_shapes():
     assert G.gemv_ktile({**T89["gemv"], "TILE_BYTES": 8192}, 32, 32) == 256
     assert G.decode_candidates(1, "sm_90") == ("decode", "decode_16x64", "fq_16x32", "fq_16x64")
     assert "gemv" in G.decode_candidates(4, "sm_89") and "gemv" not in G.decode_candidates(16, "sm_89")
-    # session 5's H200 rows made gemv_w8 the sm_89 M=1 default; the other new rows stay candidates
-    assert set(G.GPU_DEFAULTS["sm_89"]) & {"gemv", "gemv_p8", "gemv_r4", "gemv_w8", "decode_pf"} == {"gemv_w8"}
+    # session 5's H200 rows made gemv_w8 the sm_89 M=1 default, session 9 gemv the plain M=2 one (gemv9); the
+    # other new rows stay candidates
+    assert set(G.GPU_DEFAULTS["sm_89"]) & {"gemv", "gemv_p8", "gemv_r4", "gemv_w8", "decode_pf"} == {"gemv_w8", "gemv"}
     assert G.config_label(1, "sm_89") == "gemv_w8" and G.config_label(3, "sm_89") == "decode"
-    assert G.config_label(1, "sm_90") == G.config_label(2, "sm_89") == "decode_16x64"
+    assert G.config_label(2, "sm_89") == "gemv" and G.config_label(1, "sm_90") == "decode_16x64"
+    assert G.fused_config_label(2, "sm_89") == G.FUSED_M2_LABEL == "decode_16x64"
     assert G.config_label(1, "interp") == "decode"
+
+
+def test_linear_config_takes_the_plain_row_for_a_quantized_input(monkeypatch):
+    """``linear_config(a_quantized=True)`` (the model's producer-quant linears): the plain pick up to
+    ``PLAIN_PICK_MAX_M`` tokens, the fused launch's tiles above; ``FUSED_M2_LABEL`` is read at call time (so a
+    step A/B can set it)."""
+    dev = torch.device("cuda")   # only its type is read: the sm_89 table on this CPU-only host
+    monkeypatch.setattr(G, "arch_of", lambda d: "sm_89")
+    T = G.CONFIGS["sm_89"]
+    assert G.linear_config(1, dev, a_quantized=True) is T["gemv_w8"] is G.linear_config(1, dev)
+    assert G.linear_config(2, dev, a_quantized=True) is T["gemv"]
+    assert G.linear_config(2, dev) is T["decode_16x64"]                 # the fused launch keeps its M=2 row
+    assert G.linear_config(3, dev, a_quantized=True) is T["fq_16x64"] is G.linear_config(3, dev)
+    monkeypatch.setattr(G, "PLAIN_PICK_MAX_M", 0)
+    assert G.linear_config(2, dev, a_quantized=True) is T["decode_16x64"]
+    monkeypatch.setattr(G, "FUSED_M2_LABEL", "gemv")
+    assert G.linear_config(2, dev) is T["gemv"]
 
 
 @pytest.mark.aot

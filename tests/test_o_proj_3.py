@@ -150,6 +150,19 @@ def test_defaults_bad_configs_and_empty():
         assert K.DECODE_DEFAULT[a] in K.GPU_DEFAULTS[a] and set(K.GPU_DEFAULTS[a]) <= set(t)
 
 
+def test_wo_b_takes_the_gemm_pick_at_small_t(monkeypatch):
+    """wo_b's launch row (gemv9): fp8_gemm's own pick (None) up to ``WO_B_PICK_MAX_T`` tokens on a GPU, the
+    row's ``wo_b_fp8`` above, on the interpreter, and where the row pins ``wo_b_pick_max_t``."""
+    row = K.CONFIGS["sm_89"]["unfused3_s8"]
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert K._wo_b_row(row, 1, gpu) is None and K._wo_b_row(row, K.WO_B_PICK_MAX_T, gpu) is None
+    assert K._wo_b_row(row, K.WO_B_PICK_MAX_T + 1, gpu) is row["wo_b_fp8"]
+    assert K._wo_b_row(row, 1, cpu) is row["wo_b_fp8"]
+    assert K._wo_b_row({**row, "wo_b_pick_max_t": 0}, 1, gpu) is row["wo_b_fp8"]
+    monkeypatch.setattr(K, "WO_B_PICK_MAX_T", 0)
+    assert K._wo_b_row(row, 1, gpu) is row["wo_b_fp8"]
+
+
 def test_bench_config_filter(monkeypatch):
     """``DS4LAB_OPROJ_BENCH_CONFIGS`` keeps only the named decode candidates (scripts/gpu/oproj.sh);
     an unknown label raises naming the variable."""

@@ -354,12 +354,12 @@ class KernelBackend(Backend):
 
     def _linear_fp8_copy(self, x, copy, lin: Linear, name, out_dtype):
         """The linear on its input's FP8 copy (``PRODUCER_QUANT`` / ``SEAM_QUANT``): ``fp8_gemm_nt`` alone, at
-        the tiles ``w8a8_block_fp8_linear`` would take for this many tokens (``fp8_gemm.linear_config``), so
-        the only change is the quant moved to the producer."""
+        ``fp8_gemm.linear_config(a_quantized=True)``: the plain row up to ``fp8_gemm.PLAIN_PICK_MAX_M`` tokens
+        (the GEMV at M <= 2 on sm_89), the tiles ``w8a8_block_fp8_linear`` would take above."""
         q8, qs = copy
         M = q8.shape[0]
         g = self.k["gemm"]
-        cfg = g.linear_config(M, x.device) if x.is_cuda else _interp_gemm_config(M)
+        cfg = g.linear_config(M, x.device, a_quantized=True) if x.is_cuda else _interp_gemm_config(M)
         od = out_dtype if out_dtype in (BF16, F32) else BF16
         with op_group(name, K_LINEAR_FP8_PRODUCER):
             out = torch.empty((M, lin.weight.shape[0]), dtype=od, device=x.device)
