@@ -39,9 +39,11 @@ class _BranchAudit:
         self.current: int | None = None
         self.violations: list[str] = []
         self.branches = self.joins = 0
+        self.blocks: list[str | None] = []
 
-    def branch(self, device):
+    def branch(self, device, block=None):
         audit = self
+        self.blocks.append(block)
 
         class _Ctx:
             def __enter__(self):
@@ -94,6 +96,7 @@ def test_every_branch_result_is_read_only_after_its_join():
     assert audit.branches == sum(1 for r in ratios if r) + cfg.num_hidden_layers   # attention side chains + MoE
     assert audit.joins == audit.branches and not audit.open
     assert audit.violations == []
+    assert set(audit.blocks) == {"attn", "moe"} and audit.blocks.count("moe") == cfg.num_hidden_layers
 
 
 def test_the_audit_catches_an_early_read():
@@ -119,6 +122,17 @@ def test_branch_is_issue_order_without_cuda(monkeypatch):
     with Backend().branch("cpu") as br2:
         pass
     assert br2 is None
+
+
+def test_branch_blocks_picks_the_forks(monkeypatch):
+    """``BRANCH_BLOCKS`` leaves a fork not named in it in issue order, before any stream is made (so this
+    holds on a CUDA device too)."""
+    monkeypatch.setattr(BK, "BRANCH_STREAMS", True)
+    monkeypatch.setattr(BK, "BRANCH_BLOCKS", ("moe",))
+    kb = BK.KernelBackend()
+    with kb.branch(torch.device("cuda", 0), "attn") as br:
+        pass
+    assert br is None and kb._side == {}
 
 
 @pytest.mark.gpu

@@ -193,6 +193,10 @@ FP8_COPY = "ds4lab_fp8_copy"
 #: batch 16 MTP; logits bit-identical, eager and replayed (tests/test_branch_streams.py on the H200). A no-op on
 #: a CPU (no streams).
 BRANCH_STREAMS = True
+#: the forks :data:`BRANCH_STREAMS` runs on the side stream (``Backend.branch``'s ``block``): ``"attn"`` (the
+#: compressors beside the q chain), ``"moe"`` (the shared expert beside the router); ``ds4lab step --ab
+#: "backend_kernel.BRANCH_BLOCKS=('moe',)"`` times one alone
+BRANCH_BLOCKS = ("attn", "moe")
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
@@ -300,13 +304,13 @@ class KernelBackend(Backend):
         self._side: dict[int, torch.cuda.Stream] = {}
 
     # ---- concurrency -----------------------------------------------------------------------
-    def branch(self, device):
-        """With :data:`BRANCH_STREAMS` on a CUDA ``device``: the block's launches go to this backend's side
-        stream of that device (forked from, and joined back into, the current stream; see
-        :class:`_StreamBranch`). Otherwise issue order (None)."""
+    def branch(self, device, block: str | None = None):
+        """With :data:`BRANCH_STREAMS` on a CUDA ``device`` (and ``block`` None or in :data:`BRANCH_BLOCKS`): the
+        block's launches go to this backend's side stream of that device (forked from, and joined back into,
+        the current stream; see :class:`_StreamBranch`). Otherwise issue order (None)."""
         device = torch.device(device)
-        if not BRANCH_STREAMS or device.type != "cuda":
-            return super().branch(device)
+        if not BRANCH_STREAMS or device.type != "cuda" or (block is not None and block not in BRANCH_BLOCKS):
+            return super().branch(device, block)
         idx = device.index if device.index is not None else torch.cuda.current_device()
         s = self._side.get(idx)
         if s is None:

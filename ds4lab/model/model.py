@@ -103,7 +103,7 @@ class RankModel:
             # their boundary entries into the compressed / indexer K caches; forked before the q chain so the
             # two overlap, joined before the first reader of those caches (the indexer, the attention)
             cm = maps["comp"][(ratio, C.n_comp)]
-            with o.branch(x.device) as br:
+            with o.branch(x.device, "attn") as br:
                 if idx and "x_cat" in L:            # compressor | indexer compressor | weights_proj: one GEMM on x
                     y = o.linear(x, L["x_cat"], "attn.x_proj")
                     n1, n2, _ = L["x_cat_n"]
@@ -160,7 +160,7 @@ class RankModel:
         # the shared expert, its down projection in fp32, as a side chain (Backend.branch) beside the router; the
         # routed experts add into its buffer (the kernel backend: in the experts kernel's last launch), so they
         # join it; the fp32 sum is the mHC post's x (no add launch)
-        with o.branch(x.device) as br:
+        with o.branch(x.device, "moe") as br:
             gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
             s = o.linear_swiglu(gu, L["shared_w2"], cfg.swiglu_limit, "moe.shared_w2", "moe.shared_act",
                                 out_dtype=torch.float32)

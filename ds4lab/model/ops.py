@@ -129,12 +129,14 @@ class Backend:
     name = "abstract"
 
     # ---- concurrency -----------------------------------------------------------------------
-    def branch(self, device):
-        """A side chain of the step: ``with backend.branch(x.device) as br:`` the ops issued in the block
+    def branch(self, device, block: str | None = None):
+        """A side chain of the step: ``with backend.branch(x.device, "attn") as br:`` the ops issued in the block
         read only what was issued before the block, and nothing issued after it reads their results (or
         writes what they read) until :meth:`join` ``(br)``. This default runs them in issue order: the
         context is a no-op and ``br`` is None. A backend may run the block concurrently with what follows
-        (the kernel backend: a second CUDA stream, :data:`ds4lab.model.backend_kernel.BRANCH_STREAMS`)."""
+        (the kernel backend: a second CUDA stream, :data:`ds4lab.model.backend_kernel.BRANCH_STREAMS`).
+        ``block``: which fork of the layer this is (``"attn"``: the compressors beside the q chain; ``"moe"``: the
+        shared expert beside the router), so that a backend can fork some and not others."""
         return contextlib.nullcontext()
 
     def join(self, br) -> None:
