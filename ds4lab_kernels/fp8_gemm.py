@@ -729,8 +729,9 @@ def decode_candidates(M: int, arch: str | None = None) -> tuple[str, ...]:
 # decode_16x64 43.5, vs the "decode" row 52.4 (sm_90) and quant + GEMM 45.3 / 44.9; sm_90 M=1 decode_16x64 37.2
 # vs decode 38.0 (fused), 35.0 vs 36.1 (plain).
 # Session 9 (NOTES "gemv9"): at M=2 the plain rows above favour the GEMV (summed over the five shapes, sm_89 build:
-# gemv 27.4 us vs decode_16x64 34.9); the fused rows do not (gemv 44.3 vs 43.4), so the M=2 fused label stays
-# decode_16x64 (FUSED_M2_LABEL) and the plain table takes gemv.
+# gemv 27.4 us vs decode_16x64 34.9), so the plain table takes gemv at M=2; the fused rows are a wash there
+# (gemv 44.3 vs 43.4) except with the SwiGLU prologue (shared_down 4.55 vs 6.70), the step's one fused M=2
+# linear, so FUSED_M2_LABEL is gemv too (the step at batch 1 MTP: -150 us against decode_16x64).
 _PICK = {"sm_89": ((1, "gemv_w8"), (2, "gemv"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
          "sm_90": ((2, "decode_16x64"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
          "interp": ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill"))}
@@ -754,9 +755,11 @@ def pick_config(M: int, device: torch.device) -> dict:
 # the hardware-cast quant (Q_CVT) each program's 16 x 128 quant is ~140 PTX instructions a k-block (was ~400)
 # and the 16x64 tiles halve the programs that repeat it; wq_b's 128 tiles run unsplit (SPLIT_BELOW 0.5), the
 # N <= 1536 shapes split in-launch, shared_down (4 k-blocks) never.
-#: sm_89's fused-quant label at M=2 (a module constant so that ``ds4lab step --ab fp8_gemm.FUSED_M2_LABEL='gemv'``
-#: can time the GEMV there: fused + SwiGLU prologue at shared_down M=2 it measured 4.55 us vs 6.70, session 5)
-FUSED_M2_LABEL = "decode_16x64"
+#: sm_89's fused-quant label at M=2, a module constant so that ``ds4lab step --ab fp8_gemm.FUSED_M2_LABEL=...``
+#: can time another row there. gemv since session 9 (NOTES "gemv9"): fused + SwiGLU prologue at shared_down M=2
+#: 4.55 us vs decode_16x64's 6.70 (session 5 sweep); the step at batch 1 MTP (sm_89 build, H200) 6,274 us vs
+#: 6,424 with decode_16x64
+FUSED_M2_LABEL = "gemv"
 _PICK_FUSED = {"sm_89": ((1, "gemv_w8"), (2, None), (None, "fq_16x64")),
                "sm_90": ((2, "decode_16x64"), (None, "fq_16x64")),
                "interp": ((None, "decode"),)}

@@ -188,7 +188,8 @@ def test_gemv_tiles_and_split_floor_at_the_tp4_shapes():
     assert set(G.GPU_DEFAULTS["sm_89"]) & {"gemv", "gemv_p8", "gemv_r4", "gemv_w8", "decode_pf"} == {"gemv_w8", "gemv"}
     assert G.config_label(1, "sm_89") == "gemv_w8" and G.config_label(3, "sm_89") == "decode"
     assert G.config_label(2, "sm_89") == "gemv" and G.config_label(1, "sm_90") == "decode_16x64"
-    assert G.fused_config_label(2, "sm_89") == G.FUSED_M2_LABEL == "decode_16x64"
+    assert G.fused_config_label(2, "sm_89") == G.FUSED_M2_LABEL == "gemv"
+    assert G.fused_config_label(2, "sm_90") == "decode_16x64" and G.fused_config_label(3, "sm_89") == "fq_16x64"
     assert G.config_label(1, "interp") == "decode"
 
 
@@ -200,8 +201,9 @@ def test_linear_config_takes_the_plain_row_for_a_quantized_input(monkeypatch):
     monkeypatch.setattr(G, "arch_of", lambda d: "sm_89")
     T = G.CONFIGS["sm_89"]
     assert G.linear_config(1, dev, a_quantized=True) is T["gemv_w8"] is G.linear_config(1, dev)
+    monkeypatch.setattr(G, "FUSED_M2_LABEL", "decode_16x64")
     assert G.linear_config(2, dev, a_quantized=True) is T["gemv"]
-    assert G.linear_config(2, dev) is T["decode_16x64"]                 # the fused launch keeps its M=2 row
+    assert G.linear_config(2, dev) is T["decode_16x64"]                 # the fused launch: its own M=2 label
     assert G.linear_config(3, dev, a_quantized=True) is T["fq_16x64"] is G.linear_config(3, dev)
     monkeypatch.setattr(G, "PLAIN_PICK_MAX_M", 0)
     assert G.linear_config(2, dev, a_quantized=True) is T["decode_16x64"]
