@@ -269,18 +269,3 @@ def test_launches_table_says_which_commit_ran_each_configuration():
     rows = [{"group": "(step)", "build": b, "tp": 4, "batch": 1, "mode": "plain", "ctx": 8192, "git_sha": sha,
              "status": "OK", "p50_us": 1.0} for b, sha in (("sm89", "aaaaaaa"), ("native", "bbbbbbb"))]
     assert [r["git_sha"] for r in S.launches_table(rows)] == ["aaaaaaa", "bbbbbbb"]
-
-
-def test_profiled_passes_release_cupti(monkeypatch):
-    """The step's and the bench's profiled passes ask Kineto to release CUPTI when they end (an attached
-    CUPTI slowed every point timed after the first on the H200, NOTES "cupti"); an explicit setting wins."""
-    from ds4lab.harness import bench
-    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
-    bench.release_cupti_after_profiling()
-    assert os.environ["TEARDOWN_CUPTI"] == "1"
-    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
-    bench.release_cupti_after_profiling()
-    assert os.environ["TEARDOWN_CUPTI"] == "0"
-    import inspect
-    from ds4lab.harness import step
-    assert "release_cupti_after_profiling()" in inspect.getsource(step._time_gpu)

@@ -108,25 +108,11 @@ def time_calls(fns: list, replays: int = 30) -> tuple[tuple[float, float, float]
     return _quantiles(times), mode
 
 
-def release_cupti_after_profiling() -> None:
-    """Make every ``torch.profiler`` session of this process release CUPTI when it ends.
-
-    Kineto leaves CUPTI attached after a session unless the environment has ``TEARDOWN_CUPTI=1`` (read when
-    the session ends; pytorch/pytorch#144455), and an attached CUPTI slows the launches and graph replays
-    timed after it: on the H200 (torch 2.11, CUDA 13.0) the decode step's first point in a process, timed
-    before any profiling, read 4,846 us three times, the same settings timed later in that process
-    5,084-5,444 us (session 9, NOTES "cupti"). Call before the first profiled pass of a process that also
-    times; an explicit ``TEARDOWN_CUPTI`` in the environment wins."""
-    os.environ.setdefault("TEARDOWN_CUPTI", "1")
-
-
 def kernels_per_call(fn) -> int:
     """CUDA kernels one call of ``fn`` launches (memcpy / memset activities left out), from the torch
-    profiler on a second call (the first warms JIT compiles and allocator pools). GPU only. The profiler
-    releases CUPTI when it ends (:func:`release_cupti_after_profiling`), so timings after it are not slowed."""
+    profiler on a second call (the first warms JIT compiles and allocator pools). GPU only."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    release_cupti_after_profiling()
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -409,8 +409,7 @@ def _time_gpu(fn, rec: GroupRecorder, replays: int, profiled: int):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ds4lab.harness.bench import release_cupti_after_profiling, time_calls
-    release_cupti_after_profiling()   # the next point's replays are timed after this point's profiling
+    from ds4lab.harness.bench import time_calls
     with _hooked(rec):
         (p20, p50, p80), timing = time_calls([fn], replays=replays)
         # eager profiled pass: activities -> groups (counts from here are one step's)

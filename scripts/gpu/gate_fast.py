@@ -197,7 +197,6 @@ def steplike(spec, shapes, table, run, base, args) -> None:
     from ds4lab.harness import bench
     from ds4lab.harness.step import _trace, replay_activities
     from ds4lab_kernels.moe_gate import gate_sqrtsoftplus_topk
-    bench.release_cupti_after_profiling()
     dev = run["device"]
     flush = torch.empty(192 << 20, dtype=torch.uint8, device=dev)          # > 3x the L2
     pages = torch.empty((4096, 2 << 20), dtype=torch.uint8, device=dev)   # 8 GiB of 2 MiB pages
