@@ -269,3 +269,72 @@ def test_launches_table_says_which_commit_ran_each_configuration():
     rows = [{"group": "(step)", "build": b, "tp": 4, "batch": 1, "mode": "plain", "ctx": 8192, "git_sha": sha,
              "status": "OK", "p50_us": 1.0} for b, sha in (("sm89", "aaaaaaa"), ("native", "bbbbbbb"))]
     assert [r["git_sha"] for r in S.launches_table(rows)] == ["aaaaaaa", "bbbbbbb"]
+
+
+def test_schedule_times_every_point_before_profiling_any():
+    """On a GPU every point's replays are timed before the run profiles anything (an attached CUPTI slows
+    the replays timed after a profiler session, NOTES "cupti"); each (ctx, batch) fill comes before its
+    points in each phase; on a CPU one phase."""
+    from ds4lab.harness.step import StepPlan, schedule
+    p = StepPlan(tps=(4,), batches=(1, 16), ctxs=(8192, 32768), modes=("plain", "mtp"), variants=((), ("a=1",)))
+    ev = list(schedule(p, gpu=True))
+    phases = [e[0] for e in ev]
+    assert phases == ["time"] * (len(ev) // 2) + ["profile"] * (len(ev) // 2)
+    pts = {ph: [e[2:] for e in ev if e[0] == ph and e[1] == "point"] for ph in ("time", "profile")}
+    assert pts["time"] == pts["profile"] and len(set(pts["time"])) == 2 * 2 * 2 * 2
+    for ph in ("time", "profile"):
+        seq = [e for e in ev if e[0] == ph]
+        for k, e in enumerate(seq):
+            if e[1] == "point":   # the last fill before it is its own (ctx, batch)
+                fill = [f for f in seq[:k] if f[1] == "fill"][-1]
+                assert fill[2:4] == e[2:4]
+    cpu = list(schedule(p, gpu=False))
+    assert {e[0] for e in cpu} == {"both"} and [e[2:] for e in cpu if e[1] == "point"] == pts["time"]
+
+
+def test_run_step_gpu_flow_hands_each_point_its_own_timing(monkeypatch):
+    """run_step's two-phase flow (the GPU schedule, faked on this CPU host): every timing runs before the
+    first attribution, each attributed point gets the timing of its own (ctx, batch, mode, variant), and a
+    point whose timing failed still reaches the attribution step (which reports it as an ERROR row)."""
+    from ds4lab.harness import step
+    calls, fills = [], []
+
+    class Model:
+        def new_caches(self, batch, n):
+            fills.append((batch, n))
+            return {"batch": batch}
+
+        def fill_caches(self, caches, ctx):
+            pass
+
+    real = step.schedule
+    monkeypatch.setattr(step, "schedule", lambda p, gpu: real(p, True))
+
+    def fake_time(m, caches, fill_err, p, cfg, tp, batch, mode, ctx, device):
+        calls.append(("time", ctx, batch, mode, None))
+        return RuntimeError("boom") if mode == "mtp" and batch == 2 else ((1.0, float(batch), 3.0), "graph")
+
+    def fake_point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log,
+                   settings=(), repeat=1, timed=None):
+        calls.append(("point", ctx, batch, mode, timed))
+        return [{"note": ""}]
+
+    monkeypatch.setattr(step, "_time_point", fake_time)
+    monkeypatch.setattr(step, "_point", fake_point)
+    p = step.StepPlan(tps=(4,), batches=(1, 2), ctxs=(64,), modes=("plain", "mtp"))
+    rows = step.run_step(p, device="cpu", cfg=object(), model=Model(), log=lambda *a: None)
+    kinds = [c[0] for c in calls]
+    assert kinds == ["time"] * 4 + ["point"] * 4 and len(rows) == 4
+    got = {c[1:4]: c[4] for c in calls if c[0] == "point"}
+    assert got[(64, 1, "plain")] == ((1.0, 1.0, 3.0), "graph") and got[(64, 2, "plain")][0][1] == 2.0
+    assert isinstance(got[(64, 2, "mtp")], RuntimeError)
+    assert len(fills) == 4   # each (ctx, batch) filled once per phase
+
+
+def test_a_failed_timing_is_the_points_error_row():
+    """The "profile" phase reports a point whose "time" phase failed as its ERROR row, naming the error."""
+    from ds4lab.harness import step
+    p = step.StepPlan(tps=(4,), batches=(1,), ctxs=(64,), modes=("plain",))
+    rows = step._point(None, None, None, p, {}, None, 4, 1, "plain", 64, None, True, "cuda", lambda *a: None,
+                       timed=MemoryError("CUDA out of memory"))
+    assert len(rows) == 1 and rows[0]["status"] == "ERROR" and "MemoryError: CUDA out of memory" in rows[0]["note"]

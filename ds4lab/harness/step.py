@@ -11,6 +11,11 @@ Timing (same conventions as :mod:`ds4lab.harness.bench`):
   more than the 60 MB L2, so no rotation is needed.
 - roofs are measured in the same run (:func:`ds4lab.harness.bench.measure_roofs`); each op group's
   floor is its bytes at the copy roof.
+- every point's replays are timed before the run profiles anything (:func:`schedule`): Kineto leaves CUPTI
+  attached after a ``torch.profiler`` session, and an attached CUPTI slowed every graph replay timed after
+  it (H200, torch 2.11, CUDA 13.0: batch 1 4,846 us before any profiling, 5,084-5,444 us for the same
+  settings after; NOTES.md "cupti"). Releasing it instead (``TEARDOWN_CUPTI=1``) made the later profiled
+  replays report kernel names the eager pass did not, so the groups could not be attributed.
 
 Attribution (the method; it works on torch 2.11 + triton 3.6, where a graph replay's kernels show up
 in the profiler but not the ranges they were captured in):
@@ -313,6 +318,24 @@ class StepPlan:
                         yield tp, ctx, batch, mode
 
 
+def schedule(p: StepPlan, gpu: bool):
+    """The order one TP degree's points run in: ``(phase, what, ctx, batch, mode, variant_index)`` with
+    ``what`` "fill" (make and fill the (ctx, batch) caches, shared by the modes and variants after it) or
+    "point". On a GPU two phases, "time" (every point's graph replays, nothing profiled yet) then
+    "profile" (every point's attribution, with the p50 of the first phase), so that no timed replay
+    runs after a profiler session (see the module docstring); on a CPU one phase, "both" (the interpreter
+    runs under no profiler: wall time and attribution come from the same runs). Several TP degrees in one
+    run: each degree's model is built and scheduled in turn, so a later degree's replays are timed after the
+    earlier one's profiling; time one TP degree per process for p50s that compare."""
+    for phase in (("time", "profile") if gpu else ("both",)):
+        for ctx in p.ctxs:
+            for batch in p.batches:
+                yield phase, "fill", ctx, batch, None, None
+                for mode in p.modes:
+                    for i in range(len(p.variants)):
+                        yield phase, "point", ctx, batch, mode, i
+
+
 def plan(smoke: bool = False, tps=None, batches=None, ctxs=None, modes=None, build="native",
          backend: str = "kernel") -> StepPlan:
     """The default plan (``smoke``: batch 1 and 16, ctx 8k and 32k) with any field overridden."""
@@ -403,15 +426,24 @@ def _fill(m, caches, batch: int, ctx: int, cfg) -> str:
         return "caches filled by prefill (the model has no benchmark fill yet)"
 
 
-def _time_gpu(fn, rec: GroupRecorder, replays: int, profiled: int):
+def _replays_gpu(fn, rec: GroupRecorder, replays: int):
+    """``((p20, p50, p80), timing)`` of ``fn``'s graph replays (``bench.time_calls``), with ``rec``
+    installed for the all-reduce copies (part of the step)."""
+    from ds4lab.harness.bench import time_calls
+    with _hooked(rec):
+        return time_calls([fn], replays=replays)
+
+
+def _time_gpu(fn, rec: GroupRecorder, replays: int, profiled: int, timed=None):
     """Graph-capture ``fn`` (with ``rec`` installed for the all-reduce copies), replay; then the
-    eager profiled pass and the profiled replays. Returns (quantiles, timing, per-group stats, note)."""
+    eager profiled pass and the profiled replays. ``timed``: the ``(quantiles, timing)`` of this point's
+    replays measured earlier (:func:`schedule`'s "time" phase), used instead of timing here. Returns
+    (quantiles, timing, per-group stats, note)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ds4lab.harness.bench import time_calls
+    (p20, p50, p80), timing = timed if timed is not None else _replays_gpu(fn, rec, replays)
     with _hooked(rec):
-        (p20, p50, p80), timing = time_calls([fn], replays=replays)
         # eager profiled pass: activities -> groups (counts from here are one step's)
         rec.reset_counts()
         rec.annotate = True
@@ -526,11 +558,36 @@ def _config_rows(base, cfg, tp, rank, batch, mode, ctx, q, timing, stats, kinds,
     return rows
 
 
+def _point_call(m, caches, cfg, tp, batch, mode, ctx, device):
+    """One point's step call and its recorder: ``(fn, rec)``; ``fn()`` decodes one step (``next_n`` 2 in
+    mode "mtp") at positions ``ctx..`` of the filled ``caches``."""
+    next_n = 2 if mode == "mtp" else 1
+    tokens, positions = _decode_inputs(m, cfg, batch, next_n, ctx, device)
+    rec = GroupRecorder()
+    if tp > 1:
+        rec.arm_allreduce(batch * next_n, cfg.hidden_size, device)
+    return (lambda: m.decode(tokens, positions, caches)), rec
+
+
+def _time_point(m, caches, fill_err, p, cfg, tp, batch, mode, ctx, device):
+    """:func:`schedule`'s "time" phase for one point: ``((p20, p50, p80), timing)`` of its graph replays,
+    or the exception that stopped it (the "profile" phase reports it as the point's ERROR row)."""
+    try:
+        if fill_err:
+            raise RuntimeError(fill_err)
+        fn, rec = _point_call(m, caches, cfg, tp, batch, mode, ctx, device)
+        return _replays_gpu(fn, rec, p.replays)
+    except Exception as e:
+        return e
+
+
 def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log,
-           settings=(), repeat: int = 1) -> list[dict]:
+           settings=(), repeat: int = 1, timed=None) -> list[dict]:
     """One (tp, ctx, batch, mode) point: its rows, or one ERROR row naming what failed. ``settings``: the
     ``--set`` / ``--ab`` overrides in force (the rows' note and repro name them); ``repeat`` > 1: the n-th
-    timing of the same settings at this point in this run (``--abba``), marked after the repro's command."""
+    timing of the same settings at this point in this run (``--abba``), marked after the repro's command.
+    ``timed``: this point's replays timed earlier (:func:`_time_point`: quantiles and timing, or the error
+    that stopped them); None: timed here."""
     next_n = 2 if mode == "mtp" else 1
     repro = (f"python3 -m ds4lab.harness.step --tp {tp} --batch {batch} --ctx {ctx} --mode {mode} --arch {p.build}"
              + ("" if p.backend == "kernel" else f" --backend {p.backend}")
@@ -538,13 +595,11 @@ def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, 
     try:
         if fill_err:
             raise RuntimeError(fill_err)
-        tokens, positions = _decode_inputs(m, cfg, batch, next_n, ctx, device)
-        rec = GroupRecorder()
-        if tp > 1:
-            rec.arm_allreduce(batch * next_n, cfg.hidden_size, device)
-        fn = lambda: m.decode(tokens, positions, caches)  # noqa: E731
+        if isinstance(timed, Exception):
+            raise timed
+        fn, rec = _point_call(m, caches, cfg, tp, batch, mode, ctx, device)
         if gpu:
-            q, timing, stats, note, ar = _time_gpu(fn, rec, p.replays, p.profiled_replays)
+            q, timing, stats, note, ar = _time_gpu(fn, rec, p.replays, p.profiled_replays, timed)
         else:
             q, timing, stats, note, ar = _time_cpu(fn, rec, p.replays, "wall (interpreter)" if p.backend == "kernel"
                                                    else "wall (CPU, torch eager)")
@@ -606,26 +661,34 @@ def run_step(p: StepPlan, device=None, checkpoint: str | None = None, cfg=None, 
             t0 = time.perf_counter()
             m = _build(cfg, tp, p.rank, device, checkpoint, p.backend)
             log(f"built rank {p.rank} of TP={tp} in {time.perf_counter() - t0:.1f} s")
-        for ctx in p.ctxs:
-            for batch in p.batches:
-                caches, fill_err, fill_note = None, None, ""
-                try:  # one fill per (ctx, batch), shared by the modes (a step writes only positions >= ctx)
+        caches, timed = None, {}
+        for phase, what, ctx, batch, mode, i in schedule(p, gpu):
+            if what == "fill":   # one fill per (ctx, batch) and phase, shared by the modes (a step writes
+                caches = None    # only positions >= ctx)
+                if gpu:
+                    torch.cuda.empty_cache()
+                fill_err, fill_note = None, ""
+                try:
                     caches = m.new_caches(batch, ctx + 8)
                     fill_note = _fill(m, caches, batch, ctx, cfg)
                 except Exception as e:
                     fill_err = f"cache fill: {type(e).__name__}: {e}"
-                for mode in p.modes:
-                    for i, variant in enumerate(p.variants):
-                        with overridden(variant):
-                            new = _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu,
-                                         device, log, settings=tuple(p.settings) + tuple(variant),
-                                         repeat=1 + p.variants[:i].count(variant))
-                        if fill_note:
-                            new[0]["note"] = "; ".join(x for x in (new[0].get("note"), fill_note) if x)
-                        emit(new)
-                del caches
-                if gpu:
-                    torch.cuda.empty_cache()
+                continue
+            variant = p.variants[i]
+            with overridden(variant):
+                if phase == "time":
+                    timed[(ctx, batch, mode, i)] = _time_point(m, caches, fill_err, p, cfg, tp, batch, mode, ctx,
+                                                               device)
+                    continue
+                new = _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log,
+                             settings=tuple(p.settings) + tuple(variant), repeat=1 + p.variants[:i].count(variant),
+                             timed=timed.get((ctx, batch, mode, i)))
+            if fill_note:
+                new[0]["note"] = "; ".join(x for x in (new[0].get("note"), fill_note) if x)
+            emit(new)
+        del caches
+        if gpu:
+            torch.cuda.empty_cache()
         if model is None:
             del m
             if gpu:
