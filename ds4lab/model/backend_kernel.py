@@ -254,7 +254,14 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 class _StreamBranch:
     """One side chain on ``stream``: entering waits for everything the current stream issued so far, then
     makes ``stream`` current; :meth:`join` makes the stream current at that time wait for the chain (a
-    fork / join pair of events, which a CUDA graph capture records as graph edges)."""
+    fork / join pair of events, which a CUDA graph capture records as graph edges).
+
+    Memory (eager runs; torch's caching allocator reuses a freed block only for allocations on the stream
+    that made it): a side-stream block is reused only inside a later branch, after that branch's fork has
+    made the side stream wait for every main-stream read issued before it; a main-stream block the chain
+    reads (the layer input) is freed after the join. So no ``record_stream`` is needed, as long as the
+    model allocates on the side stream only inside ``branch`` blocks and joins each before the tensors it
+    read are dropped (``Backend.branch``'s contract)."""
 
     def __init__(self, stream):
         self.stream = stream
