@@ -338,3 +338,16 @@ def test_a_failed_timing_is_the_points_error_row():
     rows = step._point(None, None, None, p, {}, None, 4, 1, "plain", 64, None, True, "cuda", lambda *a: None,
                        timed=MemoryError("CUDA out of memory"))
     assert len(rows) == 1 and rows[0]["status"] == "ERROR" and "MemoryError: CUDA out of memory" in rows[0]["note"]
+
+
+def test_waterfall_totals_the_p50_when_streams_overlap():
+    """With concurrent streams the op groups sum to more than the step: the waterfall adds one negative
+    overlap bar so that its total is the step's p50; without overlap it adds none."""
+    from ds4lab.views.step import OVERLAP_BAR, waterfall_figure
+    groups = [{"group": "a", "us": 600.0, "floor_us": 1.0}, {"group": "b", "us": 500.0, "floor_us": ""}]
+    fig = waterfall_figure(groups, step_us=1000.0)
+    w = fig.data[0]
+    assert list(w.x) == ["a", "b", OVERLAP_BAR, "step"] and w.y[2] == -100.0 and sum(w.y[:3]) == 1000.0
+    assert len(fig.data[1].x) == len(fig.data[1].y) == 3
+    assert list(waterfall_figure(groups, step_us=1090.0).data[0].x) == ["a", "b", "step"]
+    assert list(waterfall_figure(groups).data[0].x) == ["a", "b", "step"]

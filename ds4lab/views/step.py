@@ -8,13 +8,22 @@ __all__ = ["waterfall_figure", "launches_figure"]
 _LEGEND_ABOVE = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1}
 
 
-def waterfall_figure(groups: list[dict], title: str = ""):
+#: the waterfall's bar for what the op groups sum to beyond the step's p50 (their kernels ran at once on two
+#: CUDA streams, ``backend_kernel.BRANCH_STREAMS``; also the profiled replay's own overhead)
+OVERLAP_BAR = "overlap (2 streams) + profiling"
+
+
+def waterfall_figure(groups: list[dict], title: str = "", step_us: float | None = None):
     """The step as a waterfall by op group (``groups``: :func:`ds4lab.harness.step.group_table`,
     largest first; microseconds), the total last, and each group's floor (bytes at the same-run copy
-    roof) as bars beside it."""
+    roof) as bars beside it. ``step_us``: the step's p50; where the groups sum to more than 2% over it
+    (concurrent streams), one negative bar :data:`OVERLAP_BAR` brings the total to the p50."""
     import plotly.graph_objects as go
     x = [g["group"] for g in groups]
     us = [float(g.get("us") or 0.0) for g in groups]
+    if step_us and sum(us) > 1.02 * float(step_us):
+        x, us = x + [OVERLAP_BAR], us + [float(step_us) - sum(us)]
+        groups = list(groups) + [{"group": OVERLAP_BAR}]
     fig = go.Figure()
     fig.add_trace(go.Waterfall(x=x + ["step"], y=us + [0.0], measure=["relative"] * len(x) + ["total"],
                                name="measured (us)", connector={"line": {"width": 1}}))
