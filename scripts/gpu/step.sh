@@ -98,7 +98,7 @@ from ds4lab.tables import format_table
 rows = load_rows(sys.argv[1])
 print(format_table(summary_table(rows), digits=4))
 ab = ab_table(rows)
-if ab:   # the A/B variants against their run's defaults (compare d_groups_us: NOTES.md "Session 7")
+if ab:   # the A/B variants against their run's defaults (d_p50_us: every point is timed before any profiling, NOTES "cupti"; d_groups_us double-counts what two streams overlap)
     print(format_table(ab, digits=5))
 PY
 echo "total: $((SECONDS - t0)) s"
