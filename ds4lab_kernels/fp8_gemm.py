@@ -730,8 +730,9 @@ def decode_candidates(M: int, arch: str | None = None) -> tuple[str, ...]:
 # vs decode 38.0 (fused), 35.0 vs 36.1 (plain).
 # Session 9 (NOTES "gemv9"): at M=2 the plain rows above favour the GEMV (summed over the five shapes, sm_89 build:
 # gemv 27.4 us vs decode_16x64 34.9), so the plain table takes gemv at M=2; the fused rows are a wash there
-# (gemv 44.3 vs 43.4) except with the SwiGLU prologue (shared_down 4.55 vs 6.70), the step's one fused M=2
-# linear, so FUSED_M2_LABEL is gemv too (the step at batch 1 MTP: -150 us against decode_16x64).
+# (gemv 44.3 vs 43.4): it wins with the SwiGLU prologue (shared_down 4.55 vs 6.70, every layer's shared_w2) and
+# loses at wq_a_wkv (11.32 vs 9.81: wqkv_a of layer 0 and of the MTP block, whose mhc_pre writes no FP8 copy),
+# the step's fused M=2 linears; FUSED_M2_LABEL is gemv (the step at batch 1 MTP: -150 us against decode_16x64).
 _PICK = {"sm_89": ((1, "gemv_w8"), (2, "gemv"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
          "sm_90": ((2, "decode_16x64"), (16, "decode"), (64, "small"), (256, "mid"), (None, "prefill")),
          "interp": ((16, "decode"), (64, "small"), (256, "mid"), (None, "prefill"))}

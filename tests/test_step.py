@@ -294,41 +294,63 @@ def test_schedule_times_every_point_before_profiling_any():
 
 def test_run_step_gpu_flow_hands_each_point_its_own_timing(monkeypatch):
     """run_step's two-phase flow (the GPU schedule, faked on this CPU host): every timing runs before the
-    first attribution, each attributed point gets the timing of its own (ctx, batch, mode, variant), and a
-    point whose timing failed still reaches the attribution step (which reports it as an ERROR row)."""
+    first attribution; each attributed point gets the timing of its own (ctx, batch, mode, variant index),
+    ABBA repeats included; a cache fill's error reaches that (ctx, batch)'s points in both phases; the
+    repeat numbers are those of the one-phase flow."""
     from ds4lab.harness import step
     calls, fills = [], []
 
     class Model:
         def new_caches(self, batch, n):
-            fills.append((batch, n))
-            return {"batch": batch}
+            fills.append((batch, n - 8))
+            return {"batch": batch, "ctx": n - 8}
 
         def fill_caches(self, caches, ctx):
-            pass
+            if (ctx, caches["batch"]) == (128, 2):
+                raise ValueError("no room")
 
     real = step.schedule
     monkeypatch.setattr(step, "schedule", lambda p, gpu: real(p, True))
 
     def fake_time(m, caches, fill_err, p, cfg, tp, batch, mode, ctx, device):
-        calls.append(("time", ctx, batch, mode, None))
-        return RuntimeError("boom") if mode == "mtp" and batch == 2 else ((1.0, float(batch), 3.0), "graph")
+        i = len([c for c in calls if c[0] == "time" and c[1:4] == (ctx, batch, mode)])
+        calls.append(("time", ctx, batch, mode, fill_err))
+        return ((float(ctx), float(batch), float(i)), f"{mode}")
 
     def fake_point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, device, log,
                    settings=(), repeat=1, timed=None):
-        calls.append(("point", ctx, batch, mode, timed))
+        calls.append(("point", ctx, batch, mode, fill_err, timed, settings, repeat))
         return [{"note": ""}]
 
     monkeypatch.setattr(step, "_time_point", fake_time)
     monkeypatch.setattr(step, "_point", fake_point)
-    p = step.StepPlan(tps=(4,), batches=(1, 2), ctxs=(64,), modes=("plain", "mtp"))
+    monkeypatch.setattr(step, "overridden", lambda v: __import__("contextlib").nullcontext())
+    A, B = ("x.A=1",), ("x.B=2",)
+    p = step.StepPlan(tps=(4,), batches=(1, 2), ctxs=(64, 128), modes=("plain", "mtp"), variants=((), A, B, B, A, ()))
     rows = step.run_step(p, device="cpu", cfg=object(), model=Model(), log=lambda *a: None)
-    kinds = [c[0] for c in calls]
-    assert kinds == ["time"] * 4 + ["point"] * 4 and len(rows) == 4
-    got = {c[1:4]: c[4] for c in calls if c[0] == "point"}
-    assert got[(64, 1, "plain")] == ((1.0, 1.0, 3.0), "graph") and got[(64, 2, "plain")][0][1] == 2.0
-    assert isinstance(got[(64, 2, "mtp")], RuntimeError)
-    assert len(fills) == 4   # each (ctx, batch) filled once per phase
+    n = 2 * 2 * 2 * 6
+    assert [c[0] for c in calls] == ["time"] * n + ["point"] * n and len(rows) == n
+    assert fills == [(1, 64), (2, 64), (1, 128), (2, 128)] * 2          # each (ctx, batch) once per phase
+    points = [c for c in calls if c[0] == "point"]
+    for k, (_, ctx, batch, mode, fill_err, timed, settings, repeat) in enumerate(points):
+        i = k % 6                                                           # the variant index of this point
+        assert timed == ((float(ctx), float(batch), float(i)), mode)        # its own timing, not a neighbour's
+        assert settings == p.variants[i] and repeat == 1 + p.variants[:i].count(p.variants[i])
+        assert (fill_err is not None) == ((ctx, batch) == (128, 2))
+        if fill_err:
+            assert "no room" in fill_err
+    times = [c for c in calls if c[0] == "time"]
+    assert all((c[4] is not None) == ((c[1], c[2]) == (128, 2)) for c in times)
+
+
+def test_a_failed_timing_keeps_no_traceback():
+    """The "time" phase keeps a failed point's error for the "profile" phase without its traceback (whose
+    frames would hold the point's caches and graph through the rest of the run)."""
+    from ds4lab.harness import step
+    p = step.StepPlan(tps=(4,), batches=(1,), ctxs=(64,), modes=("plain",))
+    e = step._time_point(None, None, "cache fill: ValueError: no room", p, None, 4, 1, "plain", 64, "cpu")
+    assert isinstance(e, RuntimeError) and "no room" in str(e)
+    assert e.__traceback__ is None and e.__context__ is None
 
 
 def test_a_failed_timing_is_the_points_error_row():

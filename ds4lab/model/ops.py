@@ -136,7 +136,14 @@ class Backend:
         context is a no-op and ``br`` is None. A backend may run the block concurrently with what follows
         (the kernel backend: a second CUDA stream, :data:`ds4lab.model.backend_kernel.BRANCH_STREAMS`).
         ``block``: which fork of the layer this is (``"attn"``: the compressors beside the q chain; ``"moe"``: the
-        shared expert beside the router), so that a backend can fork some and not others."""
+        shared expert beside the router), so that a backend can fork some and not others.
+
+        A branch must not share per-device scratch with what the main chain runs meanwhile: the kernels'
+        split-K arrival counters are one buffer per device and launcher family (``fp8_gemm``, ``o_proj``,
+        ``moe_w4a16``, ``moe_gate``, ...). Today's forks keep to it: the attention side chain runs bf16 linears
+        (torch) and the compressors beside the FP8 q chain; the MoE side chain runs the FP8 shared expert beside
+        the router alone. An FP8 linear moved into the attention side chain would share ``fp8_gemm``'s
+        counters with ``wqkv_a`` / ``wq_b``."""
         return contextlib.nullcontext()
 
     def join(self, br) -> None:
