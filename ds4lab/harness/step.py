@@ -442,14 +442,13 @@ def _time_gpu(fn, rec: GroupRecorder, replays: int, profiled: int, timed=None):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    if timed is None:
-        (p20, p50, p80), timing = _replays_gpu(fn, rec, replays)
-    else:   # timed earlier: the warm-up time_calls gave (first-call work out of the profiled eager pass)
-        (p20, p50, p80), timing = timed
-        with _hooked(rec):
-            fn()
-        torch.cuda.synchronize()
+    from ds4lab.harness.bench import time_calls
     with _hooked(rec):
+        if timed is None:
+            (p20, p50, p80), timing = time_calls([fn], replays=replays)
+        else:   # timed earlier: the warm-up time_calls gave (first-call work out of the profiled eager pass)
+            (p20, p50, p80), timing = timed
+            fn()
         # eager profiled pass: activities -> groups (counts from here are one step's)
         rec.reset_counts()
         rec.annotate = True

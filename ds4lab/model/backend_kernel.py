@@ -188,14 +188,14 @@ FP8_COPY = "ds4lab_fp8_copy"
 #: first reader (the indexer / the attention; the routed experts, which add into the shared expert's output).
 #: The same kernels on the same inputs: the numbers are bit-identical; what changes is that the short
 #: latency-bound launches of the two chains overlap (vLLM's shared-expert stream does the same for its MoE).
-#: H200, sm_89 build, TP=4 rank, ctx 8k, ``ds4lab step --ab backend_kernel.BRANCH_STREAMS=True --abba``
-#: (session 9, NOTES "streams"): step p50 -235 us at batch 1, -641 at batch 1 MTP, -251 at batch 16, -422 at
-#: batch 16 MTP; logits bit-identical, eager and replayed (tests/test_branch_streams.py on the H200). A no-op on
-#: a CPU (no streams).
+#: H200, sm_89 build, TP=4 rank, ctx 8k, ``ds4lab step --ab backend_kernel.BRANCH_STREAMS=False --abba`` with
+#: every p50 timed before any profiling (session 9, NOTES "streams", "cupti"): on vs off -388 us at batch 1,
+#: -182 at batch 1 MTP, -167 at batch 16, -386 at batch 16 MTP; logits bit-identical, eager and replayed
+#: (tests/test_branch_streams.py on the H200). A no-op on a CPU (no streams).
 BRANCH_STREAMS = True
 #: the forks :data:`BRANCH_STREAMS` runs on the side stream (``Backend.branch``'s ``block``): ``"attn"`` (the
 #: compressors beside the q chain), ``"moe"`` (the shared expert beside the router); ``ds4lab step --ab
-#: "backend_kernel.BRANCH_BLOCKS=('moe',)"`` times one alone
+#: "backend_kernel.BRANCH_BLOCKS=['moe']"`` times one alone (a list: ``--ab`` splits its value at commas)
 BRANCH_BLOCKS = ("attn", "moe")
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only

@@ -21,13 +21,12 @@ def waterfall_figure(groups: list[dict], title: str = "", step_us: float | None 
     import plotly.graph_objects as go
     x = [g["group"] for g in groups]
     us = [float(g.get("us") or 0.0) for g in groups]
+    floors = [g.get("floor_us") if g.get("floor_us") not in ("", None) else None for g in groups]
     if step_us and sum(us) > 1.02 * float(step_us):
-        x, us = x + [OVERLAP_BAR], us + [float(step_us) - sum(us)]
-        groups = list(groups) + [{"group": OVERLAP_BAR}]
+        x, us, floors = x + [OVERLAP_BAR], us + [float(step_us) - sum(us)], floors + [None]
     fig = go.Figure()
     fig.add_trace(go.Waterfall(x=x + ["step"], y=us + [0.0], measure=["relative"] * len(x) + ["total"],
                                name="measured (us)", connector={"line": {"width": 1}}))
-    floors = [g.get("floor_us") if g.get("floor_us") not in ("", None) else None for g in groups]
     if any(f is not None for f in floors):
         fig.add_bar(x=x, y=floors, name="floor: bytes / copy roof (us)", opacity=0.6)
     fig.update_layout(title=title or "decode step by op group", yaxis_title="microseconds", height=480,
