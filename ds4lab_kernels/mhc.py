@@ -32,6 +32,7 @@ import triton.language as tl
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import ACT_QUANT_EPS, fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2
+from ._l2 import prefetch_kwargs, prefetch_regions, prefetch_regions_l2
 from .fp8_quant import per_token_group_quant_fp8
 
 HC = 4  # DeepSeek-V4 hc_mult
@@ -553,7 +554,19 @@ def _mhc_seam_kernel(
 
 
 @triton.jit
-def _count_sync(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr):
+def _arrival_rank(old, n_programs, STEP: tl.constexpr):
+    """A program's arrival rank (0 = first, ``n_programs - 1`` = the last arriver) in the :func:`_count_sync`
+    protocol, from the counter value its add returned: the residue ``old % STEP`` counts the earlier +1 adds, plus
+    ``STEP - (n - 1)`` once program 0 has added (told apart while ``2 (n - 1) < STEP``: the launchers prefetch
+    only then). Distinct for every program of one sync."""
+    r = old & (STEP - 1)
+    big = STEP - (n_programs - 1)
+    return tl.where(r >= big, r - big + 1, r)
+
+
+@triton.jit
+def _count_sync(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr, PF: tl.constexpr = 0, pf_part0=0, pf_parts=1,
+                pf_ptrs=None, pf_bytes=None, PF_BLOCK: tl.constexpr = 256, PF_EVICT_LAST: tl.constexpr = True):
     """One-level grid sync on one int32 counter (no reset, no generation word): every program adds 1,
     program 0 adds ``STEP - (n_programs - 1)``, so a launch moves the counter by exactly STEP (a power of
     two >= n_programs; 2^32 wrap-around keeps ``count % STEP == 0`` between launches, so the buffer is
@@ -561,13 +574,20 @@ def _count_sync(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr):
     multiple of STEP: that program arrived last and returns at once (True); the others spin (volatile
     loads) until the counter shows it, then acquire (False). The add is acq_rel: this CTA's stores are
     released, the others' acquired. Every program of the grid must be resident at once (the launcher
-    keeps the grid <= the SM count)."""
+    keeps the grid <= the SM count).
+
+    PF > 0 (l2pf): a waiter first issues its share of the L2 prefetch (:func:`_l2.prefetch_regions_l2`, part
+    ``pf_part0 + arrival rank`` of ``pf_parts``) while the later programs still arrive; the last arriver, whose
+    path is the launch's critical one, issues none (the ``n_programs - 1`` waiters own every part)."""
     tl.debug_barrier()  # the whole CTA's stores precede thread 0's release below
     inc = tl.where(pid_s == 0, STEP - (n_programs - 1), 1)
     old = tl.atomic_add(cnt_ptr, inc, sem="acq_rel")
     target = old - (old & (STEP - 1)) + STEP
     last = old + inc == target
     if old + inc != target:
+        if PF > 0:
+            prefetch_regions_l2(pf_part0 + _arrival_rank(old, n_programs, STEP), pf_parts, pf_ptrs, pf_bytes, PF,
+                                PF_BLOCK, PF_EVICT_LAST)
         cur = tl.load(cnt_ptr, volatile=True)
         while cur != target:
             cur = tl.load(cnt_ptr, volatile=True)
@@ -587,6 +607,8 @@ def _mhc_seam1_kernel(
     HC_: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     PART_W: tl.constexpr, STEP: tl.constexpr,
     HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr, QUANT: tl.constexpr = False,
+    PF: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 256, PF_EVICT_LAST: tl.constexpr = True, pf_ptrs=None,
+    pf_bytes=None,
 ):
     """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``; 1-4 token blocks (fp32 FMA mixes).
     One program (m, s) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` x hidden columns ``[s*BLOCK_D, +BLOCK_D)`` of
@@ -610,6 +632,9 @@ def _mhc_seam1_kernel(
     QUANT (phase B; ``BLOCK_D`` divides 128, ``D % 128 == 0``): also the layer input's FP8 copy, as the seamr
     kernel: every program collapses its whole 128-column group from the group's new streams (re-read from
     L2 after the sync) and stores its own columns (:func:`_quant_group_store`).
+    PF > 0 (l2pf, ``mhc_fused_post_pre(prefetch=...)``): the L2 prefetch of the ``PF`` regions ``(pf_ptrs,
+    pf_bytes)``, issued by the waiters of the counter sync (:func:`_count_sync`), or at the end of phase B by
+    every program (PHASE 2).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -671,7 +696,11 @@ def _mhc_seam1_kernel(
         tl.store(part_ptr + part_row[:, None] + 6 * HC_ + rb[None, :], tl.sum(ga * gb, axis=2),
                  mask=tmask[:, None])
     if PHASE == 0:
-        last = _count_sync(cnt_ptr + pid_m * 32, pid_s, S, STEP)
+        if PF > 0:
+            last = _count_sync(cnt_ptr + pid_m * 32, pid_s, S, STEP, PF, pid_m * (S - 1),
+                               tl.num_programs(0) * (S - 1), pf_ptrs, pf_bytes, PF_BLOCK, PF_EVICT_LAST)
+        else:
+            last = _count_sync(cnt_ptr + pid_m * 32, pid_s, S, STEP)
     else:
         last = pid_s == 0
     if PHASE == 2:
@@ -730,6 +759,10 @@ def _mhc_seam1_kernel(
                 tl.store(y_row, (yb.to(tl.float32) * inv[:, None] * wn[None, :]).to(tl.bfloat16), mask=m2)
             else:
                 tl.store(y_row, yb, mask=m2)
+    if PF > 0:
+        if PHASE == 2:  # the two-launch fallback: no sync to hide it behind, every program at its end
+            prefetch_regions_l2(pid_m * S + pid_s, tl.num_programs(0) * S, pf_ptrs, pf_bytes, PF, PF_BLOCK,
+                                PF_EVICT_LAST)
 
 
 # ---- the row-tile seam (issue 20, mhc6: `seamr_*` rows) -------------------------------------------
@@ -966,15 +999,20 @@ def _ld_acquire(ptr):
 
 
 @triton.jit
-def _count_sync_acq(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr):
-    """:func:`_count_sync` (the same counter protocol and last-arriver rule) with the waiters spinning on
-    :func:`_ld_acquire`: one L2 round trip less between the last arrival and the waiters' partial reads."""
+def _count_sync_acq(cnt_ptr, pid_s, n_programs, STEP: tl.constexpr, PF: tl.constexpr = 0, pf_part0=0, pf_parts=1,
+                    pf_ptrs=None, pf_bytes=None, PF_BLOCK: tl.constexpr = 256, PF_EVICT_LAST: tl.constexpr = True):
+    """:func:`_count_sync` (the same counter protocol, last-arriver rule and PF prefetch by the waiters) with the
+    waiters spinning on :func:`_ld_acquire`: one L2 round trip less between the last arrival and the waiters'
+    partial reads."""
     tl.debug_barrier()  # the whole CTA's stores precede thread 0's release below
     inc = tl.where(pid_s == 0, STEP - (n_programs - 1), 1)
     old = tl.atomic_add(cnt_ptr, inc, sem="acq_rel")
     target = old - (old & (STEP - 1)) + STEP
     last = old + inc == target
     if old + inc != target:
+        if PF > 0:
+            prefetch_regions_l2(pf_part0 + _arrival_rank(old, n_programs, STEP), pf_parts, pf_ptrs, pf_bytes, PF,
+                                PF_BLOCK, PF_EVICT_LAST)
         cur = _ld_acquire(cnt_ptr)
         while cur != target:
             cur = _ld_acquire(cnt_ptr)
@@ -992,7 +1030,8 @@ def _mhc_seam_rows_kernel(
     stride_yt, stride_qt, stride_qst,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PART_W: tl.constexpr,
     STEP: tl.constexpr, HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr,
-    QUANT: tl.constexpr = False,
+    QUANT: tl.constexpr = False, PF: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 256,
+    PF_EVICT_LAST: tl.constexpr = True, pf_ptrs=None, pf_bytes=None,
 ):
     """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``.
     One program (m, s) owns tokens ``[m*BLOCK_M, +BLOCK_M)`` (1-4, or 8 at most; one token after the other) x hidden columns
@@ -1016,6 +1055,9 @@ def _mhc_seam_rows_kernel(
     ``q_ptr``, a UE8M0 byte per 128 columns to ``qs_ptr``): each program computes the layer input of its whole
     128-column group from the group's new streams (the partner programs' columns re-read from L2, like its
     own), stores its own columns of it and of the quant (:func:`_quant_group_store`).
+    PF > 0 (l2pf, ``mhc_fused_post_pre(prefetch=...)``): the L2 prefetch of the ``PF`` regions ``(pf_ptrs,
+    pf_bytes)`` in ``num_programs(0) * (S - 1)`` parts, issued by the waiters of each token block's sync
+    (:func:`_count_sync_acq`), or at the end of phase B by every program (PHASE 2).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -1042,7 +1084,11 @@ def _mhc_seam_rows_kernel(
                           stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh,
                           HAS_X2)
     if PHASE == 0:
-        last = _count_sync_acq(cnt_ptr + pid_m * 32, pid_s, S, STEP)
+        if PF > 0:
+            last = _count_sync_acq(cnt_ptr + pid_m * 32, pid_s, S, STEP, PF, pid_m * (S - 1),
+                                   tl.num_programs(0) * (S - 1), pf_ptrs, pf_bytes, PF_BLOCK, PF_EVICT_LAST)
+        else:
+            last = _count_sync_acq(cnt_ptr + pid_m * 32, pid_s, S, STEP)
     else:
         last = pid_s == 0
     if PHASE != 1:
@@ -1053,6 +1099,10 @@ def _mhc_seam_rows_kernel(
                           rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps, D, stride_ot, stride_oh,
                           stride_yt, last, BLOCK_S, PART_W, BLOCK_M * PART_W, HAS_NORM,
                           q_ptr, qs_ptr, stride_qt, stride_qst, q_eps, pid_s * BLOCK_D, BLOCK_D, QUANT)
+    if PF > 0:
+        if PHASE == 2:  # the two-launch fallback: no sync to hide it behind, every program at its end
+            prefetch_regions_l2(pid_m * S + pid_s, tl.num_programs(0) * S, pf_ptrs, pf_bytes, PF, PF_BLOCK,
+                                PF_EVICT_LAST)
 
 
 # ---- input checks --------------------------------------------------------------------------------
@@ -1310,6 +1360,15 @@ def _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weigh
     return res_cur, post, comb, out
 
 
+def _seam_prefetch(pf, S, launches, num_warps) -> tuple[dict, dict]:
+    """The seam kernels' prefetch keyword arguments (``mhc_fused_post_pre(prefetch=...)``, l2pf) for the one-launch
+    kernel and for the phase-B kernel of the two-launch fallback: none on the interpreter (no inline PTX), none
+    for a single column program (no waiter to issue them) or when the sync's arrival ranks are ambiguous
+    (``2 (S - 1) >= SEAM1_STEP``: :func:`_arrival_rank`)."""
+    kw = prefetch_kwargs(pf, not _interpreting() and S >= 2 and 2 * (S - 1) < SEAM1_STEP, num_warps)
+    return (kw, {}) if launches == 1 else ({}, kw)
+
+
 _SYNC1: dict = {}
 SEAM1_STEP = 1024  # the counter step of _count_sync: at most this many column programs per token block
 SEAM1_MAX_T = 4    # seam1 rows: 1-4 token blocks (fp32 FMA mixes); above, the two-pass kernels (`decode`)
@@ -1344,7 +1403,7 @@ def seam1_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dic
 
 
 def _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, pre_eps, sk_eps,
-           post_mult, n_iters, norm_eps, cfg, quant=None):
+           post_mult, n_iters, norm_eps, cfg, quant=None, pf=()):
     T, _, D = residual.shape
     dev = residual.device
     res_cur = torch.empty_like(residual)
@@ -1368,15 +1427,20 @@ def _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weig
     meta = dict(HC_=HC, BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_W=part_w,
                 STEP=SEAM1_STEP, HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None,
                 num_warps=cfg["SEAM1_WARPS"], num_stages=1)
+    pf1, pf2 = _seam_prefetch(pf, S, plan["launches"], cfg["SEAM1_WARPS"])
     if plan["launches"] == 1:
-        _mhc_seam1_kernel[(1, S)](*args, PHASE=0, QUANT=quant is not None, **meta)
+        _mhc_seam1_kernel[(1, S)](*args, PHASE=0, QUANT=quant is not None, **meta, **pf1)
     else:
         _mhc_seam1_kernel[(1, S)](*args, PHASE=1, **meta)
-        _mhc_seam1_kernel[(1, S)](*args, PHASE=2, QUANT=quant is not None, **meta)
+        _mhc_seam1_kernel[(1, S)](*args, PHASE=2, QUANT=quant is not None, **meta, **pf2)
     return res_cur, post, comb, out
 
 
 SEAMR_MAX_T = 16   # seamr rows: 1-16 tokens (token blocks of SEAMR_BLOCK_M); above, the two-pass kernels (`decode`)
+#: the seamr kernel issues ``prefetch=`` (l2pf) up to token blocks of this many tokens: with a ``prefetch``
+#: instruction in it, ptxas keeps the sm_89 build at <= 128 registers, and the 4-token block (152-155 registers
+#: without) then spills 8-16 B; 1-2 token blocks fit (T=1, the default: 90-112 registers, no spill)
+SEAMR_PREFETCH_MAX_M = 2
 SEAMR_PART_W = 48  # fp32 per partial row: Gram 0-9, pre 10-13, post 16-19, comb 20-35 (192-byte rows)
 
 
@@ -1409,7 +1473,7 @@ def seamr_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dic
 
 
 def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, pre_eps, sk_eps,
-               post_mult, n_iters, norm_eps, cfg, quant=None):
+               post_mult, n_iters, norm_eps, cfg, quant=None, pf=()):
     T, _, D = residual.shape
     dev = residual.device
     res_cur = torch.empty_like(residual)
@@ -1432,11 +1496,12 @@ def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_
     meta = dict(BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_W=SEAMR_PART_W,
                 STEP=SEAM1_STEP, HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None,
                 num_warps=cfg["SEAMR_WARPS"], num_stages=1)
+    pf1, pf2 = _seam_prefetch(pf if BM <= SEAMR_PREFETCH_MAX_M else (), S, plan["launches"], cfg["SEAMR_WARPS"])
     if plan["launches"] == 1:
-        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=0, QUANT=quant is not None, **meta)
+        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=0, QUANT=quant is not None, **meta, **pf1)
     else:
         _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=1, **meta)
-        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=2, QUANT=quant is not None, **meta)
+        _mhc_seam_rows_kernel[(mt, S)](*args, PHASE=2, QUANT=quant is not None, **meta, **pf2)
     return res_cur, post, comb, out
 
 
@@ -1641,7 +1706,7 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
                        norm_weight: torch.Tensor | None = None, rms_eps: float = 1e-6, hc_pre_eps: float = 1e-6,
                        hc_sinkhorn_eps: float = 1e-6, hc_post_mult: float = 2.0, sinkhorn_iters: int = 20,
                        norm_eps: float = 1e-6, precision: str = "tf32", config: dict | None = None,
-                       x2: torch.Tensor | None = None, quant_out: bool = False):
+                       x2: torch.Tensor | None = None, quant_out: bool = False, prefetch=None):
     """mHC post of one sublayer fused with the pre of the next (the per-sublayer seam).
 
     Semantics: vLLM ``mhc_fused_post_pre_tilelang``: ``residual_cur = mhc_post(x, residual, post, comb)``
@@ -1663,6 +1728,17 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
         quant_out: also return the layer input's FP8 copy (issue 20, pq-mhc: the input of the FP8 linears that
             read it, ``wqkv_a`` / ``shared_w13``, then skips their quant prologue). A bool; needs
             ``hidden % 128 == 0`` and an FP8 device (compute capability >= 8.9, or the CPU interpreter).
+        prefetch: None, or a tuple / list of up to ``_l2.MAX_REGIONS`` (8) contiguous tensors of any dtype on the
+            call's device (issue 20, l2pf: the weights the next kernels read, e.g. the router gate, the shared
+            expert's w13 and the next seam's ``fn``): the launch also issues an L2 prefetch
+            (``prefetch.global.L2::evict_last``, ``_l2.PREFETCH_EVICT``) of every 128-byte line of their bytes,
+            split over the programs that wait at the grid sync (the last arriver issues none), so those kernels
+            find them in L2. Outputs unchanged (a prefetch writes nothing). Implemented where the decode
+            defaults run (``SEAM_DEFAULTS``): the ``seam1_*`` rows and the ``seamr_*`` rows in token blocks of up to
+            ``SEAMR_PREFETCH_MAX_M`` tokens (:func:`prefetch_issued`; a two-launch fallback issues it at the end
+            of its second launch); larger seamr token blocks, the ``seam_*`` rows, the two-pass ``decode`` /
+            ``prefill`` kernels (T > 4 by default) and the CPU interpreter (which runs no inline PTX) check it and
+            ignore it.
 
     Returns:
         ``(residual_cur, post_mix, comb_mix, layer_input)``: ``(num_tokens, 4, hidden)`` bfloat16,
@@ -1682,7 +1758,8 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
 
     Raises:
         TypeError / ValueError naming the offending argument (``quant_out`` not a bool, or True with
-        ``hidden % 128 != 0`` or a device without FP8).
+        ``hidden % 128 != 0`` or a device without FP8; ``prefetch`` not None / a tuple or list of tensors, more
+        than 8 of them, one on another device, not contiguous or of 2 GiB or more).
     """
     T, D = _check_post_inputs(x, residual, post_mix, comb_mix, x2)
     _check_mhc_params(fn, hc_scale, hc_base, norm_weight, HC * D, D, ("residual", residual))
@@ -1690,6 +1767,7 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
                    hc_sinkhorn_eps=hc_sinkhorn_eps, norm_eps=norm_eps)
     _check_precision(precision)
     _check_quant_out(quant_out, D, residual.device)
+    pf = prefetch_regions(prefetch, residual.device)
     cfg = config or pick_config(T, residual.device, fused=True)
     path = seam_path(T, cfg)
     quant = None
@@ -1698,10 +1776,10 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
                  torch.empty((T, D // QUANT_GROUP), dtype=torch.uint8, device=residual.device))
     if path == "seamr":
         outs = _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps,
-                          hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg, quant)
+                          hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg, quant, pf)
     elif path == "seam1":
         outs = _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
-                      hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg, quant)
+                      hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg, quant, pf)
     elif path == "seam":
         outs = _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, hc_pre_eps,
                      hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, precision, cfg)
@@ -1732,6 +1810,17 @@ def seam_path(num_tokens: int, cfg: dict) -> str:
     if cfg.get("SEAM_BLOCK_D") and T <= SEAM_MAX_T:
         return "seam"
     return "two_pass"
+
+
+def prefetch_issued(num_tokens: int, cfg: dict) -> bool:
+    """True where :func:`mhc_fused_post_pre` ``(prefetch=...)`` issues the L2 prefetch on a GPU for ``num_tokens``
+    with config row ``cfg`` (with at least two column programs): the ``seam1`` path, the ``seamr`` path in token
+    blocks of up to :data:`SEAMR_PREFETCH_MAX_M` tokens; False where it ignores it (larger seamr token blocks, the
+    ``seam`` rows, the two-pass kernels)."""
+    path = seam_path(num_tokens, cfg)
+    if path == "seamr":
+        return min(triton.next_power_of_2(num_tokens), cfg["SEAMR_BLOCK_M"]) <= SEAMR_PREFETCH_MAX_M
+    return path == "seam1"
 
 
 def quant_out_path(num_tokens: int, cfg: dict) -> str:

@@ -33,7 +33,8 @@ mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x:
                             sum after the MoE)
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T=1 seamr_d64, T<=4 seam1_d64) 1 / 2
                             (``SEAM_QUANT``: ``(+layer input fp8)``, the copy ``wqkv_a`` /
-                            ``shared_w13`` read)
+                            ``shared_w13`` read; ``SEAM_PREFETCH``: ``(+L2 prefetch)``, the next
+                            ops' weights prefetched into L2 by the seam launch)
 hc_head                     ``kernel:mhc.hc_head``                                             2
 gate_route (gate + route)   ``kernel:moe_gate.gate_sqrtsoftplus_topk`` (T<=16; above: mm + route) 1 / 2
 route (logits given)        ``kernel:moe_routing.sqrtsoftplus_topk``                           1
@@ -179,6 +180,18 @@ PRODUCER_QUANT_INTERP = True
 #: batch 16 -73 / -90, batch 16 MTP -94 / -101; the model check (batch 4 x next_n 1) passed with it. ON.
 SEAM_QUANT = True
 SEAM_QUANT_INTERP = True
+#: l2pf (issue 20, session 10): each mHC seam launch also prefetches into L2 (``prefetch.global.L2::evict_last``,
+#: ``mhc_fused_post_pre(prefetch=...)``) the weights the next ops on the chain read, which the composition passes
+#: (``RankModel._block``): after the attention, the router gate + bias, the shared expert's w13 + scale and the next
+#: seam's fn / scale / base / norm weight; after the MoE, the next layer's ``wqkv_a`` + scale, q / kv norm
+#: weights and its first seam's fn / scale / base / norm weight. The waiters of the seam's grid sync issue them
+#: (T = 1 seamr_d64, T = 2-4 seam1_d64; ignored by the two-pass kernels above). Bit-identical (a prefetch writes
+#: nothing). The bound (H200 session 10, scripts/gpu/l2warm.py, NOTES "l2warm"): the seam 9.8 -> 7.7 us with a
+#: warm L2, wq_a_wkv 8.15 -> 6.90, shared_gate_up 3.8 -> 2.9, the gate 5.65 -> 4.77. OFF until the step A/B
+#: (``ds4lab step --ab backend_kernel.SEAM_PREFETCH=True``) says so (NOTES "l2pf"). Read per call; the CPU
+#: interpreter lane passes the tensors too when on (the launcher checks them and issues nothing there).
+SEAM_PREFETCH = False
+K_L2_PREFETCH = "(+L2 prefetch)"
 #: the attribute a producer sets on its bf16 output: ``(x_fp8 (T, K) float8_e4m3fn, x_scale (T, K/128) uint8)``
 FP8_COPY = "ds4lab_fp8_copy"
 
@@ -561,20 +574,38 @@ class KernelBackend(Backend):
             return self.k["mhc"].mhc_post(x.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous(),
                                           x2=None if x2 is None else x2.contiguous())
 
-    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name, x2=None):
+    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name, x2=None, prefetch=None):
         """With ``SEAM_QUANT`` (GPU) / ``SEAM_QUANT_INTERP``: the seam also writes the layer input's
         FP8 copy (``quant_out=True``, in the launch that writes the layer input on the decode paths) for the
-        next FP8 linear (``wqkv_a`` / ``shared_w13``; the bf16 readers keep the bf16 layer input)."""
+        next FP8 linear (``wqkv_a`` / ``shared_w13``; the bf16 readers keep the bf16 layer input). With
+        ``SEAM_PREFETCH``: the launch also prefetches ``prefetch``'s tensors into L2 (:meth:`_seam_prefetch`; kind
+        ``... (+L2 prefetch)`` where the seam's path issues it)."""
         q8 = (SEAM_QUANT if x.is_cuda else SEAM_QUANT_INTERP) and x.shape[-1] % 128 == 0
-        with op_group(name, K_MHC_SEAM_Q8 if q8 else K_MHC_SEAM):
-            r = self.k["mhc"].mhc_fused_post_pre(x.contiguous(), residual.contiguous(), post.contiguous(),
-                                                 comb.contiguous(), fn, scale, base, norm_weight,
-                                                 x2=None if x2 is None else x2.contiguous(), quant_out=q8,
-                                                 **self._hc_args(cfg))
+        pf = self._seam_prefetch(x, prefetch)
+        mhc = self.k["mhc"]
+        kind = K_MHC_SEAM_Q8 if q8 else K_MHC_SEAM
+        if pf and x.is_cuda and mhc.prefetch_issued(x.shape[0], mhc.pick_config(x.shape[0], x.device, fused=True)):
+            kind += K_L2_PREFETCH
+        with op_group(name, kind):
+            r = mhc.mhc_fused_post_pre(x.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous(), fn,
+                                       scale, base, norm_weight, x2=None if x2 is None else x2.contiguous(),
+                                       quant_out=q8, prefetch=pf, **self._hc_args(cfg))
         if q8:
             r, copy = r[:4], r[4]
             setattr(r[3], FP8_COPY, copy)
         return r
+
+    @staticmethod
+    def _seam_prefetch(x, prefetch):
+        """The tensors of ``prefetch`` the seam launch prefetches with :data:`SEAM_PREFETCH` on: those on ``x``'s
+        device (CUDA; the interpreter lane's CPU) and contiguous, at most ``_l2.MAX_REGIONS``, in order; None when
+        off or none (a hint: a weight elsewhere is skipped, never an error)."""
+        if not SEAM_PREFETCH or not prefetch:
+            return None
+        from ds4lab_kernels._l2 import MAX_REGIONS
+        pf = tuple(t for t in prefetch if isinstance(t, torch.Tensor) and t.device == x.device and t.is_contiguous()
+                   and t.numel())
+        return pf[:MAX_REGIONS] or None
 
     def hc_head(self, residual, fn, scale, base, cfg, name="head.hc_head"):
         with op_group(name, "kernel:mhc.hc_head"):

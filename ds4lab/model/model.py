@@ -180,13 +180,38 @@ class RankModel:
         post, comb, x = pre
         a = self._attention(i, L, x, pos, req, C, maps, ids, next_n)
         resid, post, comb, x = o.mhc_post_pre(a, resid, post, comb, L["hc_ffn_fn"], L["hc_ffn_scale"],
-                                              L["hc_ffn_base"], L["ffn_norm"], cfg, "mhc.post_attn+pre_ffn")
+                                              L["hc_ffn_base"], L["ffn_norm"], cfg, "mhc.post_attn+pre_ffn",
+                                              prefetch=self._prefetch_moe(L, nxt))
         f = self._moe(L, x, ids)
         if nxt is None:
             return o.mhc_post(f, resid, post, comb, "mhc.post_ffn"), None
         resid, post, comb, x = o.mhc_post_pre(f, resid, post, comb, nxt["hc_attn_fn"], nxt["hc_attn_scale"],
-                                              nxt["hc_attn_base"], nxt["attn_norm"], cfg, "mhc.post_ffn+pre_attn")
+                                              nxt["hc_attn_base"], nxt["attn_norm"], cfg, "mhc.post_ffn+pre_attn",
+                                              prefetch=self._prefetch_attn(nxt))
         return resid, (post, comb, x)
+
+    # ---- what each seam hands the backend to prefetch (Backend.mhc_post_pre's hint; l2pf) ------------------
+    @staticmethod
+    def _linear_tensors(lin):
+        return (lin.weight,) if lin.scale is None else (lin.weight, lin.scale)
+
+    def _prefetch_moe(self, L, nxt):
+        """The tensors the ops after the ``post_attn+pre_ffn`` seam read first, soonest first: the router gate
+        and its bias (hash layers: the gate only; ``tid2eid`` is read one row a token), the shared expert's w13
+        and its scale (the side chain), then the ``post_ffn+pre_attn`` seam's fn, scale, base and norm weight
+        (``nxt``'s ``hc_attn_*``; none after the last block). The routed experts are not known before routing."""
+        out = (L["gate"].weight,) + ((L["bias"],) if L.get("bias") is not None else ())
+        out += self._linear_tensors(L["shared_w13"])
+        if nxt is not None:
+            out += (nxt["hc_attn_fn"], nxt["hc_attn_scale"], nxt["hc_attn_base"], nxt["attn_norm"])
+        return out
+
+    def _prefetch_attn(self, nxt):
+        """The tensors the next block reads first after the ``post_ffn+pre_attn`` seam, soonest first: ``wqkv_a``
+        and its scale, the q / kv norm weights, then its ``post_attn+pre_ffn`` seam's fn, scale, base and norm
+        weight (the compressors' bf16 ``x_proj`` on the side chain, ~21 MB at C4A, is left to stream)."""
+        return (self._linear_tensors(nxt["wqkv_a"]) + (nxt["q_norm"], nxt["kv_norm"])
+                + (nxt["hc_ffn_fn"], nxt["hc_ffn_scale"], nxt["hc_ffn_base"], nxt["ffn_norm"]))
 
     def forward(self, ids, pos, req, caches: Caches, next_n=None):
         """``ids, pos, req (T,)`` -> the pre-hc_head residual ``(T, 4, D)`` bf16 after the last layer.

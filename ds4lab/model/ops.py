@@ -284,9 +284,11 @@ class Backend:
         as ``(x.float() + x2.float()).to(bf16)`` first (a separate add's rounding)."""
         raise NotImplementedError
 
-    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name, x2=None):
+    def mhc_post_pre(self, x, residual, post, comb, fn, scale, base, norm_weight, cfg, name, x2=None, prefetch=None):
         """The seam between two sublayers: ``mhc_post`` (``x2`` as there) then ``mhc_pre`` (a backend may
-        fuse them) -> ``(new residual (T, 4, D) bf16, post, comb, layer_input)``."""
+        fuse them) -> ``(new residual (T, 4, D) bf16, post, comb, layer_input)``. ``prefetch``: a tuple of the
+        tensors the next ops read (weights), a hint a backend may act on (the kernel backend's L2 prefetch from
+        the seam launch, ``SEAM_PREFETCH``); it never changes a result, and this default ignores it."""
         r = self.mhc_post(x, residual, post, comb, name + ".post", x2=x2)
         return (r, *self.mhc_pre(r, fn, scale, base, norm_weight, cfg, name + ".pre"))
 

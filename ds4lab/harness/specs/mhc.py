@@ -108,7 +108,20 @@ def make_inputs(shape: dict, case: str = "random", seed: int = 0, device="cpu", 
         io["x2"] = x2.to(dev)
     if kind == "fused" and shape.get("quant_out"):  # the compile report's quant_out variant (pq-mhc)
         io["quant_out"] = True
+    if kind == "fused" and shape.get("prefetch"):   # the compile report's prefetch variant (l2pf)
+        io["prefetch"] = prefetch_tensors(D, dev)
     return io if kind == "post" else {**io, **common}
+
+
+def prefetch_tensors(D: int, device="cpu") -> tuple:
+    """``mhc_fused_post_pre(prefetch=...)``'s tensors as the decode step's ``post_attn+pre_ffn`` seam passes them
+    at TP=4 (``RankModel._prefetch_moe``: dtypes and sizes, zeros): the router gate ``(256, D)`` bf16 and bias
+    fp32, the shared expert's w13 ``(1024, D)`` e4m3 and its UE8M0 scale, the next seam's fn ``(24, 4 D)`` fp32,
+    scale, base and norm weight."""
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return (z(256, D, dtype=torch.bfloat16), z(256), z(1024, D, dtype=torch.float8_e4m3fn),
+            z(8, D // 128, dtype=torch.uint8), z(24, 4 * D), z(3), z(24), z(D, dtype=torch.bfloat16))
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -287,6 +300,10 @@ AOT_SHAPE_SEAM = {"T": 1, "D": 4096, "hc": 4, "N": 24, "aot": "seam", "x2": 1}  
 # quant_out=True (pq-mhc, issue 20): only the row the decode step picks at each token count's kernel
 # (mhc.SEAM_DEFAULTS, then `decode`): T=1 seamr_d64, T=4 seam1_d64 (its 4-token block), T=8 the two-pass apply
 AOT_SHAPES_QUANT = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "x2": 1, "quant_out": 1} for t in (1, 4, 8)]
+# prefetch=... (l2pf, issue 20): the decode step's seam (quant_out, no x2) with its 8 prefetch regions, at the
+# token counts where the step's row issues it: T=1 seamr_d64, T=2 / 4 seam1_d64
+AOT_SHAPES_PREFETCH = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "quant_out": 1, "prefetch": 1}
+                       for t in (1, 2, 4)]
 
 
 def step_row(T: int) -> str:
@@ -322,7 +339,8 @@ for _name, _kind, _check, _cases, (_b1, _b4), _bound in _KINDS:
         config_for=_config_for_kernel(_name),
         baselines={"torch_eager": reference_baseline(f"ds4lab.reference.mhc:{_name}", compute_dtype=torch.float32)},
         bound=_bound,
-        aot_shape=[AOT_SHAPE, AOT_SHAPE_SEAM, *AOT_SHAPES_QUANT] if _kind == "fused" else AOT_SHAPE,
+        aot_shape=([AOT_SHAPE, AOT_SHAPE_SEAM, *AOT_SHAPES_QUANT, *AOT_SHAPES_PREFETCH] if _kind == "fused"
+                   else AOT_SHAPE),
         sm89_mma={"_hc_prenorm_gemm_kernel": "HMMA"} if _kind in ("gemm", "pre", "broadcast", "head")
         else ({"_mhc_post_kernel": "HMMA"} if _kind == "fused" else {}),
     ))
