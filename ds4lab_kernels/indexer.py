@@ -26,7 +26,7 @@ import triton.language as tl
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import quant_rows_e4m3
-from .topk import select_topk_row
+from .topk import check_select_config, hist0_add, select_topk
 
 # the amax floor of the q quantization (vLLM ``per_token_group_quant_fp8(..., eps=1e-4)`` on the
 # indexer q; the same as the K cache writer's)
@@ -109,7 +109,8 @@ def _fp8_mqa_logits_kernel(
 @triton.jit
 def _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row, lim, offs, omask, stride_qr, stride_qh, stride_wr, stride_or,
                H: tl.constexpr, D: tl.constexpr):
-    """One query row against one cache block tile: ``sum_h w[h] relu(k . q[h]) * k_scale``, -inf past ``lim``."""
+    """One query row against one cache block tile: ``sum_h w[h] relu(k . q[h]) * k_scale``, -inf past ``lim``;
+    stored, and returned (the ``[BS]`` fp32 row)."""
     h = tl.arange(0, H)
     d = tl.arange(0, D)
     row64 = row.to(tl.int64)
@@ -120,16 +121,19 @@ def _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row, lim, offs, omask, stride_qr, 
     logit = tl.sum(s * w[None, :], axis=1) * ks
     logit = tl.where(offs < lim, logit, float("-inf"))
     tl.store(out_ptr + row64 * stride_or + offs, logit, mask=omask)
+    return logit
 
 
 @triton.jit
-def _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr, b, t_begin, t_stop,
+def _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr, h0_ptr, b, t_begin, t_stop,
                  max_ctx, num_blocks, bt_width, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr,
                  stride_btb, stride_or,
-                 NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+                 NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, H0_BITS: tl.constexpr):
     """Cache blocks ``[t_begin, t_stop)`` of request ``b`` for all its next_n query rows: the logits of
     each row's valid entries, ``-inf`` past its limit (up to ``max_ctx``). The one home of the paged
     logits math (``_fp8_paged_mqa_logits_kernel`` and the one-launch ``_fp8_paged_mqa_topk_kernel``).
+    ``H0_BITS > 0``: every valid logit is also counted into its row's first-level top-k histogram
+    (``topk.hist0_add``: row ``r`` at ``h0_ptr + r * 2^H0_BITS``); the logits are the same bits either way.
     Returns the rows' limits ``(lim0, lim1)`` clamped to ``[0, min(max_ctx, bt_width * BS)]``
     (``lim1 = lim0`` for next_n = 1)."""
     e = tl.arange(0, BS)
@@ -154,11 +158,15 @@ def _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr, b, t
         ks = tl.where(good, ks, float("nan"))  # a bad block id yields NaN logits, never plausible numbers
         offs = t * BS + e
         omask = offs < max_ctx
-        _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row0, lim0, offs, omask, stride_qr, stride_qh, stride_wr,
-                   stride_or, H, D)
+        lg0 = _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row0, lim0, offs, omask, stride_qr, stride_qh, stride_wr,
+                         stride_or, H, D)
+        if H0_BITS > 0:
+            hist0_add(h0_ptr + row0.to(tl.int64) * (1 << H0_BITS), lg0, offs, lim0, H0_BITS)
         if NEXT_N == 2:
-            _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row0 + 1, lim1, offs, omask, stride_qr, stride_qh,
-                       stride_wr, stride_or, H, D)
+            lg1 = _paged_row(kt, ks, q_ptr, w_ptr, out_ptr, row0 + 1, lim1, offs, omask, stride_qr, stride_qh,
+                             stride_wr, stride_or, H, D)
+            if H0_BITS > 0:
+                hist0_add(h0_ptr + (row0 + 1).to(tl.int64) * (1 << H0_BITS), lg1, offs, lim1, H0_BITS)
     ninf = tl.full((BS,), float("-inf"), tl.float32)
     for t in range(tl.maximum(t_valid, t_begin), t_end):
         offs = t * BS + e
@@ -179,35 +187,41 @@ def _fp8_paged_mqa_logits_kernel(
     One program: TILES consecutive cache blocks of one request, for all its next_n query rows (-inf past the limit)."""
     b = tl.program_id(0)
     t_begin = tl.program_id(1) * TILES
-    _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr, b, t_begin, t_begin + TILES,
+    _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, out_ptr, out_ptr, b, t_begin, t_begin + TILES,
                  max_ctx, num_blocks, bt_width, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr,
-                 stride_btb, stride_or, NEXT_N, H, D, BS)
+                 stride_btb, stride_or, NEXT_N, H, D, BS, 0)
 
 
 @triton.jit(do_not_specialize=["tiles"])
 def _fp8_paged_mqa_topk_kernel(
-    q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, cnt_ptr, off_ptr, idx_ptr,
+    q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, cnt_ptr, h0_ptr, off_ptr, idx_ptr,
     max_ctx, num_blocks, bt_width, tiles, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr,
     stride_btb, stride_wsr, stride_ir,
     NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
-    KP2: tl.constexpr, HAS_OFF: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    KP2: tl.constexpr, HAS_OFF: tl.constexpr, SEL_BLOCK: tl.constexpr, SEL_ROW: tl.constexpr,
+    SEL_BITS: tl.constexpr, H0_BITS: tl.constexpr,
 ):
     """Grid ``(batch, P)``, ``P = cdiv(cdiv(max_context_len, block_size), tiles)`` (at least 1).
     One program: ``tiles`` consecutive cache blocks of request ``b``, all its next_n rows, logits into
-    the fp32 workspace ``ws`` (``_paged_tiles``); then a ticket of the request's counter
-    (``atomic_add`` acq_rel, gpu scope, after a CTA barrier so every thread's stores are released).
-    The program that draws the last ticket (``P - 1``) selects each row's top-``K`` from the
-    workspace (``topk.select_topk_row``: the one-program top-k, same tie rule and order), adds
-    ``offsets[row]`` and resets the counter to 0 for the next launch / CUDA-graph replay. No program
-    waits on another."""
+    the fp32 workspace ``ws`` (``_paged_tiles``; ``H0_BITS > 0``: their top-``H0_BITS``-bit histogram
+    into ``h0``, one ``2^H0_BITS``-bin int32 row per query row); then a ticket of the request's counter
+    (``atomic_add`` acq_rel, gpu scope, after a CTA barrier so every thread's stores and adds are
+    released). The program that draws the last ticket (``P - 1``) selects each row's top-``K`` from the
+    workspace (``topk.select_topk``: ``SEL_ROW == 0`` the streaming select, ``SEL_BLOCK`` entries a
+    step; else rows of up to ``SEL_ROW`` entries in registers, ``SEL_BITS``-bit radix digits after a
+    first level of ``H0_BITS`` bits read from ``h0`` (or ``SEL_BITS`` counted in-program); same tie
+    rule and order either way), adds ``offsets[row]``, re-zeroes the rows' histograms and the
+    counter for the next launch / CUDA-graph replay. No program waits on another."""
     b = tl.program_id(0)
     t_begin = tl.program_id(1) * tiles
-    lim0, lim1 = _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, b, t_begin,
+    lim0, lim1 = _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, h0_ptr, b, t_begin,
                               t_begin + tiles, max_ctx, num_blocks, bt_width, stride_qr, stride_qh,
-                              stride_blk8, stride_blk32, stride_wr, stride_btb, stride_wsr, NEXT_N, H, D, BS)
+                              stride_blk8, stride_blk32, stride_wr, stride_btb, stride_wsr, NEXT_N, H, D, BS,
+                              H0_BITS)
     tl.debug_barrier()  # every thread's logits are written before the arrival is published
     ticket = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(1) - 1:
+        W0: tl.constexpr = H0_BITS if H0_BITS > 0 else SEL_BITS
         for i in tl.static_range(NEXT_N):
             row = (b * NEXT_N + i).to(tl.int64)
             off = 0
@@ -217,7 +231,8 @@ def _fp8_paged_mqa_topk_kernel(
             if i == 1:
                 L = lim1
             # entries past the row's limit are -inf in the workspace: the select stops at the limit
-            select_topk_row(ws_ptr + row * stride_wsr, idx_ptr + row * stride_ir, L, off, K, KP2, SEL_BLOCK)
+            select_topk(ws_ptr + row * stride_wsr, idx_ptr + row * stride_ir, L, off, h0_ptr + row * (1 << W0),
+                        K, KP2, SEL_BLOCK, SEL_ROW, W0, SEL_BITS, H0_BITS > 0)
         tl.atomic_xchg(cnt_ptr + b, 0, sem="relaxed", scope="gpu")
 
 
@@ -602,10 +617,17 @@ _ARRIVALS: dict = {}
 _MIN_ARRIVALS = 1024
 
 
+def paged_topk_h0_base(batch: int) -> int:
+    """Where the first-level histograms of :func:`fp8_paged_mqa_topk` (configs with ``H0_BITS``) start
+    in its ``arrivals`` buffer: after the ``batch`` counters, rounded up to 32 int32 (128 B)."""
+    return -(-batch // 32) * 32
+
+
 def paged_topk_arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """The zeroed ``int32`` per-request arrival counters of :func:`fp8_paged_mqa_topk` on ``device``
-    (at least ``n``). Allocated once per device and left zero by every launch, so CUDA-graph replays
-    reuse it. Launches must not run concurrently on two streams of one device (they share it).
+    """The zeroed ``int32`` per-request arrival counters (and, for configs with ``H0_BITS``, the rows'
+    first-level histograms after them) of :func:`fp8_paged_mqa_topk` on ``device`` (at least ``n``).
+    Allocated once per device and left zero by every launch, so CUDA-graph replays reuse it. Launches
+    must not run concurrently on two streams of one device (they share it).
 
     Raises:
         RuntimeError: the buffer would have to grow while a CUDA graph is being captured (run the
@@ -634,7 +656,9 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
 
     Programs ``(b, p)`` split request ``b``'s cache blocks, write the logits of all its next_n rows
     to an fp32 workspace (``logits``), take a ticket of the request's arrival counter; the last one
-    selects each row's top-``k`` in-program (``topk.select_topk_row``) and re-zeroes the counter.
+    selects each row's top-``k`` in-program (``topk.select_topk``: streaming, or on registers for
+    rows up to the config's ``SEL_ROW`` entries, the first radix level optionally counted by the
+    logits programs into per-row histograms, ``H0_BITS``) and re-zeroes the counter (and histograms).
     No host sync, no spin-wait; the grid depends only on shapes (CUDA-graph safe).
 
     Args:
@@ -649,7 +673,8 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
         logits: optional ``(batch*next_n, max_context_len)`` float32 workspace, last dim contiguous;
             afterwards it holds :func:`fp8_paged_mqa_logits`'s output bit for bit.
         arrivals: optional zeroed int32 counters, ``>= batch`` of them, left zero (default
-            :func:`paged_topk_arrivals`).
+            :func:`paged_topk_arrivals`); a config with ``H0_BITS`` also keeps its rows' histograms
+            there: ``>= paged_topk_h0_base(batch) + batch * next_n * 2^H0_BITS`` int32.
         config: a row of ``CONFIGS["paged_topk"]``.
 
     Returns:
@@ -685,26 +710,34 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
             or logits.device != dev:
         raise ValueError(f"logits: expected float32 ({M}, {N}) with contiguous rows on {dev}, got "
                          f"{logits.dtype} {tuple(logits.shape)} strides {tuple(logits.stride())} on {logits.device}")
+    cfg = config or pick_paged_topk_config(B, N, dev)
+    h0_bits, sel_row, sel_bits = int(cfg.get("H0_BITS", 0)), int(cfg.get("SEL_ROW", 0)), int(cfg.get("SEL_BITS", 7))
+    check_select_config(sel_row, sel_bits, h0_bits or sel_bits, "config SEL_ROW/SEL_BITS/H0_BITS")
+    h0_base = paged_topk_h0_base(B)
+    n_arr = h0_base + (M << h0_bits) if h0_bits else B
     if arrivals is None:
-        arrivals = paged_topk_arrivals(dev, B)
+        arrivals = paged_topk_arrivals(dev, n_arr)
     else:
         check.tensor("arrivals", arrivals, torch.int32, 1)
         check.same_device("q", q, arrivals=arrivals)
-        if arrivals.numel() < B or (B and arrivals.stride(0) != 1):
-            raise ValueError(f"arrivals: {arrivals.numel()} contiguous counters, need >= {B} (one per request)")
+        if arrivals.numel() < n_arr or (B and arrivals.stride(0) != 1):
+            what = f"{B} counters + {M} x {1 << h0_bits} histogram bins from {h0_base}" if h0_bits else \
+                f"{B} (one per request)"
+            raise ValueError(f"arrivals: {arrivals.numel()} contiguous int32, need >= {n_arr}: {what}")
     if M == 0:
         return out
     lim = _paged_limits(context_lens, nn, dev)
-    cfg = config or pick_paged_topk_config(B, N, dev)
     n_tiles = triton.cdiv(N, bs)
     tiles = paged_topk_tiles(cfg, B, n_tiles, dev)
     grid = (B, max(1, triton.cdiv(n_tiles, tiles)))
     _fp8_paged_mqa_topk_kernel[grid](
-        q, kv8, kv32, weights, lim, block_table, logits, arrivals, offsets if offsets is not None else lim, out,
+        q, kv8, kv32, weights, lim, block_table, logits, arrivals, arrivals[h0_base:] if h0_bits else arrivals,
+        offsets if offsets is not None else lim, out,
         N, kv_cache.shape[0], block_table.shape[1], tiles, q.stride(1), q.stride(2), stride, stride // 4,
         weights.stride(0), block_table.stride(0), logits.stride(0), out.stride(0),
         NEXT_N=nn, H=H, D=D, BS=bs, K=k, KP2=triton.next_power_of_2(k), HAS_OFF=offsets is not None,
-        SEL_BLOCK=cfg["SEL_BLOCK"], num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
+        SEL_BLOCK=cfg["SEL_BLOCK"], SEL_ROW=sel_row, SEL_BITS=sel_bits, H0_BITS=h0_bits,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     return out
 
 
@@ -722,6 +755,15 @@ _PAGED_TOPK = {
     "p4s512": {"PROGS_PER_SM": 4, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
     "t1s512": {"TILES": 1, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
     "t4s512": {"TILES": 4, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
+    # idx10 (NOTES.md): the select on registers for rows of up to SEL_ROW = 2,048 entries (longer rows:
+    # the s512 streaming select above), radix digits of SEL_BITS bits; H0_BITS: the first level's
+    # 2^H0_BITS-bin histogram is counted by the logits programs (global atomics into the arrivals
+    # buffer, re-zeroed by the select). sm_89 at next_n 1 / 2: 117-126 / 154-158 regs, 0 spills.
+    # PROVISIONAL: not timed yet (the lead's H200 run).
+    "p2r2048b6": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "num_warps": 4,
+                  "num_stages": 3},
+    "p2r2048h11b6": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "H0_BITS": 11,
+                     "num_warps": 4, "num_stages": 3},
 }
 CONFIGS = {
     # q (decode: T*64 rows of 128): one row per warp; T=1 is 64 rows -> 16-64 programs

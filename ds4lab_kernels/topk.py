@@ -5,7 +5,9 @@ keys (NaN and -inf are not selectable; -0.0 is folded onto +0.0); up to four 256
 passes (``tl.histogram``), one per key byte from the top, find the exact k-th largest key ``T``
 and how many entries equal to ``T`` must be taken; a last pass writes the indices with a running
 prefix sum. A pass is skipped as soon as the k-th entry's bin is taken whole. Every pass streams
-the row once (2 to 5 reads of the row; rows up to 2^31 - 2 entries).
+the row once (2 to 5 reads of the row; rows up to 2^31 - 2 entries). Rows of up to a config's ``ROW``
+entries can instead be selected on registers (``select_topk_regs``: one read of the row, narrower
+radix digits, the same result); ``select_topk`` picks between the two per row.
 
 Tie rule (deterministic): among entries with equal score, the LOWER index wins. Output order:
 the selected indices in ascending index order (not sorted by score), then ``-1`` padding.
@@ -76,24 +78,54 @@ def _digit_hist(h, row_ptr, lane, lo, hi, prefix, LVL: tl.constexpr, BLOCK: tl.c
 
 @triton.jit
 def _descend(h, need, prefix, T, need_eq, done, LVL: tl.constexpr):
-    """One radix level from its histogram ``h``: the k-th entry's bin extends ``prefix`` by one byte.
+    """One 8-bit radix level ``LVL`` of the streaming select (``_descend_bits`` with key byte ``3 - LVL``)."""
+    return _descend_bits(h, need, prefix, T, need_eq, done, 24 - 8 * LVL, 8, LVL == 0, False)
 
-    When that bin is taken whole (``need == cnt``), every key >= its lowest key is selected
-    (``T = prefix << SHIFT``, ``need_eq`` unbounded); at the last level ``T`` is the exact k-th key
-    and ``need_eq`` entries equal to it are taken. Either way ``done`` becomes true, in the caller's
-    dtype (int1 in the one-program kernel, the int32 state flag in the split select kernel)."""
-    SHIFT: tl.constexpr = 24 - 8 * LVL
-    b, cnt, above = _select_bin(h, need, 256)
-    if LVL == 0:
-        prefix = b - 128                      # signed top byte
+
+@triton.jit
+def _pick_bin(hr, need, NB: tl.constexpr):
+    """``_select_bin`` for a REVERSED histogram (``hr[NB - 1 - d]`` counts digit ``d``), in one forward
+    scan and ONE int32 reduction (``NB <= 4096`` bins, counts ``< 2^15``): (bin, count above it, whether
+    that bin is taken whole). The forward prefix of ``hr`` is the suffix count of the digits; the
+    k-th entry's digit is the first prefix that reaches ``need`` (``NB - 1 - #{prefix < need}``), the
+    entries above it are the bins before it, and it is taken whole iff its own prefix equals ``need``
+    (that bin alone has ``prefix - hr < need <= prefix``; the empty bins after it repeat its prefix):
+    the three in one packed sum (13 + 1 + 15 bits). (A reverse ``tl.cumsum`` of 4,096 bins costs ~2x
+    the forward one in sm_89 SASS: 370 shuffles.) ``need`` in ``[1, sum(hr)]``."""
+    pre = tl.cumsum(hr, 0)
+    lt = pre < need
+    whole = (pre == need) & (pre - hr < need)
+    s = tl.sum(tl.where(lt, 1 + (hr << 14), 0) + (whole.to(tl.int32) << 13), 0)
+    return NB - 1 - (s & 0x1FFF), s >> 14, ((s >> 13) & 1) != 0
+
+
+@triton.jit
+def _descend_bits(h, need, prefix, T, need_eq, done, SHIFT: tl.constexpr, BITS: tl.constexpr,
+                  FIRST: tl.constexpr, PACKED: tl.constexpr):
+    """One radix level from its ``2^BITS``-bin histogram ``h`` of key bits ``[SHIFT, SHIFT + BITS)``:
+    the k-th entry's bin extends ``prefix`` by ``BITS`` bits (``FIRST``: the top bits, signed, bins
+    biased by ``2^(BITS-1)``). ``PACKED``: ``h`` is reversed (bin ``2^BITS - 1 - d`` counts digit ``d``)
+    and read by ``_pick_bin`` (one scan, one reduction), else ``_select_bin``.
+
+    When that bin is taken whole, every key >= its lowest key is selected (``T = prefix << SHIFT``,
+    ``need_eq`` unbounded); at the last level (``SHIFT == 0``) ``T`` is the exact k-th key and
+    ``need_eq`` entries equal to it are taken. Either way ``done`` becomes true, in the caller's dtype
+    (int1 in the one-program kernels, the int32 state flag in the split select kernel)."""
+    if PACKED:
+        b, above, whole = _pick_bin(h, need, 1 << BITS)
     else:
-        prefix = (prefix << 8) | b
+        b, cnt, above = _select_bin(h, need, 1 << BITS)
+        whole = need - above == cnt
+    if FIRST:
+        prefix = b - (1 << (BITS - 1))        # signed top bits
+    else:
+        prefix = (prefix << BITS) | b
     need = need - above
-    if need == cnt:                           # the whole bin is taken: keys >= its lowest key
+    if whole:                                 # the whole bin is taken: keys >= its lowest key
         T = prefix << SHIFT
         need_eq = need * 0 + 2147483647
         done = (need == need).to(done.dtype)
-    elif LVL == 3:                            # exact key: take `need` of the entries equal to it
+    elif SHIFT == 0:                          # exact key: take `need` of the entries equal to it
         T = prefix
         need_eq = need
         done = (need == need).to(done.dtype)
@@ -110,7 +142,8 @@ def _pad_tail(out_row, k_eff, K: tl.constexpr, KP2: tl.constexpr):
 @triton.jit
 def select_topk_row(row_ptr, out_row, L, off, K: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
     """The exact top-``K`` of entries ``[0, L)`` of one fp32 row, in one program (the one home of the
-    single-row select: ``_topk_kernel`` and the indexer's one-launch logits + top-k both call it).
+    streaming single-row select: ``_topk_kernel`` and the indexer's one-launch logits + top-k reach it
+    through ``select_topk``).
 
     Up to 4 radix passes (each streams the row ``BLOCK`` entries at a time), then the output pass:
     ``out_row[0 : min(K, #selectable)]`` = the selected indices ``+ off`` in ascending index order
@@ -135,18 +168,123 @@ def select_topk_row(row_ptr, out_row, L, off, K: tl.constexpr, KP2: tl.constexpr
     _pad_tail(out_row, k_eff, K, KP2)
 
 
+# ---- register-resident select (config key "ROW"; the indexer's "SEL_ROW"): one read of the row ----
+# Rows of up to ROW entries: the keys are loaded ONCE into registers (ROW / (32 * num_warps) per thread)
+# and every radix level and the output pass run on them. Digits of W bits (after a first level of W0
+# bits): a masked ``tl.histogram`` of 2,048 keys on 4 warps costs 24 / 31 / 39 / 56 sm_89 SASS
+# instructions per key at 32 / 64 / 128 / 256 bins (1 / 2 / 4 / 8 POPC, a quarter-rate instruction;
+# ds4lab aot, triton 3.7.1), so a key bit costs less in narrow digits, while every level adds a
+# fixed scan + reduction; 6 bits it is (NOTES.md "idx10"). The first level can come from elsewhere
+# (``h0``: the one-launch indexer's logits programs count every score's top W0 bits into a global
+# histogram, ``hist0_add``). The histograms are reversed (bin ``2^W - 1 - d`` counts digit ``d``) so a
+# forward scan gives the suffix counts the pick needs.
+@triton.jit
+def hist0_add(h_row, v, offs, lim, BITS: tl.constexpr):
+    """Count the fp32 scores ``v`` (``offs``: their row positions; selectable: ``offs < lim``, not
+    NaN / -inf) into ``h_row``, the row's int32 histogram of the top ``BITS`` key bits (bin = signed
+    top bits, REVERSED as ``_pick_bin`` reads it: bin ``2^(BITS-1) - 1 - (key >> (32 - BITS))``; zero
+    before the first add): one relaxed gpu-scope ``atomic_add`` per selectable score, so any number of
+    programs can add to one row."""
+    valid = (offs < lim) & (v == v) & (v != float("-inf"))
+    b = (1 << (BITS - 1)) - 1 - (_skey(v) >> (32 - BITS))
+    tl.atomic_add(h_row + b, tl.full(b.shape, 1, tl.int32), mask=valid, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _reg_write(key, valid, offs, out_row, T, need_eq, off):
+    """The ordered output pass on register keys: keys ``> T`` and the first ``need_eq`` keys
+    ``== T`` (lower index first), stored as ``offs + off`` from slot 0 in ascending index order. One
+    scan: the inclusive prefix counts of both kinds packed in one int32 (rows < 2^15 entries)."""
+    gt = valid & (key > T)
+    eq = valid & (key == T)
+    c = tl.cumsum(gt.to(tl.int32) | (eq.to(tl.int32) << 16), 0)
+    n_gt = (c & 0xFFFF) - gt.to(tl.int32)      # exclusive: entries before this one
+    n_eq = (c >> 16) - eq.to(tl.int32)
+    take = gt | (eq & (n_eq < need_eq))
+    # one int32 tensor carries slot and mask into the store's layout (1 entry per thread: the slots are
+    # not contiguous), instead of a 64-bit pointer and a mask (half the shared-memory round trip)
+    slot = tl.where(take, n_gt + tl.minimum(n_eq, need_eq), -1)
+    tl.store(out_row + slot, offs + off, mask=slot >= 0)
+
+
+@triton.jit
+def _reg_level(key, valid, need, prefix, T, need_eq, done, TOP: tl.constexpr, W: tl.constexpr):
+    """The radix level below the top ``TOP`` key bits (``prefix``): the histogram of the next ``W``
+    bits (fewer at the bottom) of the keys with that prefix, then ``_descend_bits``."""
+    SH: tl.constexpr = 32 - TOP - W if 32 - TOP - W > 0 else 0
+    BITS: tl.constexpr = 32 - TOP - SH
+    sel = valid & ((key >> (32 - TOP)) == prefix)
+    h = tl.histogram((~key >> SH) & ((1 << BITS) - 1), 1 << BITS, mask=sel)     # reversed digits
+    return _descend_bits(h, need, prefix, T, need_eq, done, SH, BITS, False, True)
+
+
+@triton.jit
+def select_topk_regs(row_ptr, out_row, L, off, h0, K: tl.constexpr, KP2: tl.constexpr, ROW: tl.constexpr,
+                     W0: tl.constexpr, W: tl.constexpr, HAS_H0: tl.constexpr):
+    """``select_topk_row``'s result (same indices, order, tie rule and ``-1`` padding) for a row of
+    ``L <= ROW`` entries, reading the row once: ``ROW`` (a power of two <= 16,384) keys in registers,
+    a first radix level of ``W0`` bits, then levels of ``W`` bits (the last one what is left of 32),
+    each one ``tl.histogram`` + one scan + one reduction on the registers, stopping as soon as the
+    k-th entry's bin is taken whole; then one packed scan writes the indices.
+
+    ``h0``: with ``HAS_H0``, the ``(2^W0,)`` int32 histogram of the first level, already counted
+    over the row's selectable entries (``hist0_add``); else ignored (the first level is counted
+    here)."""
+    offs = tl.arange(0, ROW)
+    key, valid = _load_keys(row_ptr, offs, L)
+    k_eff = tl.minimum(tl.sum(valid.to(tl.int32), 0), K)
+    if HAS_H0:
+        h = h0
+    else:
+        h = tl.histogram((1 << (W0 - 1)) - 1 - (key >> (32 - W0)), 1 << W0, mask=valid)   # reversed digits
+    T = k_eff * 0 + 2147483647
+    need_eq = k_eff * 0
+    done = k_eff == 0
+    need = k_eff
+    prefix = k_eff * 0
+    if not done:
+        prefix, need, T, need_eq, done = _descend_bits(h, need, prefix, T, need_eq, done, 32 - W0, W0, True, True)
+    for i in tl.static_range((32 - W0 + W - 1) // W):
+        if not done:
+            prefix, need, T, need_eq, done = _reg_level(key, valid, need, prefix, T, need_eq, done, W0 + W * i, W)
+    _reg_write(key, valid, offs, out_row, T, need_eq, off)
+    _pad_tail(out_row, k_eff, K, KP2)
+
+
+@triton.jit
+def select_topk(row_ptr, out_row, L, off, h0_row, K: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
+                ROW: tl.constexpr, W0: tl.constexpr, W: tl.constexpr, HAS_H0: tl.constexpr):
+    """The one-program select of one row, by config: ``ROW == 0`` the streaming ``select_topk_row``
+    (``BLOCK`` entries a step); else ``select_topk_regs`` when ``L <= ROW`` and the streaming select
+    for longer rows (same result either way). ``HAS_H0``: ``h0_row`` holds the row's first-level
+    histogram (``hist0_add``, ``2^W0`` int32); it is read, then re-zeroed here (for the next launch)."""
+    if ROW == 0:
+        select_topk_row(row_ptr, out_row, L, off, K, KP2, BLOCK)
+    else:
+        bins = tl.arange(0, 1 << W0)
+        h0 = tl.zeros((1 << W0,), tl.int32)
+        if HAS_H0:
+            h0 = tl.load(h0_row + bins)
+            tl.store(h0_row + bins, tl.zeros((1 << W0,), tl.int32))   # same threads, same addresses
+        if L <= ROW:
+            select_topk_regs(row_ptr, out_row, L, off, h0, K, KP2, ROW, W0, W, HAS_H0)
+        else:
+            select_topk_row(row_ptr, out_row, L, off, K, KP2, BLOCK)
+
+
 @triton.jit
 def _topk_kernel(x_ptr, len_ptr, off_ptr, out_ptr, N, stride_xr, stride_or,
                  K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, HAS_OFF: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, ROW: tl.constexpr, W: tl.constexpr):
     """Grid ``(num_rows,)``.
-    One program: one whole row (``select_topk_row``: 4 radix passes, then the output pass)."""
+    One program: one whole row (``select_topk``: ``ROW == 0`` the streaming select, up to 4 radix passes
+    then the output pass; else rows of up to ``ROW`` entries in registers, ``W``-bit digits)."""
     r = tl.program_id(0).to(tl.int64)
     L = _row_len(len_ptr, r, N, HAS_LEN)
     off = 0
     if HAS_OFF:
         off = tl.load(off_ptr + r)
-    select_topk_row(x_ptr + r * stride_xr, out_ptr + r * stride_or, L, off, K, KP2, BLOCK)
+    select_topk(x_ptr + r * stride_xr, out_ptr + r * stride_or, L, off, x_ptr, K, KP2, BLOCK, ROW, W, W, False)
 
 
 # ---- three-launch variant (config key "VARIANT": "r3"): P programs per row ---------------------
@@ -352,6 +490,23 @@ def _r3_select_kernel(x_ptr, len_ptr, off_ptr, out_ptr, h1_ptr, aux_ptr, st_ptr,
         _pad_tail(out_row, k_eff, K, KP2)
 
 
+SELECT_MAX_ROW = 16384      # _reg_write packs two counts in an int32; _pick_bin one of < 2^15
+SELECT_MAX_BITS = 12        # _pick_bin packs the bin in 13 bits
+
+
+def check_select_config(row: int, bits: int, first_bits: int, where: str) -> None:
+    """A register-select config: ``row`` 0 (streaming only) or a power of two <= ``SELECT_MAX_ROW``,
+    digits of ``bits`` and a first level of ``first_bits``, each in ``[1, SELECT_MAX_BITS]``.
+
+    Raises:
+        ValueError: naming ``where`` (the config) and the bad key."""
+    if row and (row & (row - 1) or not 0 < row <= SELECT_MAX_ROW):
+        raise ValueError(f"{where}: row {row}: expected 0 or a power of two <= {SELECT_MAX_ROW}")
+    for name, b in (("bits", bits), ("first-level bits", first_bits)):
+        if not 1 <= b <= SELECT_MAX_BITS:
+            raise ValueError(f"{where}: {name} {b}: expected 1..{SELECT_MAX_BITS}")
+
+
 def _launch_r3(logits, lengths, offsets, out, k, cfg):
     R, N = logits.shape
     BLOCK = cfg["BLOCK"]
@@ -444,10 +599,12 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
     cfg = config or pick_config(N, logits.device)
     if cfg.get("VARIANT") == "r3":
         return _launch_r3(logits, lengths, offsets, out, k, cfg)
+    check_select_config(cfg.get("ROW", 0), cfg.get("BITS", 7), cfg.get("BITS", 7), "config ROW/BITS")
     _topk_kernel[(R,)](
         logits, lengths if lengths is not None else logits, offsets if offsets is not None else logits, out, N,
         logits.stride(0), out.stride(0), K=k, KP2=triton.next_power_of_2(k), HAS_LEN=lengths is not None,
-        HAS_OFF=offsets is not None, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+        HAS_OFF=offsets is not None, BLOCK=cfg["BLOCK"], ROW=cfg.get("ROW", 0), W=cfg.get("BITS", 7),
+        num_warps=cfg["num_warps"])
     return out
 
 
@@ -461,9 +618,12 @@ _R3 = {"r3_1024": {"BLOCK": 1024, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM
        "r3_2048p8": {"BLOCK": 2048, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 8, "CAP": 8192},
        "r3_1024p8": {"BLOCK": 1024, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 8, "CAP": 8192}}
 # (BLOCK 4096 / 8 warps: the select kernel spills 16 B on sm_90, ds4lab aot on triton 3.7.1)
+# b1024r2048 (NOTES.md "idx10"): rows of up to ROW = 2,048 entries selected on registers (one read of the
+# row, BITS-bit radix digits; 119 / 126 / 108 regs on sm_89 / sm_90 / sm_120, 0 spills), longer rows as b1024.
+_REGS = {"b1024r2048": {"BLOCK": 1024, "num_warps": 4, "ROW": 2048, "BITS": 6}}
 CONFIGS = {
-    "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_R3},
-    "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_R3},
+    "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_REGS, **_R3},
+    "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_REGS, **_R3},
 }
 
 # Defaults per build: ``(max_cols, label)`` rows, the first with ``num_cols <= max_cols`` wins (None:

@@ -8,11 +8,12 @@
 # config row; the registry check; torch.topk's set; CUDA-graph replay with the counters back at 0), then
 # ds4lab bench (check, then time: CUDA graph, cold L2 rotation) of fp8_paged_mqa_topk: every config
 # row of the build's table plus the baselines two_launch / paged+torch_topk / torch_topk_only /
-# topk_indices_only, at the same 14 shapes.
+# topk_indices_only / two_launch_r2048 / topk_r2048_only (the last two: topk's register-select row
+# b1024r2048, NOTES.md "idx10"), at the same 14 shapes.
 # Rows: $OUT/bench.csv, $OUT/idx_topk_check_<build>.csv; logs $OUT/*_<build>.log; the table prints last.
 # Run from a plain copy of the tree with the image's python3:  OUT=/some/dir bash scripts/gpu/idx_topk.sh
 # Expected: ~60-80 s (numerics of both builds in parallel ~15-25 s, then a bench per build ~20-25 s;
-# timeouts 28 + 2 x 28 s cap it at ~85 s).
+# session 10 added 2 config rows and 2 baselines, so the timeouts are 60 + 2 x 60 s, ~180 s at most).
 #   BUILDS="sm89" to time one build only.
 # Fail-soft: a failing check or build is reported, the rest still runs; exit 1 if anything failed.
 set -u
@@ -28,7 +29,7 @@ t0=$SECONDS
 # bench then finds warm), then the benches one at a time (the GPU to themselves)
 pids=()
 for build in $BUILDS; do
-  timeout 28 python3 scripts/gpu/idx_topk_check.py --arch "$build" --out "$OUT" > "$OUT/idx_topk_check_${build}.log" 2>&1 &
+  timeout 60 python3 scripts/gpu/idx_topk_check.py --arch "$build" --out "$OUT" > "$OUT/idx_topk_check_${build}.log" 2>&1 &
   pids+=($!)
 done
 i=0
@@ -38,7 +39,7 @@ for build in $BUILDS; do
 done
 echo "numerics: $((SECONDS - t0)) s"
 for build in $BUILDS; do
-  timeout 28 python3 -m ds4lab.harness.bench fp8_paged_mqa_topk --tp 4 --arch "$build" \
+  timeout 60 python3 -m ds4lab.harness.bench fp8_paged_mqa_topk --tp 4 --arch "$build" \
     --out "$OUT" > "$OUT/bench_${build}.log" 2>&1 || { echo "bench --arch $build: exit $?"; rc=1; }
 done
 for build in $BUILDS; do
@@ -51,7 +52,7 @@ try:
     rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["kernel"] == "fp8_paged_mqa_topk"]
 except OSError as e:
     sys.exit(f"no bench rows: {e}")
-best = {}
+best, labels = {}, set()
 for r in rows:
     s = json.loads(r["shape"])
     key = (r["build"], s["B"], s["next_n"], s["ctx"])
@@ -59,9 +60,11 @@ for r in rows:
     name = r["config_label"] if r["impl"] == "ds4lab" else r["impl"]
     if r["status"] == "OK":
         best.setdefault(key, {})[name] = p
+        if r["impl"] == "ds4lab":
+            labels.add(name)
 print(f"\n{'build':<7} {'R':>3} {'B':>3} {'nn':>2} {'N':>5}  {'fused best':<16} {'two_launch':>10} {'speedup':>7}  others (us)")
 for (b, B, nn, N), d in best.items():
-    fused = {n: p for n, p in d.items() if n not in ("two_launch", "paged+torch_topk", "torch_topk_only", "topk_indices_only")}
+    fused = {n: p for n, p in d.items() if n in labels}     # the config rows; the rest are baselines
     if not fused:
         continue
     lb, p = min(fused.items(), key=lambda kv: kv[1])

@@ -95,23 +95,29 @@ def main(argv=None) -> int:
                 bad += want != got
             return bad == 0, f"{bad} rows differ from torch.topk; {ties} rows with a tie at the k-th place skipped"
         attempt("torch", f"{shape}", vs_torch)
-        if gpu and shape["ctx"] == ns[0]:
-            def graph(shape=shape):
+        # the default row, and every row whose logits programs also count histograms into the arrivals
+        # buffer (H0_BITS, NOTES.md "idx10": more state that each replay must leave at zero)
+        for lb in [None] + [lb for lb in labels if lb and K.CONFIGS["paged_topk"][table][lb].get("H0_BITS")]:
+            if not (gpu and shape["ctx"] == ns[0]):
+                break
+            cfg = K.CONFIGS["paged_topk"][table][lb] if lb else None
+
+            def graph(shape=shape, cfg=cfg):
                 sets = [spec.make_inputs(shape, c, 19 + i, dev)
                         for i, c in enumerate(("decode", "all_equal", "decode", "short_contexts"))]
-                want = [K.fp8_paged_mqa_topk(**s) for s in sets]
+                want = [K.fp8_paged_mqa_topk(**s, config=cfg) for s in sets]
                 torch.cuda.synchronize()
                 outs = [None] * len(sets)
                 st = torch.cuda.Stream()
                 st.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(st):
                     for i, s in enumerate(sets):
-                        outs[i] = K.fp8_paged_mqa_topk(**s)
+                        outs[i] = K.fp8_paged_mqa_topk(**s, config=cfg)
                 torch.cuda.current_stream().wait_stream(st)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     for i, s in enumerate(sets):
-                        outs[i] = K.fp8_paged_mqa_topk(**s)
+                        outs[i] = K.fp8_paged_mqa_topk(**s, config=cfg)
                 bad = 0
                 for _ in range(3):
                     g.replay()
@@ -119,7 +125,7 @@ def main(argv=None) -> int:
                     bad += sum(not compare_exact(o, w) for o, w in zip(outs, want))
                 n_left = left()
                 return bad == 0 and n_left == 0, f"{bad} differing outputs over 3 replays; counters left {n_left}"
-            attempt("graph", f"{shape}", graph)
+            attempt("graph", f"{shape} {lb or 'auto'}", graph)
 
     secs = time.time() - t0
     path = ck.write_csv(args.out, "idx_topk_check")

@@ -446,13 +446,33 @@ def _paged_topk_baselines():
         lg, k = fp8_paged_mqa_logits(**_paged_part(inputs)), inputs["k"]
         return lambda: torch.topk(lg, k, dim=1, sorted=False)
 
-    def topk_only(inputs):         # ds4lab's top-k alone on the same logits
+    def topk_only(inputs, label=None):   # ds4lab's top-k alone on the same logits (label: a topk table row)
         from ds4lab_kernels.indexer import fp8_paged_mqa_logits
         from ds4lab_kernels.topk import topk_indices
         lg, lim = fp8_paged_mqa_logits(**_paged_part(inputs)), paged_topk_lengths(inputs)
-        return lambda: topk_indices(lg, inputs["k"], lengths=lim, offsets=inputs["offsets"])
+        cfg = _topk_row(label, lg.device)
+        return lambda: topk_indices(lg, inputs["k"], lengths=lim, offsets=inputs["offsets"], config=cfg)
+
+    def two_regs(inputs):          # the pair with the register select (idx10) for rows up to 2,048 entries
+        from ds4lab_kernels.indexer import fp8_paged_mqa_logits
+        from ds4lab_kernels.topk import topk_indices
+        part, lim, cfg = _paged_part(inputs), paged_topk_lengths(inputs), _topk_row(REGS_TOPK, inputs["q"].device)
+        return lambda: topk_indices(fp8_paged_mqa_logits(**part), inputs["k"], lengths=lim,
+                                    offsets=inputs["offsets"], config=cfg)
     return {"two_launch": two, "paged+torch_topk": logits_torch_topk, "torch_topk_only": torch_topk_only,
-            "topk_indices_only": topk_only}
+            "topk_indices_only": topk_only, "two_launch_r2048": two_regs,
+            "topk_r2048_only": lambda inputs: topk_only(inputs, REGS_TOPK)}
+
+
+# the topk table row of the register select (idx10) the baselines above time beside the default
+REGS_TOPK = "b1024r2048"
+
+
+def _topk_row(label, device):
+    """Row ``label`` of ``topk.CONFIGS`` for ``device``'s build, or None (the launcher's default)."""
+    from ds4lab_kernels import topk
+    from ds4lab_kernels._arch import arch_of
+    return None if label is None else topk.CONFIGS[arch_of(device)][label]
 
 
 def _paged_topk_bench(cfg, tp):
