@@ -133,6 +133,10 @@ FUSE_SHARED_ACT_MAX_M = 32
 #: keep exercising it.
 INDEXER_FUSED_MAX_N = 2112
 INDEXER_FUSED_MAX_B = 16
+#: the largest ``next_n`` (rows per request) that takes the one-launch path on a GPU: 1 since session 7 (at
+#: next_n 2 the select ran the two rows one after the other and lost to the pair, 27.7 vs 20.9 us); the
+#: register select of idx10 (NOTES "idx10") is timed against it with ``--ab backend_kernel.INDEXER_FUSED_MAX_NEXT_N=2``
+INDEXER_FUSED_MAX_NEXT_N = 1
 INDEXER_FUSED_MAX_N_INTERP = 8192
 
 #: decode ``compressor`` / ``compressor_insert`` in ONE launch (``compress_decode``'s ``<name>_1l`` rows: each
@@ -486,10 +490,11 @@ class KernelBackend(Backend):
         ``slot_base`` ``(T,)`` int32 (e.g. ``req * n_comp``, made once per step): added to every
         selected index inside the top-k launch (``-1`` padding kept), so the result is already the
         compressed-cache slots. Decode up to ``INDEXER_FUSED_MAX_N`` compressed positions: logits and
-        top-k in one launch (``fp8_paged_mqa_topk``, the same indices; on a GPU at next_n 1 and up to
-        ``INDEXER_FUSED_MAX_B`` requests)."""
+        top-k in one launch (``fp8_paged_mqa_topk``, the same indices; on a GPU up to
+        ``INDEXER_FUSED_MAX_NEXT_N`` rows per request and ``INDEXER_FUSED_MAX_B`` rows in all)."""
         T, H, D = q_fp8.shape
-        if next_n and (int(max_len) <= INDEXER_FUSED_MAX_N and next_n == 1 and T <= INDEXER_FUSED_MAX_B
+        if next_n and (int(max_len) <= INDEXER_FUSED_MAX_N and next_n <= INDEXER_FUSED_MAX_NEXT_N
+                       and T <= INDEXER_FUSED_MAX_B
                        if q_fp8.is_cuda else int(max_len) <= INDEXER_FUSED_MAX_N_INTERP):
             with op_group(name, K_INDEXER_TOPK_FUSED):
                 lim = limits.to(torch.int32)
