@@ -162,6 +162,10 @@ COMPRESS_ONE_LAUNCH_INTERP = True
 #: -28. The interpreter lane runs it so the model's CPU tests keep exercising it (NOTES.md "ofuse").
 FUSE_O_QUANT = False
 FUSE_O_QUANT_INTERP = True
+#: the largest step (tokens) that takes ``FUSE_O_QUANT`` on a GPU. Session 10 call 2 (clean two-phase timing,
+#: sm89, one pass; results/issue20/s10/call2): batch 1 -29 us, batch 1 MTP -42, batch 16 +50, batch 16 MTP +45
+#: (the merge's longer epilogue costs more than the launch it saves once 16+ tokens fill the GPU), so 2.
+FUSE_O_QUANT_MAX_T = 2
 
 #: producer quant (issue 20 "fuse the activation quant into the producer of each linear's input", ``pq``):
 #: the op that makes a block-FP8 linear's input also writes its 1x128 FP8 copy (UE8M0 scales, byte for
@@ -553,7 +557,7 @@ class KernelBackend(Backend):
         :meth:`o_proj`)."""
         on = FUSE_O_QUANT if q.is_cuda else FUSE_O_QUANT_INTERP
         oproj = self.k["oproj"]
-        max_t = oproj.DECODE_DEFAULT_MAX_T if q.is_cuda else oproj.FUSED_MAX_T
+        max_t = min(oproj.DECODE_DEFAULT_MAX_T, FUSE_O_QUANT_MAX_T) if q.is_cuda else oproj.FUSED_MAX_T
         if not (on and wo_a.fp8 and wo_b.fp8 and q.shape[0] <= max_t):
             return super().sparse_mla_o_proj(q, swa_cache, swa_slots, swa_lens, sink, comp_cache, comp_slots,
                                              comp_lens, swa_block, comp_block, scale, positions, cos_sin, wo_a, wo_b,
