@@ -26,7 +26,7 @@ indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indi
 sparse_mla                  ``kernel:sparse_mla.sparse_mla_decode`` (split merge: +1)          1-2
 o_proj                      ``kernel:o_proj.o_proj``: T <= 32 ``unfused3_s8`` (inv-RoPE+quant, 3
                             wo_a with in-launch split-K + z quant, wo_b); above, the parts (4-6)
-sparse_mla_o_proj           ``FUSE_O_QUANT`` (off on GPUs, untimed): the attention's merge writes     +0 /
+sparse_mla_o_proj           ``FUSE_O_QUANT`` (GPU: T <= ``FUSE_O_QUANT_MAX_T``): the merge writes     +0 /
                             o_proj's fp8 input (kind ``...(+o_proj inv-RoPE + fp8 quant)``), then   2
                             ``kernel:o_proj.o_proj_fp8_input`` (wo_a, wo_b); else sparse_mla + o_proj
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x: the MoE's fp32   2 / 1
@@ -155,16 +155,19 @@ COMPRESS_ONE_LAUNCH_INTERP = True
 #: merge launch (``sparse_mla_decode(o_fp8=True)``, the bits of ``inv_rope_fp8_quant`` of the bf16 o), then
 #: ``o_proj_fp8_input`` (wo_a + wo_b: 2 launches); False = the attention's bf16 o, then o_proj's 3 launches.
 #: Up to ``o_proj.DECODE_DEFAULT_MAX_T`` tokens on a GPU (the 3-launch row's range), ``o_proj.FUSED_MAX_T``
-#: on the interpreter. OFF on GPUs: the session-8 step A/B (results/issue20/s8/call2, --abba, sm89, sums of
+#: on the interpreter (on GPUs bounded by ``FUSE_O_QUANT_MAX_T``). History: the session-8 step A/B (results/issue20/s8/call2, --abba, sm89, sums of
 #: the profiled op groups) moved the cost, it did not remove it: attn.sparse_mla +68 us at batch 1 (+1.6 us a
 #: layer: the 128-dim merge programs with the epilogue), attn.o_proj -69, launch gaps -28 (one launch a layer
 #: fewer): batch 1 -37 / MTP -20 us, batch 16 +5 / MTP +30 (sparse_mla +129 / +149); native -31 / -6 / +19 /
-#: -28. The interpreter lane runs it so the model's CPU tests keep exercising it (NOTES.md "ofuse").
-FUSE_O_QUANT = False
+#: -28, measured with CUPTI attached (NOTES "cupti"); re-timed cleanly in session 10 (below). The interpreter
+#: lane runs it so the model's CPU tests keep exercising it (NOTES.md "ofuse").
+FUSE_O_QUANT = True
 FUSE_O_QUANT_INTERP = True
 #: the largest step (tokens) that takes ``FUSE_O_QUANT`` on a GPU. Session 10 call 2 (clean two-phase timing,
 #: sm89, one pass; results/issue20/s10/call2): batch 1 -29 us, batch 1 MTP -42, batch 16 +50, batch 16 MTP +45
 #: (the merge's longer epilogue costs more than the launch it saves once 16+ tokens fill the GPU), so 2.
+#: Call 3 (ABBA, batch 1 and MTP): batch 1 4,830 / 4,829 -> 4,806 / 4,805 us (-24), MTP 6,304 / 6,297 -> 6,236 /
+#: 6,230 (-68), 22.6 -> 21.6 launches a layer (o_proj 2 launches): on since session 10.
 FUSE_O_QUANT_MAX_T = 2
 
 #: producer quant (issue 20 "fuse the activation quant into the producer of each linear's input", ``pq``):
