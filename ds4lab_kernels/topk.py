@@ -77,6 +77,13 @@ def _digit_hist(h, row_ptr, lane, lo, hi, prefix, LVL: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
+def _select_start(k_eff):
+    """The radix descent's start for ``k_eff`` entries to take: ``(prefix, need, T, need_eq, done)`` =
+    no prefix, all ``k_eff`` needed, threshold key above every key, no ties taken, done iff nothing to take."""
+    return k_eff * 0, k_eff, k_eff * 0 + 2147483647, k_eff * 0, k_eff == 0
+
+
+@triton.jit
 def _descend(h, need, prefix, T, need_eq, done, LVL: tl.constexpr):
     """One 8-bit radix level ``LVL`` of the streaming select (``_descend_bits`` with key byte ``3 - LVL``)."""
     return _descend_bits(h, need, prefix, T, need_eq, done, 24 - 8 * LVL, 8, LVL == 0, False)
@@ -153,11 +160,7 @@ def select_topk_row(row_ptr, out_row, L, off, K: tl.constexpr, KP2: tl.constexpr
     h = _digit_hist(tl.zeros((256,), tl.int32), row_ptr, lane, 0, L, 0, 0, BLOCK)
     k_eff = tl.minimum(tl.sum(h, 0), K)
     # find the threshold key T: everything > T is taken, plus the first need_eq entries == T
-    T = k_eff * 0 + 2147483647
-    need_eq = k_eff * 0
-    done = k_eff == 0
-    need = k_eff
-    prefix = k_eff * 0
+    prefix, need, T, need_eq, done = _select_start(k_eff)
     for lvl in tl.static_range(4):
         if not done:
             if lvl > 0:
@@ -237,11 +240,7 @@ def select_topk_regs(row_ptr, out_row, L, off, h0, K: tl.constexpr, KP2: tl.cons
         h = h0
     else:
         h = tl.histogram((1 << (W0 - 1)) - 1 - (key >> (32 - W0)), 1 << W0, mask=valid)   # reversed digits
-    T = k_eff * 0 + 2147483647
-    need_eq = k_eff * 0
-    done = k_eff == 0
-    need = k_eff
-    prefix = k_eff * 0
+    prefix, need, T, need_eq, done = _select_start(k_eff)
     if not done:
         prefix, need, T, need_eq, done = _descend_bits(h, need, prefix, T, need_eq, done, 32 - W0, W0, True, True)
     for i in tl.static_range((32 - W0 + W - 1) // W):
@@ -347,11 +346,7 @@ def _r3_hist1_kernel(x_ptr, len_ptr, h0_ptr, h1_ptr, aux_ptr, st_ptr, N, stride_
     bins = tl.arange(0, 256)
     h = _sum_chunks(h0_ptr, r, P, PB)
     k_eff = tl.minimum(tl.sum(h, 0), K)
-    T = k_eff * 0 + 2147483647
-    need_eq = k_eff * 0
-    done = k_eff == 0
-    need = k_eff
-    prefix = k_eff * 0
+    prefix, need, T, need_eq, done = _select_start(k_eff)
     if not done:
         prefix, need, T, need_eq, done = _descend(h, need, prefix, T, need_eq, done, 0)
     b0 = prefix + 128                                       # the selected top-byte bin (k_eff > 0)
