@@ -55,6 +55,7 @@ class _BranchAudit:
         self.violations: list[str] = []
         self.branches = self.joins = 0
         self.blocks: list[str | None] = []
+        self.order: list[str] = []          # every op issued, "method" or "method:first string argument"
 
     def branch(self, device, block=None):
         audit = self
@@ -85,6 +86,8 @@ class _BranchAudit:
             return fn
 
         def call(*a, **k):
+            label = next((v for v in a if isinstance(v, str)), None)
+            self.order.append(f"{name}:{label}" if label else name)
             args = _tensors((a, k))
             before = [t._version for t in args]
             taken = _storages(args)
@@ -102,7 +105,8 @@ class _BranchAudit:
         return call
 
 
-def test_every_branch_result_is_read_only_after_its_join():
+@pytest.mark.parametrize("main_first", [False, True], ids=["side_first", "main_first"])
+def test_every_branch_result_is_read_only_after_its_join(main_first):
     """The real composition (tiny checkpoint, reference twin: SWA, C4A and C128A layers, hash and bias
     routing), decoding at compressor boundaries (positions 127 and 131: both requests close a ratio-4
     window, the first also a ratio-128 one, so the compressors write the cache entries the attention then
@@ -112,6 +116,8 @@ def test_every_branch_result_is_read_only_after_its_join():
     from ds4lab.model import build_rank
     from ds4lab.model.weights import load_tiny
     m = build_rank(cfg, 1, 0, load_tiny(), device="cpu", backend="reference")
+    if main_first:      # each fork's main-chain head (wqkv_a, the router) issued between the fork and the branch
+        m.ops.branch_main_first = lambda block: True
     audit = _BranchAudit(m.ops)
     m.ops = audit
     C = m.new_caches(2, 136)
@@ -124,6 +130,11 @@ def test_every_branch_result_is_read_only_after_its_join():
     assert audit.joins == audit.branches and not audit.open
     assert audit.violations == []
     assert set(audit.blocks) == {"attn", "moe"} and audit.blocks.count("moe") == cfg.num_hidden_layers
+    # the order of each fork's first side op and the main chain's head (the first layer with a compressor)
+    side_attn = next(k for k, n in enumerate(audit.order) if n in ("linear:attn.x_proj", "linear:attn.compressor.wkv_gate"))
+    seam = max(k for k in range(side_attn) if audit.order[k].startswith("mhc_"))    # the layer's input
+    assert ("linear:attn.wqkv_a" in audit.order[seam:side_attn]) == main_first
+    assert (audit.order.index("gate_route") < audit.order.index("linear:moe.shared_w13")) == main_first
 
 
 def test_the_audit_catches_an_early_read():
@@ -187,12 +198,14 @@ def test_branch_blocks_picks_the_forks(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the side stream)")
-def test_streams_give_bit_identical_logits_eager_and_in_a_graph(monkeypatch):
+@pytest.mark.parametrize("main_first", [(), ("attn", "moe")], ids=["side_first", "main_first"])
+def test_streams_give_bit_identical_logits_eager_and_in_a_graph(monkeypatch, main_first):
     """Real shapes (TP=4 rank 0), the first 4 layers (SWA, SWA, C4A, C128A), random weights and a
     benchmark cache fill to 1,023 tokens, decoding position 1,023: both compressors close a window there
     and write the entry the attention then reads, so a late join would read the entry's stale bytes. Every
     run starts from the same cache bytes; batch 2 decode logits with BRANCH_STREAMS off, then on (eager),
-    then on and captured in a CUDA graph and replayed: all equal bit for bit."""
+    then on and captured in a CUDA graph and replayed: all equal bit for bit; with each fork's main-chain
+    head issued before or after its side chain (``BRANCH_MAIN_FIRST``)."""
     from ds4lab.geometry import DEFAULT_CONFIG
     from ds4lab.model import build_rank
     from ds4lab.model.weights import random_weights
@@ -212,6 +225,7 @@ def test_streams_give_bit_identical_logits_eager_and_in_a_graph(monkeypatch):
     reset()
     ref = m.decode(tok, pos, C).clone()
     monkeypatch.setattr(BK, "BRANCH_STREAMS", True)
+    monkeypatch.setattr(BK, "BRANCH_MAIN_FIRST", main_first)
     for _ in range(3):
         reset()
         assert torch.equal(m.decode(tok, pos, C), ref)

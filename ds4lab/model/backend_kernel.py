@@ -221,6 +221,12 @@ BRANCH_STREAMS = True
 #: compressors beside the q chain), ``"moe"`` (the shared expert beside the router); ``ds4lab step --ab
 #: "backend_kernel.BRANCH_BLOCKS=['moe']"`` times one alone (a list: ``--ab`` splits its value at commas)
 BRANCH_BLOCKS = ("attn", "moe")
+#: the forks whose main-chain head is issued BEFORE the side chain (both still depend only on the fork point):
+#: ``"attn"``: ``wqkv_a`` before the compressors' GEMM; ``"moe"``: the router before the shared expert. In a CUDA
+#: graph the two chains are independent either way; what changes is the order the launches reach the GPU, so
+#: which kernel's CTAs take the SMs first (session 11: the attention fork slows ``wqkv_a`` 4 -> 8.7 us a call
+#: beside the bf16 ``x_proj``). ``ds4lab step --ab "backend_kernel.BRANCH_MAIN_FIRST=['attn']"``
+BRANCH_MAIN_FIRST = ()
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
@@ -288,13 +294,14 @@ class _StreamBranch:
     read are dropped (``Backend.branch``'s contract)."""
 
     def __init__(self, stream):
+        # the fork point is where the branch is made, not where it is entered: ops issued on the main
+        # stream in between (``Backend.branch_main_first``) do not hold the side chain back
         self.stream = stream
-        self.main = None
+        self.main = torch.cuda.current_stream(stream.device)
+        self.stream.wait_stream(self.main)
         self._ctx = None
 
     def __enter__(self):
-        self.main = torch.cuda.current_stream(self.stream.device)
-        self.stream.wait_stream(self.main)
         self._ctx = torch.cuda.stream(self.stream)
         self._ctx.__enter__()
         return self
@@ -351,6 +358,10 @@ class KernelBackend(Backend):
     def join(self, br) -> None:
         if br is not None:
             br.join()
+
+    def branch_main_first(self, block: str) -> bool:
+        """:data:`BRANCH_MAIN_FIRST` (only with the side stream on a GPU: else the order cannot matter)."""
+        return BRANCH_STREAMS and block in BRANCH_MAIN_FIRST
 
     # ---- dense glue ------------------------------------------------------------------------
     def embed(self, ids, table, name="embed"):

@@ -97,13 +97,16 @@ class RankModel:
         hd, ql = cfg.head_dim, cfg.q_lora_rank
         idx = ratio == 4
         comp_cache = comp_slots = comp_lens = iks = iw = None
-        br = None
+        br = qkv = None
         if ratio:
             # the side chain (Backend.branch): the compressors' GEMM on x and the compressors, which write
             # their boundary entries into the compressed / indexer K caches; forked before the q chain so the
             # two overlap, joined before the first reader of those caches (the indexer, the attention)
             cm = maps["comp"][(ratio, C.n_comp)]
-            with o.branch(x.device, "attn") as br:
+            fork = o.branch(x.device, "attn")
+            if o.branch_main_first("attn"):
+                qkv = o.linear(x, L["wqkv_a"], "attn.wqkv_a")
+            with fork as br:
                 if idx and "x_cat" in L:            # compressor | indexer compressor | weights_proj: one GEMM on x
                     y = o.linear(x, L["x_cat"], "attn.x_proj")
                     n1, n2, _ = L["x_cat_n"]
@@ -119,7 +122,8 @@ class RankModel:
                 if idx:
                     self._compress(L["idx"]["comp"], iks, pos, maps["win"][(4, C.idx_state_ring)], C.idx_state, 4,
                                    cs, "indexer.compressor", C.idx, cm["comp_w"], None, "indexer.k_insert")
-        qkv = o.linear(x, L["wqkv_a"], "attn.wqkv_a")
+        if qkv is None:
+            qkv = o.linear(x, L["wqkv_a"], "attn.wqkv_a")
         # the kv's only use is its SWA entry: written by the norm/rope op itself (no insert launch)
         qr = o.q_kv_norm_rope(qkv, ql, L["q_norm"], L["kv_norm"], cfg.rms_norm_eps, pos, cs, swa_cache=C.swa,
                               swa_slots=maps["swa_slots"], swa_block=64)
@@ -160,12 +164,17 @@ class RankModel:
         # the shared expert, its down projection in fp32, as a side chain (Backend.branch) beside the router; the
         # routed experts add into its buffer (the kernel backend: in the experts kernel's last launch), so they
         # join it; the fp32 sum is the mHC post's x (no add launch)
-        with o.branch(x.device, "moe") as br:
+        fork = o.branch(x.device, "moe")
+        route = None
+        if o.branch_main_first("moe"):
+            route = o.gate_route(x, L["gate"], L["bias"], cfg.num_experts_per_tok, cfg.routed_scaling_factor, ids,
+                                 L["tid2eid"])
+        with fork as br:
             gu = o.linear(x, L["shared_w13"], "moe.shared_w13")
             s = o.linear_swiglu(gu, L["shared_w2"], cfg.swiglu_limit, "moe.shared_w2", "moe.shared_act",
                                 out_dtype=torch.float32)
-        w, e = o.gate_route(x, L["gate"], L["bias"], cfg.num_experts_per_tok, cfg.routed_scaling_factor, ids,
-                            L["tid2eid"])
+        w, e = route or o.gate_route(x, L["gate"], L["bias"], cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                                     ids, L["tid2eid"])
         o.join(br)
         return o.experts(x, L["experts"], w, e, cfg.swiglu_limit, out=s)
 

@@ -151,6 +151,13 @@ class Backend:
         nothing to wait for). Every branch must be joined before the step ends (a CUDA graph capture
         fails on an unjoined stream)."""
 
+    def branch_main_first(self, block: str) -> bool:
+        """Whether the composition issues the main chain's first op of fork ``block`` after making the branch
+        (``fork = backend.branch(...)``) and before entering it (``with fork as br:``). The branch's fork point
+        is where it was made, so the two orders compute the same; a backend that runs branches concurrently
+        may prefer one launch order. Default: False (the side chain first)."""
+        return False
+
     # ---- dense glue ------------------------------------------------------------------------
     def embed(self, ids, table, name="embed"):
         """``ids (T,)`` int -> ``table[ids]`` ``(T, D)`` bf16."""
