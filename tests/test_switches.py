@@ -60,3 +60,16 @@ def test_step_cli_takes_repeated_set():
     step.add_arguments(p)
     a = p.parse_args(["--set", "backend_kernel.COMPRESS_ONE_LAUNCH=True", "--set", "moe_w4a16.DECODE_MAX_PAIRS=96"])
     assert a.settings == ["backend_kernel.COMPRESS_ONE_LAUNCH=True", "moe_w4a16.DECODE_MAX_PAIRS=96"]
+
+
+@pytest.mark.parametrize("text, parts", [
+    ("backend_kernel.COMPRESS_ONE_LAUNCH=False", ("backend_kernel.COMPRESS_ONE_LAUNCH=False",)),
+    ("backend_kernel.BRANCH_MAIN_FIRST=('attn', 'moe'),moe_gate.X=1",
+     ("backend_kernel.BRANCH_MAIN_FIRST=('attn', 'moe')", "moe_gate.X=1")),
+    ("indexer.PAGED_TOPK_DEFAULT={'sm_89': 'a', 'sm_90': 'b'}, backend_kernel.INDEXER_FUSED_MAX_NEXT_N=2",
+     ("indexer.PAGED_TOPK_DEFAULT={'sm_89': 'a', 'sm_90': 'b'}", "backend_kernel.INDEXER_FUSED_MAX_NEXT_N=2")),
+    ("backend_kernel.BRANCH_BLOCKS=['moe','attn'],", ("backend_kernel.BRANCH_BLOCKS=['moe','attn']",)),
+])
+def test_split_settings_keeps_a_literal_s_commas(text, parts):
+    """``--ab`` splits only at a comma that starts a new ``MODULE.NAME=``; each part then applies."""
+    assert S.split_settings(text) == parts

@@ -60,7 +60,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from ds4lab.harness.switches import add_set_argument, apply_settings, overridden
+from ds4lab.harness.switches import add_set_argument, apply_settings, overridden, split_settings
 
 __all__ = ["FIELDS", "GroupRecorder", "StepPlan", "align_labels", "attribute_trace", "link_assumptions",
            "plan", "run_step", "main", "add_arguments", "summary_table", "load_rows", "configs", "group_table",
@@ -941,7 +941,7 @@ def main(args) -> int:
         print(f"--set {path}.{name}: {old!r} -> {new!r}")
     p = plan(args.smoke, args.tp, args.batch, args.ctx, args.mode, args.arch, args.backend)
     p.settings = tuple(args.settings or ())
-    variants = [tuple(x.strip() for x in v.split(",") if x.strip()) for v in (getattr(args, "variants", None) or [])]
+    variants = [split_settings(v) for v in (getattr(args, "variants", None) or [])]
     for v in variants:   # a bad --ab fails here, before a model is built
         with overridden(v):
             pass

@@ -18,6 +18,7 @@ import argparse
 import ast
 import contextlib
 import importlib
+import re
 
 __all__ = ["add_set_argument", "parse_setting", "apply_settings", "restore", "overridden", "describe"]
 
@@ -121,6 +122,14 @@ def describe(applied: list[tuple[str, str, object, object]]) -> str:
     short = {v: k for k, v in _PACKAGES.items()}
     parts = [f"{short.get(p, p.removeprefix('ds4lab_kernels.'))}.{n}={v!r}" for p, n, _o, v in applied]
     return "set " + "; ".join(parts)
+
+
+def split_settings(text: str) -> tuple[str, ...]:
+    """One ``--ab`` value ``"SETTING[,SETTING...]"`` -> its settings: split at the commas that start a new
+    ``MODULE.NAME=``, so a list, tuple or dict literal keeps its own commas
+    (``"backend_kernel.BRANCH_MAIN_FIRST=('attn', 'moe'),moe_gate.X=1"`` is two settings)."""
+    parts = re.split(r",\s*(?=[A-Za-z_]\w*\.[A-Za-z_]\w*\s*=)|,\s*$", text)
+    return tuple(x.strip() for x in parts if x.strip())
 
 
 def add_set_argument(p: argparse.ArgumentParser, ab: bool = False) -> None:

@@ -219,7 +219,7 @@ FP8_COPY = "ds4lab_fp8_copy"
 BRANCH_STREAMS = True
 #: the forks :data:`BRANCH_STREAMS` runs on the side stream (``Backend.branch``'s ``block``): ``"attn"`` (the
 #: compressors beside the q chain), ``"moe"`` (the shared expert beside the router); ``ds4lab step --ab
-#: "backend_kernel.BRANCH_BLOCKS=['moe']"`` times one alone (a list: ``--ab`` splits its value at commas)
+#: "backend_kernel.BRANCH_BLOCKS=['moe']"`` times one alone
 BRANCH_BLOCKS = ("attn", "moe")
 #: the forks whose main-chain head is issued BEFORE the side chain (both still depend only on the fork point):
 #: ``"attn"``: ``wqkv_a`` before the compressors' GEMM; ``"moe"``: the router before the shared expert. In a CUDA
