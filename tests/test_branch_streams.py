@@ -185,6 +185,16 @@ def test_branch_is_issue_order_without_cuda(monkeypatch):
     assert br2 is None
 
 
+def test_step_scope_is_the_callers_stream_without_cuda(monkeypatch):
+    """``BRANCH_PRIORITY`` on a CPU device: no stream is made, the scope is a no-op."""
+    monkeypatch.setattr(BK, "BRANCH_STREAMS", True)
+    monkeypatch.setattr(BK, "BRANCH_PRIORITY", True)
+    kb = BK.KernelBackend()
+    with kb.step_scope(torch.device("cpu")) as sc:
+        pass
+    assert sc is None and kb._main == {}
+
+
 def test_branch_blocks_picks_the_forks(monkeypatch):
     """``BRANCH_BLOCKS`` leaves a fork not named in it in issue order, before any stream is made (so this
     holds on a CUDA device too)."""
@@ -198,14 +208,16 @@ def test_branch_blocks_picks_the_forks(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the side stream)")
-@pytest.mark.parametrize("main_first", [(), ("attn", "moe")], ids=["side_first", "main_first"])
-def test_streams_give_bit_identical_logits_eager_and_in_a_graph(monkeypatch, main_first):
+@pytest.mark.parametrize("main_first, priority", [((), False), (("attn", "moe"), False), ((), True)],
+                         ids=["side_first", "main_first", "priority"])
+def test_streams_give_bit_identical_logits_eager_and_in_a_graph(monkeypatch, main_first, priority):
     """Real shapes (TP=4 rank 0), the first 4 layers (SWA, SWA, C4A, C128A), random weights and a
     benchmark cache fill to 1,023 tokens, decoding position 1,023: both compressors close a window there
     and write the entry the attention then reads, so a late join would read the entry's stale bytes. Every
     run starts from the same cache bytes; batch 2 decode logits with BRANCH_STREAMS off, then on (eager),
     then on and captured in a CUDA graph and replayed: all equal bit for bit; with each fork's main-chain
-    head issued before or after its side chain (``BRANCH_MAIN_FIRST``)."""
+    head issued before or after its side chain (``BRANCH_MAIN_FIRST``); with the main chain on a high-priority
+    stream (``BRANCH_PRIORITY``)."""
     from ds4lab.geometry import DEFAULT_CONFIG
     from ds4lab.model import build_rank
     from ds4lab.model.weights import random_weights
@@ -226,6 +238,7 @@ def test_streams_give_bit_identical_logits_eager_and_in_a_graph(monkeypatch, mai
     ref = m.decode(tok, pos, C).clone()
     monkeypatch.setattr(BK, "BRANCH_STREAMS", True)
     monkeypatch.setattr(BK, "BRANCH_MAIN_FIRST", main_first)
+    monkeypatch.setattr(BK, "BRANCH_PRIORITY", priority)
     for _ in range(3):
         reset()
         assert torch.equal(m.decode(tok, pos, C), ref)

@@ -227,6 +227,12 @@ BRANCH_BLOCKS = ("attn", "moe")
 #: which kernel's CTAs take the SMs first (session 11: the attention fork slows ``wqkv_a`` 4 -> 8.7 us a call
 #: beside the bf16 ``x_proj``). ``ds4lab step --ab "backend_kernel.BRANCH_MAIN_FIRST=['attn']"``
 BRANCH_MAIN_FIRST = ()
+#: with :data:`BRANCH_STREAMS`: the step's main chain runs on a stream of the device's greatest priority (forked
+#: from, and joined back into, the caller's stream around the layers: ``Backend.step_scope``) and the side chains
+#: on the default-priority side stream, so that when both chains' CTAs wait for an SM the block scheduler takes
+#: the main chain's first. A CUDA graph keeps it: kernel nodes take their capture stream's priority, and torch
+#: instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``. Same kernels, same inputs: bit-identical.
+BRANCH_PRIORITY = False
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
@@ -313,6 +319,29 @@ class _StreamBranch:
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
+class _StreamScope:
+    """``step_scope``'s context: the block's ops go to ``stream``, which first waits for the current stream;
+    on exit the current stream waits for it (the same caching-allocator reasoning as :class:`_StreamBranch`:
+    the block allocates on ``stream`` only inside the scope, and the caller's later work is ordered after it)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.outer = None
+        self._ctx = None
+
+    def __enter__(self):
+        self.outer = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(self.outer)
+        self._ctx = torch.cuda.stream(self.stream)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        self.outer.wait_stream(self.stream)
+        return False
+
+
 class KernelBackend(Backend):
     """Every op through ``ds4lab_kernels`` where a launcher exists (see the module table).
 
@@ -340,6 +369,7 @@ class KernelBackend(Backend):
                       oproj=oproj, smla=smla, topk=topk, nr=nr, gate=gate, maps=maps)
         self.mhc_precision = mhc_precision
         self._side: dict[int, torch.cuda.Stream] = {}
+        self._main: dict[int, torch.cuda.Stream] = {}     # BRANCH_PRIORITY's main-chain streams
 
     # ---- concurrency -----------------------------------------------------------------------
     def branch(self, device, block: str | None = None):
@@ -358,6 +388,20 @@ class KernelBackend(Backend):
     def join(self, br) -> None:
         if br is not None:
             br.join()
+
+    def step_scope(self, device):
+        """With :data:`BRANCH_STREAMS` and :data:`BRANCH_PRIORITY` on a CUDA ``device``: the block runs on this
+        backend's high-priority stream of that device (forked from the current stream on entry, joined back on
+        exit); otherwise the caller's stream."""
+        device = torch.device(device)
+        if not (BRANCH_STREAMS and BRANCH_PRIORITY) or device.type != "cuda":
+            return super().step_scope(device)
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        s = self._main.get(idx)
+        if s is None:
+            # the greatest priority torch's stream pools offer (it clamps a lower number to the highest pool)
+            s = self._main[idx] = torch.cuda.Stream(device=idx, priority=-100)
+        return _StreamScope(s)
 
     def branch_main_first(self, block: str) -> bool:
         """:data:`BRANCH_MAIN_FIRST` (only with the side stream on a GPU: else the order cannot matter)."""

@@ -232,11 +232,12 @@ class RankModel:
         with op_group("embed.broadcast", "torch:expand"):
             resid = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
         pre, n = None, len(self.layers)
-        for i, L in enumerate(self.layers):
-            nxt = self.layers[i + 1] if i + 1 < n else None
-            resid, pre = self._block(i, L, resid, ids, pos, req, caches.layers[i], maps, next_n, pre, nxt)
-            if self.hidden is not None:
-                self.hidden.append(resid)
+        with o.step_scope(self.device):     # the layers' main chain (a backend may give it its own stream)
+            for i, L in enumerate(self.layers):
+                nxt = self.layers[i + 1] if i + 1 < n else None
+                resid, pre = self._block(i, L, resid, ids, pos, req, caches.layers[i], maps, next_n, pre, nxt)
+                if self.hidden is not None:
+                    self.hidden.append(resid)
         return resid
 
     def logits(self, resid, W=None) -> torch.Tensor:
@@ -284,5 +285,6 @@ class RankModel:
         hp = o.linear(h.reshape(-1, cfg.hidden_size), M["h_proj"], "mtp.h_proj").reshape(h.shape)
         ep = o.linear(e, M["e_proj"], "mtp.e_proj")
         resid = o.add(hp, ep[:, None, :].expand_as(hp), "mtp.add")
-        resid, _ = self._block(cfg.num_hidden_layers, M, resid, ids, pos, req, caches.mtp, maps)
+        with o.step_scope(self.device):
+            resid, _ = self._block(cfg.num_hidden_layers, M, resid, ids, pos, req, caches.mtp, maps)
         return self.logits(resid, W=M)

@@ -151,6 +151,13 @@ class Backend:
         nothing to wait for). Every branch must be joined before the step ends (a CUDA graph capture
         fails on an unjoined stream)."""
 
+    def step_scope(self, device):
+        """The context the composition issues a step's layers in (``with backend.step_scope(x.device):``): ops
+        inside read what was issued before it, and what is issued after it may read their results. Default: a
+        no-op (the caller's stream). A backend that runs side chains concurrently may issue the main chain on a
+        stream of its own there (the kernel backend: a higher-priority stream, ``BRANCH_PRIORITY``)."""
+        return contextlib.nullcontext()
+
     def branch_main_first(self, block: str) -> bool:
         """Whether the composition issues the main chain's first op of fork ``block`` after making the branch
         (``fork = backend.branch(...)``) and before entering it (``with fork as br:``). The branch's fork point
