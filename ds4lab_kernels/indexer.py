@@ -26,6 +26,7 @@ import triton.language as tl
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import quant_rows_e4m3
+from .o_proj import _mul_once
 from .topk import check_select_config, hist0_add, select_topk
 
 # the amax floor of the q quantization (vLLM ``per_token_group_quant_fp8(..., eps=1e-4)`` on the
@@ -199,7 +200,7 @@ def _fp8_paged_mqa_topk_kernel(
     stride_btb, stride_wsr, stride_ir,
     NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
     KP2: tl.constexpr, HAS_OFF: tl.constexpr, SEL_BLOCK: tl.constexpr, SEL_ROW: tl.constexpr,
-    SEL_BITS: tl.constexpr, H0_BITS: tl.constexpr,
+    SEL_BITS: tl.constexpr, H0_BITS: tl.constexpr, SEL_LOOP: tl.constexpr,
 ):
     """Grid ``(batch, P)``, ``P = cdiv(cdiv(max_context_len, block_size), tiles)`` (at least 1).
     One program: ``tiles`` consecutive cache blocks of request ``b``, all its next_n rows, logits into
@@ -211,7 +212,10 @@ def _fp8_paged_mqa_topk_kernel(
     step; else rows of up to ``SEL_ROW`` entries in registers, ``SEL_BITS``-bit radix digits after a
     first level of ``H0_BITS`` bits read from ``h0`` (or ``SEL_BITS`` counted in-program); same tie
     rule and order either way), adds ``offsets[row]``, re-zeroes the rows' histograms and the
-    counter for the next launch / CUDA-graph replay. No program waits on another."""
+    counter for the next launch / CUDA-graph replay. ``SEL_LOOP`` (NOTES.md "idx10c"): the register
+    select's radix levels as one runtime loop (``topk.select_topk_regs_loop``) and the request's next_n
+    rows in a runtime loop too, so the tail executes one copy of the select code, not NEXT_N unrolled
+    ones. No program waits on another."""
     b = tl.program_id(0)
     t_begin = tl.program_id(1) * tiles
     lim0, lim1 = _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, h0_ptr, b, t_begin,
@@ -222,32 +226,49 @@ def _fp8_paged_mqa_topk_kernel(
     ticket = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(1) - 1:
         W0: tl.constexpr = H0_BITS if H0_BITS > 0 else SEL_BITS
-        for i in tl.static_range(NEXT_N):
-            row = (b * NEXT_N + i).to(tl.int64)
-            off = 0
-            if HAS_OFF:
-                off = tl.load(off_ptr + row)
-            L = lim0
-            if i == 1:
-                L = lim1
-            # entries past the row's limit are -inf in the workspace: the select stops at the limit
-            select_topk(ws_ptr + row * stride_wsr, idx_ptr + row * stride_ir, L, off, h0_ptr + row * (1 << W0),
-                        K, KP2, SEL_BLOCK, SEL_ROW, W0, SEL_BITS, H0_BITS > 0)
+        if SEL_LOOP:
+            # the rows of the request one after the other in a RUNTIME loop (the bound is a runtime
+            # value, so neither LLVM nor ptxas unrolls the select body NEXT_N times)
+            nrows = tl.where(lim1 >= -1, NEXT_N, 0)          # == NEXT_N (limits are clamped >= 0)
+            for i in range(nrows):
+                row = (b * NEXT_N + i).to(tl.int64)
+                off = 0
+                if HAS_OFF:
+                    off = tl.load(off_ptr + row)
+                L = tl.where(i == 1, lim1, lim0)
+                select_topk(ws_ptr + row * stride_wsr, idx_ptr + row * stride_ir, L, off, h0_ptr + row * (1 << W0),
+                            K, KP2, SEL_BLOCK, SEL_ROW, W0, SEL_BITS, H0_BITS > 0, True)
+        else:
+            for i in tl.static_range(NEXT_N):
+                row = (b * NEXT_N + i).to(tl.int64)
+                off = 0
+                if HAS_OFF:
+                    off = tl.load(off_ptr + row)
+                L = lim0
+                if i == 1:
+                    L = lim1
+                # entries past the row's limit are -inf in the workspace: the select stops at the limit
+                select_topk(ws_ptr + row * stride_wsr, idx_ptr + row * stride_ir, L, off, h0_ptr + row * (1 << W0),
+                            K, KP2, SEL_BLOCK, SEL_ROW, W0, SEL_BITS, H0_BITS > 0, False)
         tl.atomic_xchg(cnt_ptr + b, 0, sem="relaxed", scope="gpu")
 
 
 # ---- launchers ---------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["n_rows"])
-def _indexer_q_kernel(
-    q_ptr, pos_ptr, cs_ptr, w_ptr, qo_ptr, wo_ptr,
+@triton.jit
+def indexer_q_rows(
+    q_ptr, pos_ptr, cs_ptr, w_ptr, qo_ptr, wo_ptr, pid,
     n_rows, H, max_pos, stride_qt, stride_qh, stride_wt, w_scale, eps,
-    D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
+    D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """Grid ``(cdiv(num_tokens * num_heads, ROWS),)``.
-    One program: ROWS (token, head) rows of D bf16 values: forward GPT-J RoPE on the last R dims in
-    fp32 (``x0 c - x1 s``, ``x1 c + x0 s``, as the torch glue evaluates them), one bf16 rounding,
-    the pow2 e4m3 quantization of the row and the head weight times its scale."""
-    pid = tl.program_id(0)
+    """The indexer q job of program ``pid`` (the body of ``_indexer_q_kernel``, also run by
+    ``norm_rope._q_norm_rope_indexer_q_kernel``): ROWS (token, head) rows of D bf16 values: forward
+    GPT-J RoPE on the last R dims in fp32 (``x0 c - x1 s``, ``x1 c + x0 s``, as the torch glue
+    evaluates them), one bf16 rounding, the pow2 e4m3 quantization of the row and the head weight
+    times its scale. The rotation's products must not contract into FMAs with its sum: ``EXACT``
+    False in a kernel built with ``enable_fp_fusion=False`` (and on the interpreter), True in one
+    built with fusion on (PTX ``mul.rn``, ``o_proj._mul_once``); the rest of the job has no
+    multiply-add whose contraction could change a bit (``to_e4m3``'s ``ax * 512 + 2^23`` multiplies
+    exactly)."""
     r = pid * ROWS + tl.arange(0, ROWS)
     rmask = r < n_rows
     t = r // H
@@ -267,13 +288,27 @@ def _indexer_q_kernel(
     c = tl.where(ok[:, None], c, float("nan"))
     sn = tl.where(ok[:, None], sn, float("nan"))
     even = (cols % 2) == 0
-    y = tl.where(even[None, :], x * c - xp * sn, x * c + xp * sn)
+    xc = _mul_once(x, c, EXACT)
+    ps = _mul_once(xp, sn, EXACT)
+    y = tl.where(even[None, :], xc - ps, xc + ps)
     y = tl.where(rope[None, :], y, x)
     y = y.to(tl.bfloat16).to(tl.float32)
     qv, s = quant_rows_e4m3(y, eps, True)
     tl.store(qo_ptr + r.to(tl.int64)[:, None] * D + cols[None, :], qv, mask=rmask[:, None])
     wv = tl.load(w_ptr + t.to(tl.int64) * stride_wt + h, mask=rmask, other=0.0).to(tl.float32)
     tl.store(wo_ptr + r, wv * s * w_scale, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _indexer_q_kernel(
+    q_ptr, pos_ptr, cs_ptr, w_ptr, qo_ptr, wo_ptr,
+    n_rows, H, max_pos, stride_qt, stride_qh, stride_wt, w_scale, eps,
+    D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Grid ``(cdiv(num_tokens * num_heads, ROWS),)``; built with ``enable_fp_fusion=False``.
+    One program: ROWS (token, head) rows (:func:`indexer_q_rows`)."""
+    indexer_q_rows(q_ptr, pos_ptr, cs_ptr, w_ptr, qo_ptr, wo_ptr, tl.program_id(0), n_rows, H, max_pos, stride_qt,
+                   stride_qh, stride_wt, w_scale, eps, D, R, ROWS, False)
 
 
 def _cache_views(kv_cache: torch.Tensor, head_dim: int = HEAD_DIM):
@@ -737,6 +772,7 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
         weights.stride(0), block_table.stride(0), logits.stride(0), out.stride(0),
         NEXT_N=nn, H=H, D=D, BS=bs, K=k, KP2=triton.next_power_of_2(k), HAS_OFF=offsets is not None,
         SEL_BLOCK=cfg["SEL_BLOCK"], SEL_ROW=sel_row, SEL_BITS=sel_bits, H0_BITS=h0_bits,
+        SEL_LOOP=bool(cfg.get("SEL_LOOP", False)),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     return out
 
@@ -764,6 +800,14 @@ _PAGED_TOPK = {
                   "num_stages": 3},
     "p2r2048h11b6": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "H0_BITS": 11,
                      "num_warps": 4, "num_stages": 3},
+    # idx10c (NOTES.md): the same selects with SEL_LOOP: the radix levels one runtime loop body
+    # (topk.select_topk_regs_loop) and the next_n rows a runtime loop, so the select tail executes a
+    # few hundred SASS instructions of looping code instead of 7-16 K straight-line ones (cold
+    # instruction cache in the decode step). Same results. PROVISIONAL: not timed yet.
+    "p2r2048b6c": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "SEL_LOOP": True,
+                   "num_warps": 4, "num_stages": 3},
+    "p2r2048h11b6c": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "H0_BITS": 11,
+                      "SEL_LOOP": True, "num_warps": 4, "num_stages": 3},
 }
 CONFIGS = {
     # q (decode: T*64 rows of 128): one row per warp; T=1 is 64 rows -> 16-64 programs

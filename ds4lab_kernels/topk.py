@@ -250,13 +250,80 @@ def select_topk_regs(row_ptr, out_row, L, off, h0, K: tl.constexpr, KP2: tl.cons
     _pad_tail(out_row, k_eff, K, KP2)
 
 
+# ---- the compact register select (config key "LOOP" / the indexer's "SEL_LOOP", NOTES.md "idx10c") ----
+# ``select_topk_regs`` unrolls its radix levels (``tl.static_range``, each level's shift and width constexpr):
+# 7-8 K SASS instructions at next_n 1 for ONE program, fetched cold from L2 in the decode step where ~40
+# other kernels run between two indexer calls. Here the levels are one runtime loop body (``while not
+# done``) on the keys with the sign bit flipped (``ukey``: unsigned order = the float order), so every
+# level, the first included, is the same code: fixed ``2^W`` reversed bins, a runtime shift ``lo`` and
+# digit width ``sh - lo`` (the bottom level just uses fewer bins: its digits ``d < 2^(sh-lo)`` land in
+# reversed bins ``2^W - 1 - d``, the bins before them stay empty, so ``_pick_bin`` returns ``d`` itself).
+# The prefix is kept in place (``pfx``: the decided top bits, the rest 0, i.e. the lowest key with that
+# prefix) with its mask ``hi``, so a level's stop sets ``T = pfx`` whether its bin is taken whole or it
+# was the last level.
+@triton.jit
+def _regc_levels(ukey, valid, need, pfx, hi, sh, T, need_eq, done, W: tl.constexpr):
+    """Radix levels of ``W`` bits (fewer at the bottom) below the top ``32 - sh`` decided bits of
+    ``ukey`` (``pfx`` / mask ``hi``), a runtime loop until the k-th entry's bin is taken whole or the
+    key is exact: returns ``(T, need_eq)`` in the ``ukey`` domain."""
+    NB: tl.constexpr = 1 << W
+    while not done:
+        lo = tl.maximum(sh - W, 0)
+        sel = valid & ((ukey & hi) == pfx)
+        h = tl.histogram((NB - 1) - ((ukey >> lo) & ((1 << (sh - lo)) - 1)), NB, mask=sel)   # reversed digits
+        b, above, whole = _pick_bin(h, need, NB)
+        pfx = pfx | (b << lo)
+        need = need - above
+        hi = ~((1 << lo) - 1)
+        sh = lo
+        stop = whole | (lo == 0)
+        T = tl.where(stop, pfx, T)
+        need_eq = tl.where(whole, 2147483647, need)
+        done = stop
+    return T, need_eq
+
+
+@triton.jit
+def select_topk_regs_loop(row_ptr, out_row, L, off, h0, K: tl.constexpr, KP2: tl.constexpr, ROW: tl.constexpr,
+                          W0: tl.constexpr, W: tl.constexpr, HAS_H0: tl.constexpr):
+    """``select_topk_regs`` (same arguments, same result) with its radix levels in ONE runtime loop
+    (``_regc_levels``): the code a call executes is the load, at most one ``2^W0``-bin pick (``HAS_H0``:
+    the first level from ``h0``; without it the first level is a loop level of ``W`` bits, ``W0``
+    ignored), one level body and the output pass."""
+    offs = tl.arange(0, ROW)
+    key, valid = _load_keys(row_ptr, offs, L)
+    ukey = key ^ (-2147483647 - 1)                      # unsigned order of the keys (sign bit flipped)
+    k_eff = tl.minimum(tl.sum(valid.to(tl.int32), 0), K)
+    _, need, T, need_eq, done = _select_start(k_eff)
+    T = T | (-2147483647 - 1)                           # 0xFFFFFFFF: above every key, unsigned
+    pfx = k_eff * 0
+    hi = k_eff * 0
+    sh = k_eff * 0 + 32
+    if HAS_H0:
+        if not done:
+            b, above, whole = _pick_bin(h0, need, 1 << W0)   # h0 reversed over the signed top bits = unsigned
+            pfx = b << (32 - W0)
+            need = need - above
+            hi = ~((1 << (32 - W0)) - 1)
+            sh = sh - W0
+            if whole:
+                T = pfx
+                need_eq = need * 0 + 2147483647
+                done = whole
+    T, need_eq = _regc_levels(ukey, valid, need, pfx, hi, sh, T, need_eq, done, W)
+    _reg_write(ukey.to(tl.uint32, bitcast=True), valid, offs, out_row, T.to(tl.uint32, bitcast=True), need_eq, off)
+    _pad_tail(out_row, k_eff, K, KP2)
+
+
 @triton.jit
 def select_topk(row_ptr, out_row, L, off, h0_row, K: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
-                ROW: tl.constexpr, W0: tl.constexpr, W: tl.constexpr, HAS_H0: tl.constexpr):
+                ROW: tl.constexpr, W0: tl.constexpr, W: tl.constexpr, HAS_H0: tl.constexpr,
+                LOOP: tl.constexpr):
     """The one-program select of one row, by config: ``ROW == 0`` the streaming ``select_topk_row``
-    (``BLOCK`` entries a step); else ``select_topk_regs`` when ``L <= ROW`` and the streaming select
-    for longer rows (same result either way). ``HAS_H0``: ``h0_row`` holds the row's first-level
-    histogram (``hist0_add``, ``2^W0`` int32); it is read, then re-zeroed here (for the next launch)."""
+    (``BLOCK`` entries a step); else ``select_topk_regs`` (``LOOP``: ``select_topk_regs_loop``, the
+    same result from a runtime loop of levels) when ``L <= ROW`` and the streaming select for longer
+    rows (same result either way). ``HAS_H0``: ``h0_row`` holds the row's first-level histogram
+    (``hist0_add``, ``2^W0`` int32); it is read, then re-zeroed here (for the next launch)."""
     if ROW == 0:
         select_topk_row(row_ptr, out_row, L, off, K, KP2, BLOCK)
     else:
@@ -266,7 +333,10 @@ def select_topk(row_ptr, out_row, L, off, h0_row, K: tl.constexpr, KP2: tl.const
             h0 = tl.load(h0_row + bins)
             tl.store(h0_row + bins, tl.zeros((1 << W0,), tl.int32))   # same threads, same addresses
         if L <= ROW:
-            select_topk_regs(row_ptr, out_row, L, off, h0, K, KP2, ROW, W0, W, HAS_H0)
+            if LOOP:
+                select_topk_regs_loop(row_ptr, out_row, L, off, h0, K, KP2, ROW, W0, W, HAS_H0)
+            else:
+                select_topk_regs(row_ptr, out_row, L, off, h0, K, KP2, ROW, W0, W, HAS_H0)
         else:
             select_topk_row(row_ptr, out_row, L, off, K, KP2, BLOCK)
 
@@ -274,16 +344,17 @@ def select_topk(row_ptr, out_row, L, off, h0_row, K: tl.constexpr, KP2: tl.const
 @triton.jit
 def _topk_kernel(x_ptr, len_ptr, off_ptr, out_ptr, N, stride_xr, stride_or,
                  K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, HAS_OFF: tl.constexpr,
-                 BLOCK: tl.constexpr, ROW: tl.constexpr, W: tl.constexpr):
+                 BLOCK: tl.constexpr, ROW: tl.constexpr, W: tl.constexpr, LOOP: tl.constexpr):
     """Grid ``(num_rows,)``.
     One program: one whole row (``select_topk``: ``ROW == 0`` the streaming select, up to 4 radix passes
-    then the output pass; else rows of up to ``ROW`` entries in registers, ``W``-bit digits)."""
+    then the output pass; else rows of up to ``ROW`` entries in registers, ``W``-bit digits, ``LOOP``:
+    the levels as one runtime loop)."""
     r = tl.program_id(0).to(tl.int64)
     L = _row_len(len_ptr, r, N, HAS_LEN)
     off = 0
     if HAS_OFF:
         off = tl.load(off_ptr + r)
-    select_topk(x_ptr + r * stride_xr, out_ptr + r * stride_or, L, off, x_ptr, K, KP2, BLOCK, ROW, W, W, False)
+    select_topk(x_ptr + r * stride_xr, out_ptr + r * stride_or, L, off, x_ptr, K, KP2, BLOCK, ROW, W, W, False, LOOP)
 
 
 # ---- three-launch variant (config key "VARIANT": "r3"): P programs per row ---------------------
@@ -599,7 +670,7 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
         logits, lengths if lengths is not None else logits, offsets if offsets is not None else logits, out, N,
         logits.stride(0), out.stride(0), K=k, KP2=triton.next_power_of_2(k), HAS_LEN=lengths is not None,
         HAS_OFF=offsets is not None, BLOCK=cfg["BLOCK"], ROW=cfg.get("ROW", 0), W=cfg.get("BITS", 7),
-        num_warps=cfg["num_warps"])
+        LOOP=bool(cfg.get("LOOP", False)), num_warps=cfg["num_warps"])
     return out
 
 
@@ -615,7 +686,10 @@ _R3 = {"r3_1024": {"BLOCK": 1024, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM
 # (BLOCK 4096 / 8 warps: the select kernel spills 16 B on sm_90, ds4lab aot on triton 3.7.1)
 # b1024r2048 (NOTES.md "idx10"): rows of up to ROW = 2,048 entries selected on registers (one read of the
 # row, BITS-bit radix digits; 119 / 126 / 108 regs on sm_89 / sm_90 / sm_120, 0 spills), longer rows as b1024.
-_REGS = {"b1024r2048": {"BLOCK": 1024, "num_warps": 4, "ROW": 2048, "BITS": 6}}
+# b1024r2048c (NOTES.md "idx10c"): the same select with its radix levels as one runtime loop
+# (select_topk_regs_loop: a few hundred SASS instructions executed instead of ~6 K straight-line).
+_REGS = {"b1024r2048": {"BLOCK": 1024, "num_warps": 4, "ROW": 2048, "BITS": 6},
+         "b1024r2048c": {"BLOCK": 1024, "num_warps": 4, "ROW": 2048, "BITS": 6, "LOOP": True}}
 CONFIGS = {
     "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_REGS, **_R3},
     "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_REGS, **_R3},

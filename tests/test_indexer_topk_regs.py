@@ -5,7 +5,9 @@ the two-launch path's indices (``fp8_paged_mqa_logits`` + the streaming ``topk_i
 for element, and the fp64 reference's where the logits are exact: ties (the lower index wins),
 all-equal rows, NaN / +-inf, fewer valid entries than k, limit 0, next_n 2, rows longer than
 ``SEL_ROW`` (the streaming fallback in the same launch); counters and histograms are zero after
-every call and a second call is equal."""
+every call and a second call is equal. The ``SEL_LOOP`` / ``LOOP`` rows (NOTES.md "idx10c": the same select
+with its radix levels and the next_n rows as runtime loops, ``topk.select_topk_regs_loop``) pass every
+case the unrolled rows pass."""
 import pytest
 import torch
 
@@ -23,7 +25,9 @@ pytestmark = pytest.mark.interp
 ROWS = {lb: c for lb, c in K.CONFIGS["paged_topk"]["sm_89"].items() if c.get("SEL_ROW")}
 # the table rows as they are (2,048 entries on registers: every test row takes the register path), and
 # shrunk to 256 entries with 2 blocks per program (the rows longer than that take the streaming select)
-CASES = [(lb, c) for lb, c in ROWS.items()] + [(lb + "-row256", dict(c, SEL_ROW=256, TILES=2)) for lb, c in ROWS.items()]
+# (the loop row without H0 only as it is: the shrunk loop rows' fallback is the H0 loop row's, to keep CPU time)
+CASES = [(lb, c) for lb, c in ROWS.items()] + [(lb + "-row256", dict(c, SEL_ROW=256, TILES=2)) for lb, c in ROWS.items()
+                                               if not (c.get("SEL_LOOP") and not c.get("H0_BITS"))]
 IDS = [lb for lb, _ in CASES]
 
 
@@ -31,6 +35,12 @@ def test_the_table_has_register_rows_with_and_without_the_logits_histogram():
     assert {bool(c.get("H0_BITS")) for c in ROWS.values()} == {True, False}
     for c in ROWS.values():
         assert c["num_warps"] == 4 and c["SEL_ROW"] == 2048   # the logits' bits need the paged rows' 4 warps
+    # every loop row is an unrolled row plus SEL_LOOP (so the A/B in the step compares the code shape only)
+    loops = {lb: c for lb, c in ROWS.items() if c.get("SEL_LOOP")}
+    assert {bool(c.get("H0_BITS")) for c in loops.values()} == {True, False}
+    for lb, c in loops.items():
+        assert {k: v for k, v in c.items() if k != "SEL_LOOP"} == ROWS[lb[:-1]]
+    assert {k: v for k, v in TK.CONFIGS["sm_89"]["b1024r2048c"].items() if k != "LOOP"} == REG_TOPK
 
 
 @pytest.mark.parametrize("lb,cfg", CASES, ids=IDS)
@@ -135,13 +145,14 @@ def test_histograms_live_in_the_arrivals_buffer_after_the_counters():
 REG_TOPK = TK.CONFIGS["sm_89"]["b1024r2048"]
 
 
+@pytest.mark.parametrize("row", ["b1024r2048", "b1024r2048c"])
 @pytest.mark.parametrize("case", topk_spec.CASES)
-def test_topk_register_row_equals_reference_on_every_case(case):
-    """The registry sweep times b1024r2048 on its random case only: every adversarial case here, index
+def test_topk_register_row_equals_reference_on_every_case(case, row):
+    """The registry sweep times b1024r2048(c) on its random case only: every adversarial case here, index
     for index against the reference (N 2,000 on registers; 300 as well)."""
     for shape in ({"R": 4, "N": 2000, "k": 512}, {"R": 3, "N": 300, "k": 64}):
         inp = topk_spec.make_inputs(shape, case, 11, DEVICE)
-        got = topk_indices(inp["logits"], inp["k"], lengths=inp.get("lengths"), config=REG_TOPK)
+        got = topk_indices(inp["logits"], inp["k"], lengths=inp.get("lengths"), config=TK.CONFIGS["sm_89"][row])
         assert torch.equal(got.cpu(), rtopk(inp["logits"].cpu(), inp["k"], inp["lengths"].cpu() if
                                             inp.get("lengths") is not None else None)), case
 
@@ -165,16 +176,18 @@ def _rows(N):
     return x
 
 
+@pytest.mark.parametrize("loop", [False, True], ids=["unrolled", "loop"])
 @pytest.mark.parametrize("bits", [5, 6, 7, 8])
 @pytest.mark.parametrize("N,k,row", [(300, 64, 512), (1000, 512, 1024), (2048, 512, 2048), (700, 100, 256)])
-def test_select_on_registers_every_digit_width(bits, N, k, row):
-    """The first level and the levels below it at 5-8 bits (the last level what is left of 32): equal to
-    the reference for every row kind; row < N: the streaming select for the long rows, same result."""
+def test_select_on_registers_every_digit_width(bits, N, k, row, loop):
+    """The first level and the levels below it at 5-8 bits (the last level what is left of 32: 2, 2, 4, 8
+    bits, fewer bins of the loop's fixed 2^bits): equal to the reference for every row kind; row < N: the
+    streaming select for the long rows, same result."""
     x = _rows(N).to(DEVICE)
     lens = torch.tensor([N, N - 1, N, N // 2, N, N, N, 1], dtype=torch.int32, device=DEVICE)
     guard = torch.full((8, k + 8), -7, dtype=torch.int32, device=DEVICE)       # a slot written past k shows
     got = topk_indices(x, k, lengths=lens, out=guard[:, :k],
-                       config={"BLOCK": 256, "num_warps": 4, "ROW": row, "BITS": bits})
+                       config={"BLOCK": 256, "num_warps": 4, "ROW": row, "BITS": bits, "LOOP": loop})
     assert torch.equal(got.cpu(), rtopk(x.cpu(), k, lens.cpu()))
     assert (guard[:, k:].cpu() == -7).all()
 
