@@ -14,6 +14,9 @@
 # Run from a plain copy of the tree with the image's python3:  OUT=/some/dir bash scripts/gpu/idx_topk.sh
 # Expected: ~60-80 s (numerics of both builds in parallel ~15-25 s, then a bench per build ~20-25 s;
 # session 10 added 2 config rows and 2 baselines, so the timeouts are 60 + 2 x 60 s, ~180 s at most).
+# idx10c (NOTES.md) added the loop rows p2r2048b6c / p2r2048h11b6c (checked and timed like every row; the
+# last table compares them with the unrolled rows and p2s512): sm89 alone ~80 s (call 2 of session 10 took
+# 57 s with 7 rows), timeouts 90 + 90 s.
 #   BUILDS="sm89" to time one build only.
 # Fail-soft: a failing check or build is reported, the rest still runs; exit 1 if anything failed.
 set -u
@@ -29,7 +32,7 @@ t0=$SECONDS
 # bench then finds warm), then the benches one at a time (the GPU to themselves)
 pids=()
 for build in $BUILDS; do
-  timeout 60 python3 scripts/gpu/idx_topk_check.py --arch "$build" --out "$OUT" > "$OUT/idx_topk_check_${build}.log" 2>&1 &
+  timeout 90 python3 scripts/gpu/idx_topk_check.py --arch "$build" --out "$OUT" > "$OUT/idx_topk_check_${build}.log" 2>&1 &
   pids+=($!)
 done
 i=0
@@ -39,7 +42,7 @@ for build in $BUILDS; do
 done
 echo "numerics: $((SECONDS - t0)) s"
 for build in $BUILDS; do
-  timeout 60 python3 -m ds4lab.harness.bench fp8_paged_mqa_topk --tp 4 --arch "$build" \
+  timeout 90 python3 -m ds4lab.harness.bench fp8_paged_mqa_topk --tp 4 --arch "$build" \
     --out "$OUT" > "$OUT/bench_${build}.log" 2>&1 || { echo "bench --arch $build: exit $?"; rc=1; }
 done
 for build in $BUILDS; do
@@ -71,6 +74,11 @@ for (b, B, nn, N), d in best.items():
     two = d.get("two_launch", float("nan"))
     others = ", ".join(f"{n} {q:.2f}" for n, q in sorted(d.items()) if n != lb)
     print(f"{b:<7} {B * nn:>3} {B:>3} {nn:>2} {N:>5}  {lb + ' ' + format(p, '.2f'):<16} {two:>10.2f} {two / p:>6.2f}x  {others}")
+# idx10c: the register rows, unrolled against their runtime-loop twins (*c), and the streaming p2s512
+cols = ["p2s512", "p2r2048b6", "p2r2048b6c", "p2r2048h11b6", "p2r2048h11b6c"]
+print(f"\n{'build':<7} {'B':>3} {'nn':>2} {'N':>5}  " + " ".join(f"{c:>13}" for c in cols) + "   (us, p50)")
+for (b, B, nn, N), d in best.items():
+    print(f"{b:<7} {B:>3} {nn:>2} {N:>5}  " + " ".join(f"{d.get(c, float('nan')):13.2f}" for c in cols))
 PY
 echo "total: $((SECONDS - t0)) s"
 exit $rc
