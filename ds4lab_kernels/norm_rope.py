@@ -1,6 +1,7 @@
 """Fused attention/MLP glue: per-row RMSNorm + GPT-J RoPE (``rmsnorm_rope``), the q_norm + kv_norm +
-kv RoPE of the fused ``wq_a | wkv`` output (``q_kv_rmsnorm_rope``) and the clamped SwiGLU of the
-shared expert (``swiglu_clamp``), one launch each.
+kv RoPE of the fused ``wq_a | wkv`` output (``q_kv_rmsnorm_rope``), the attention q's norm + RoPE with the
+indexer q's RoPE + FP8 quant (``q_norm_rope_indexer_q``) and the clamped SwiGLU of the shared expert
+(``swiglu_clamp``), one launch each.
 
 Semantics (vLLM 0.32 ``models/deepseek_v4``; ds4lab twin ``ds4lab/model/backend_ref.py``):
 
@@ -14,21 +15,26 @@ Semantics (vLLM 0.32 ``models/deepseek_v4``; ds4lab twin ``ds4lab/model/backend_
 * ``q_kv_rmsnorm_rope``: ``x (T, q_dim + Dkv)``: ``q = bf16(rms(x[:, :q_dim]) * q_weight)`` and
   ``kv = bf16(rope(bf16(rms(x[:, q_dim:]) * kv_weight)))`` (the kv rounded to bf16 between norm and
   rotation, the boundary vLLM's separate ``kv_norm`` module has), two contiguous outputs.
+* ``q_norm_rope_indexer_q``: a C4A layer's ``rmsnorm_rope`` of the attention q heads (no weight, norm +
+  rope) and ``indexer.indexer_q_rope_quant`` of the indexer q in one grid (a program-id switch between
+  the two jobs, each the other launcher's code), bit for bit the two launches.
 * ``swiglu_clamp``: ``gu (T, 2I)`` -> ``silu(min(g, limit)) * clamp(u, -limit, limit)`` with
   ``g = gu[:, :I]``, ``u = gu[:, I:]`` (float32 math, bf16 out).
 """
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from . import _checks
 from . import mla_cache
 from ._arch import arch_of, require_fp8
 from ._fp8 import ACT_QUANT_EPS, fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2
+from .indexer import Q_EPS as INDEXER_Q_EPS, indexer_q_rows
 from .mla_cache import fp8_ds_mla_pack
 
-__all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "swiglu_clamp", "CONFIGS", "rms_rstd", "rope_cos_sin",
-           "rope_rotate", "head_rmsnorm_rope"]
+__all__ = ["rmsnorm_rope", "q_kv_rmsnorm_rope", "q_norm_rope_indexer_q", "swiglu_clamp", "CONFIGS", "rms_rstd",
+           "rope_cos_sin", "rope_rotate", "head_rmsnorm_rope", "rmsnorm_rope_rows"]
 
 
 # ---- shared @triton.jit helpers: the one home of the norm and the RoPE convention ----------------
@@ -86,15 +92,14 @@ def head_rmsnorm_rope(row_ptr, rmask, p, cs_ptr, max_pos, eps, D: tl.constexpr, 
 
 
 @triton.jit
-def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_token, stride_xt, D, max_pos, eps,
-                         HAS_W: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    """Grid ``(cdiv(n_rows, ROWS),)``.
-    One program owns ``ROWS`` whole rows of ``D`` bf16 values: the fp32 sum of squares, the scaled
-    body ``[0, D - R)`` and, with ``ROPE``, the ``R/2`` rotated (even, odd) pairs of the tail.
-    Row ``r`` (token ``r // rows_per_token``) is read at ``token * stride_xt + (r % rows_per_token) * D``
-    and written contiguously."""
-    pid = tl.program_id(0)
+def rmsnorm_rope_rows(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, pid, n_rows, rows_per_token, stride_xt, D, max_pos, eps,
+                      HAS_W: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
+                      BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """The rows of program ``pid`` of ``_rmsnorm_rope_kernel`` (also the q job of
+    ``_q_norm_rope_indexer_q_kernel``): ``ROWS`` whole rows of ``D`` bf16 values: the fp32 sum of
+    squares, the scaled body ``[0, D - R)`` and, with ``ROPE``, the ``R/2`` rotated (even, odd) pairs
+    of the tail. Row ``r`` (token ``r // rows_per_token``) is read at ``token * stride_xt +
+    (r % rows_per_token) * D`` and written contiguously."""
     cols = tl.arange(0, BLOCK_D)
     half = tl.arange(0, R // 2)
     dmask = cols < D
@@ -128,6 +133,15 @@ def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_
                 c, s = rope_cos_sin(cs_ptr, tl.load(pos_ptr + r // rows_per_token).to(tl.int64), max_pos, half, R)
                 tl.store(y_ptr + row + e_off, rope_rotate(ev, od, c, s, True).to(tl.bfloat16))
                 tl.store(y_ptr + row + e_off + 1, rope_rotate(od, ev, c, s, False).to(tl.bfloat16))
+
+
+@triton.jit
+def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_token, stride_xt, D, max_pos, eps,
+                         HAS_W: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
+                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Grid ``(cdiv(n_rows, ROWS),)``. One program owns ``ROWS`` whole rows (:func:`rmsnorm_rope_rows`)."""
+    rmsnorm_rope_rows(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, tl.program_id(0), n_rows, rows_per_token, stride_xt, D,
+                      max_pos, eps, HAS_W, NORM, ROPE, R, BLOCK_D, ROWS)
 
 
 @triton.jit
@@ -190,6 +204,26 @@ def _q_kv_norm_rope_kernel(x_ptr, wq_ptr, wkv_ptr, pos_ptr, cs_ptr, q_ptr, kv_pt
             tl.store(orow + ck, body, mask=ck < DKV - R)
             tl.store(orow + e_off, r_ev)
             tl.store(orow + e_off + 1, r_od)
+
+
+@triton.jit(do_not_specialize=["n_q", "q_progs", "n_i"])
+def _q_norm_rope_indexer_q_kernel(q_ptr, pos_ptr, cs_ptr, qo_ptr, n_q, q_heads, stride_qt, D, q_progs,
+                                  iq_ptr, iw_ptr, i8_ptr, iwo_ptr, n_i, IH, stride_it, stride_ih, stride_wt,
+                                  w_scale, max_pos, eps, i_eps, R: tl.constexpr, BLOCK_D: tl.constexpr,
+                                  QROWS: tl.constexpr, ID: tl.constexpr, IROWS: tl.constexpr, EXACT: tl.constexpr):
+    """Grid ``(q_progs + cdiv(n_i, IROWS),)``, ``q_progs = cdiv(n_q, QROWS)``: two independent jobs in one
+    launch. Programs ``[0, q_progs)``: the attention q's weight-free RMSNorm + RoPE, ``QROWS`` of the
+    ``n_q = T * q_heads`` rows of ``D`` each (:func:`rmsnorm_rope_rows`, the code of ``rmsnorm_rope``);
+    programs ``[q_progs, ...)``: the indexer q's RoPE + FP8 quant + head weights, ``IROWS`` of the
+    ``n_i = T * IH`` rows of ``ID`` each (``indexer.indexer_q_rows``, the code of ``indexer_q_rope_quant``,
+    ``EXACT`` products on a GPU: this kernel is built with fp fusion on, as ``rmsnorm_rope``'s)."""
+    pid = tl.program_id(0)
+    if pid < q_progs:
+        rmsnorm_rope_rows(q_ptr, q_ptr, pos_ptr, cs_ptr, qo_ptr, pid, n_q, q_heads, stride_qt, D, max_pos, eps,
+                          False, True, True, R, BLOCK_D, QROWS)
+    else:
+        indexer_q_rows(iq_ptr, pos_ptr, cs_ptr, iw_ptr, i8_ptr, iwo_ptr, pid - q_progs, n_i, IH, max_pos, stride_it,
+                       stride_ih, stride_wt, w_scale, i_eps, ID, R, IROWS, EXACT)
 
 
 @triton.jit
@@ -423,6 +457,95 @@ def q_kv_rmsnorm_rope(x: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.
     return ret_q if fused else (ret_q, kv)
 
 
+def q_norm_rope_indexer_q(q: torch.Tensor, iq: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                          weights: torch.Tensor, eps: float, config: dict | None = None):
+    """The attention q's per-head RMSNorm + RoPE and the indexer q's RoPE + FP8 quant (a C4A layer's
+    two q preparations after the fused ``wq_b | indexer wq_b`` GEMM), one launch.
+
+    Grid: ``(cdiv(T*H, QROWS) + cdiv(T*IH, IROWS),)``; programs ``[0, cdiv(T*H, QROWS))`` run
+    :func:`rmsnorm_rope`'s code on ``QROWS`` q rows each, the rest
+    :func:`ds4lab_kernels.indexer.indexer_q_rope_quant`'s code on ``IROWS`` indexer rows each.
+
+    Args:
+        q: bfloat16 ``(T, H, D)`` attention q (16 heads x 512 at TP=4), rows contiguous within a token
+            (``stride(2) == 1``, ``stride(1) == D``), any token stride (a column slice of the fused GEMM
+            output). ``D <= 16384``.
+        iq: bfloat16 ``(T, IH, ID)`` indexer q (64 heads x 128), last dim contiguous, any head / token
+            stride; ``ID`` a power of two ``<= 1024``.
+        positions: ``(T,)`` int32/int64 token positions; outside ``[0, cos_sin.shape[0])`` gives NaN in
+            that token's q rope dims and a NaN scale / weight for all its indexer heads (no host sync).
+        cos_sin: float32 ``(max_pos, R)`` ``cos || sin`` table, ``R`` even, a power of two, ``<= ID`` and
+            ``<= D`` (both q's rope the last ``R`` dims of each head with it).
+        weights: ``(T, IH)`` bfloat16/float32 indexer head weights (``weights_proj`` output; a column
+            slice is fine), last dim contiguous.
+        eps: the q RMSNorm epsilon (``rms_norm_eps``).
+        config: a row of ``CONFIGS["q_norm_rope_indexer_q"][arch]`` (``QROWS``, ``IROWS``, ``num_warps``).
+
+    Returns:
+        ``(q_normed (T, H, D) bfloat16, q_fp8 (T, IH, ID) float8_e4m3fn, w (T, IH) float32)``, contiguous:
+        bit for bit ``rmsnorm_rope(q, None, eps, positions, cos_sin)`` and
+        ``indexer_q_rope_quant(iq, positions, cos_sin, weights)`` (each job's NaN / inf rules included).
+        The indexer job's rotation products are PTX ``mul.rn`` on a GPU, so this launch (fp fusion on,
+        as ``rmsnorm_rope``) rounds them as ``indexer_q_rope_quant`` (fp fusion off) does.
+
+    Raises:
+        TypeError: wrong dtypes. ValueError: wrong shapes or strides, token counts that differ, a bad
+        ``cos_sin``, devices that differ (each named); a device without FP8.
+
+    Semantics: vLLM 0.32 ``models/deepseek_v4`` (the q side of
+    ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``; ``Indexer`` q RoPE + ``per_token_group_quant_fp8``),
+    :func:`ds4lab.reference.q_indexer.q_norm_rope_indexer_q`.
+    """
+    check = _checks
+    check.tensor("q", q, torch.bfloat16, ndim=3)
+    T, H, D = q.shape
+    if q.numel() and ((D > 1 and q.stride(2) != 1) or (H > 1 and q.stride(1) != D)):
+        raise ValueError(f"q: rows must be contiguous within a token (stride(2) == 1, stride(1) == D), "
+                         f"got strides {tuple(q.stride())}")
+    if not 1 <= D <= 16384:
+        raise ValueError(f"q: last dim {D} outside 1..16384")
+    check.tensor("iq", iq, torch.bfloat16, ndim=3)
+    if iq.shape[0] != T:
+        raise ValueError(f"iq: {iq.shape[0]} tokens, q has {T}")
+    IH, ID = iq.shape[1], iq.shape[2]
+    check.last_dim_contiguous("iq", iq)
+    if ID < 2 or ID & (ID - 1) or ID > 1024:
+        raise ValueError(f"iq: head_dim={ID} must be a power of two in 2..1024")
+    check.tensor("positions", positions, (torch.int32, torch.int64), ndim=1)
+    if positions.shape[0] != T:
+        raise ValueError(f"positions: shape {tuple(positions.shape)}, expected ({T},)")
+    check.tensor("cos_sin", cos_sin, torch.float32, ndim=2)
+    R = cos_sin.shape[1]
+    if R < 2 or R & (R - 1) or R > ID or R > D:
+        raise ValueError(f"cos_sin: rope_dim={R} must be an even power of two <= iq head_dim={ID} and <= q "
+                         f"head_dim={D}; got shape {tuple(cos_sin.shape)}")
+    check.tensor("weights", weights, (torch.bfloat16, torch.float32), ndim=2)
+    if tuple(weights.shape) != (T, IH):
+        raise ValueError(f"weights: shape {tuple(weights.shape)}, expected ({T}, {IH})")
+    check.last_dim_contiguous("weights", weights)
+    eps = check.fp32_scalar("eps", eps, nonnegative=True)
+    check.same_device("q", q, iq=iq, positions=positions, cos_sin=cos_sin, weights=weights)
+    require_fp8("iq", iq.device, "q_norm_rope_indexer_q")
+    qo = torch.empty((T, H, D), dtype=torch.bfloat16, device=q.device)
+    i8 = torch.empty((T, IH, ID), dtype=torch.float8_e4m3fn, device=q.device)
+    wo = torch.empty((T, IH), dtype=torch.float32, device=q.device)
+    n_q, n_i = T * H, T * IH
+    if n_q == 0 and n_i == 0:
+        return qo, i8, wo
+    cfg = config or pick_config("q_norm_rope_indexer_q", n_q, q.device)
+    q_progs = triton.cdiv(n_q, cfg["QROWS"])
+    _q_norm_rope_indexer_q_kernel[(q_progs + triton.cdiv(n_i, cfg["IROWS"]),)](
+        q, positions.contiguous(), cos_sin.contiguous(), qo, n_q, H, q.stride(0), D, q_progs,
+        iq, weights, i8, wo, n_i, IH, iq.stride(0), iq.stride(1), weights.stride(0), ID ** -0.5 * IH ** -0.5,
+        cos_sin.shape[0], float(eps), INDEXER_Q_EPS, R=R, BLOCK_D=triton.next_power_of_2(D), QROWS=cfg["QROWS"],
+        ID=ID, IROWS=cfg["IROWS"], EXACT=not _INTERPRETED, num_warps=cfg["num_warps"], num_stages=1)
+    return qo, i8, wo
+
+
+#: the Triton CPU interpreter (no inline asm: the indexer job's plain products, as its own launcher)
+_INTERPRETED = isinstance(_q_norm_rope_indexer_q_kernel, InterpretedFunction)
+
+
 def swiglu_clamp(gu: torch.Tensor, limit: float, config: dict | None = None) -> torch.Tensor:
     """Clamped SwiGLU of the fused gate/up projection, one launch.
 
@@ -472,6 +595,13 @@ CONFIGS = {
         "sm_89": {"w4": {"num_warps": 4}, "w8": {"num_warps": 8}},
         "sm_90": {"w4": {"num_warps": 4}, "w8": {"num_warps": 8}},
     },
+    # the C4A layer's two q preparations in one grid: one num_warps for both jobs. 4 warps suit each:
+    # rmsnorm_rope's q rows (512 wide, "row1" / "row4") and indexer_q_rope_quant's 4 x 128 tiles ("r4" /
+    # "r16"), 4 values a thread either way; q2i8 halves the programs (T=1: 16 instead of 32).
+    # PROVISIONAL: not timed yet (scripts/gpu/qidx.sh).
+    "q_norm_rope_indexer_q": {
+        a: {"q1i4": {"QROWS": 1, "IROWS": 4, "num_warps": 4}, "q2i8": {"QROWS": 2, "IROWS": 8, "num_warps": 4},
+            "q4i16": {"QROWS": 4, "IROWS": 16, "num_warps": 4}} for a in ("sm_89", "sm_90")},
     "swiglu_clamp": {
         "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b256": {"BLOCK": 256, "num_warps": 2}},
         "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b256": {"BLOCK": 256, "num_warps": 2}},
@@ -480,15 +610,20 @@ CONFIGS = {
 
 
 def pick_config(op: str, rows: int, device: torch.device) -> dict:
-    """The default config of ``op`` (``"rmsnorm_rope"`` / ``"q_kv_rmsnorm_rope"`` / ``"swiglu_clamp"``)
-    for ``rows`` rows (tokens for ``q_kv_rmsnorm_rope``: one program per segment of a token, 4 warps
-    for the 1536-wide q segment; timed by the registry's configs)."""
+    """The default config of ``op`` (``"rmsnorm_rope"`` / ``"q_kv_rmsnorm_rope"`` / ``"swiglu_clamp"`` /
+    ``"q_norm_rope_indexer_q"``) for ``rows`` rows (tokens for ``q_kv_rmsnorm_rope``: one program per
+    segment of a token, 4 warps for the 1536-wide q segment; the attention q rows for
+    ``q_norm_rope_indexer_q``: the two launchers' own choices, ``row1`` + ``r4`` below 4096 rows; timed by
+    the registry's configs)."""
     if device.type != "cuda":
         return {"rmsnorm_rope": {"ROWS": 8, "num_warps": 4}, "q_kv_rmsnorm_rope": {"num_warps": 4},
-                "swiglu_clamp": {"BLOCK": 1024, "num_warps": 4}}[op]
+                "swiglu_clamp": {"BLOCK": 1024, "num_warps": 4},
+                "q_norm_rope_indexer_q": {"QROWS": 8, "IROWS": 256, "num_warps": 4}}[op]
     table = CONFIGS[op][arch_of(device)]
     if op == "q_kv_rmsnorm_rope":
         return table["w4"]
+    if op == "q_norm_rope_indexer_q":
+        return table["q4i16"] if rows >= 4096 else table["q1i4"]
     if op == "rmsnorm_rope":
         return table["row4"] if rows >= 4096 else table["row1"]
     return table["b1024"] if rows >= 64 else table["b256"]

@@ -114,7 +114,7 @@ def test_smem_limit_has_one_home():
 FP8_LAUNCHERS = {"fp8_gemm_nt", "per_token_group_quant_fp8", "indexer_k_cache_insert", "fp8_mqa_logits",
                  "fp8_paged_mqa_logits", "fp8_paged_mqa_topk", "fp8_ds_mla_insert", "inv_rope_fp8_quant",
                  "fp8_einsum_bhr_hdr_bhd", "o_proj", "sparse_mla_decode", "indexer_q_rope_quant", "w8a8_block_fp8_linear",
-                 "q_kv_rmsnorm_rope_insert", "compress_decode_insert"}
+                 "q_kv_rmsnorm_rope_insert", "compress_decode_insert", "q_norm_rope_indexer_q"}
 
 
 def _specs():

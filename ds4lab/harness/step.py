@@ -87,7 +87,9 @@ ALLREDUCE_GROUP = "comm.all_reduce (device copy)"
 # matches a group name ending in one of these.
 ALLREDUCE_AFTER = {"attn.o_proj": 1, "moe.experts": 2}
 # ds4lab.model op group -> the decode model's ops (planner.speed.step_bytes) whose bytes it moves;
-# groups not listed have no byte formula yet and get no floor
+# groups not listed have no byte formula yet and get no floor: among them the q preparations, attn.q_norm_rope
+# and indexer.q_quant, and (backend_kernel.FUSE_Q_INDEXER_Q, C4A layers) the one launch of both,
+# attn.q_norm_rope+indexer.q_quant
 GROUP_OPS = {
     # attn.wq_b: in C4A layers the indexer's wq_b runs in the same GEMM (ds4lab.model.weights.fuse_layer)
     "attn.wqkv_a": ("wq_a_wkv",), "attn.wq_b": ("wq_b", "indexer_wq_b"), "attn.o_proj": ("o_proj", "wo_b"),

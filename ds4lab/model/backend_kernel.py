@@ -20,6 +20,8 @@ linear, bf16 weight         ``torch:matmul(bf16)`` (router gate: fp32)          
 mla_cache_write             ``kernel:mla_cache.fp8_ds_mla_insert`` (cache fill, prefill)       1
 indexer_cache_write         ``kernel:indexer.indexer_k_cache_insert`` (cache fill, prefill)    1
 indexer_q                   ``kernel:indexer.indexer_q_rope_quant``                            1
+q_norm_rope_indexer_q (C4A) ``FUSE_Q_INDEXER_Q``: ``kernel:norm_rope.q_norm_rope_indexer_q`` (q norm   1 / 2
+                            + rope and indexer q rope + quant, one grid); else q_norm_rope + indexer_q
 indexer_topk, decode        ``kernel:indexer.fp8_paged_mqa_topk`` (``max_len <=``               1
                             ``INDEXER_FUSED_MAX_N``, next_n 1, ``<= INDEXER_FUSED_MAX_B``; else the pair)
 indexer_topk                ``kernel:indexer.fp8_paged_mqa_logits+topk.topk_indices``          2
@@ -234,6 +236,14 @@ BRANCH_MAIN_FIRST = ()
 #: instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``. Same kernels, same inputs: bit-identical.
 BRANCH_PRIORITY = False
 
+#: qidx (issue 20): at C4A layers the attention q's per-head RMSNorm + RoPE (``rmsnorm_rope``, group
+#: ``attn.q_norm_rope``) and the indexer q's RoPE + FP8 quant (``indexer_q_rope_quant``, ``indexer.q_quant``)
+#: in ONE launch (``norm_rope.q_norm_rope_indexer_q``, group ``attn.q_norm_rope+indexer.q_quant``): the same
+#: bits, one launch a C4A layer fewer (21 a step). The prediction (NOTES "qidx"): batch 1 -35..45 us (the ~1.7 us
+#: launch + its gap). OFF until the step A/B (``ds4lab step --ab backend_kernel.FUSE_Q_INDEXER_Q=True``) says
+#: so; read per call, on the interpreter too.
+FUSE_Q_INDEXER_Q = False
+
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
 DECODE_MAX_T = 64
@@ -248,6 +258,7 @@ K_NORM = "kernel:norm_rope.rmsnorm_rope(norm)"
 K_NORM_ROPE = "kernel:norm_rope.rmsnorm_rope(norm+rope)"
 K_ROPE = "kernel:norm_rope.rmsnorm_rope(rope)"
 K_Q_KV_NORM_ROPE = "kernel:norm_rope.q_kv_rmsnorm_rope"
+K_Q_NORM_ROPE_INDEXER_Q = "kernel:norm_rope.q_norm_rope_indexer_q"
 K_STEP_MAPS = "kernel:step_maps.step_index_maps"
 K_Q_KV_NORM_ROPE_INSERT = "kernel:norm_rope.q_kv_rmsnorm_rope(+fp8_ds_mla insert)"
 K_Q_KV_NORM_ROPE_INSERT_Q8 = "kernel:norm_rope.q_kv_rmsnorm_rope(+fp8_ds_mla insert, q fp8)"
@@ -544,6 +555,15 @@ class KernelBackend(Backend):
         (row stride > row width at T > 1); the kernel reads their strides, so no copies."""
         with op_group(name, "kernel:indexer.indexer_q_rope_quant"):
             return self.k["idx"].indexer_q_rope_quant(q.to(BF16), positions, cos_sin, weights)
+
+    def q_norm_rope_indexer_q(self, q, iq, positions, cos_sin, weights, eps, name="attn.q_norm_rope+indexer.q_quant"):
+        """With :data:`FUSE_Q_INDEXER_Q`: :meth:`q_norm_rope` and :meth:`indexer_q` in one launch
+        (``norm_rope.q_norm_rope_indexer_q``, the same bits; ``q``, ``iq`` and ``weights`` read in place,
+        column slices as they are); else the two ops (their own groups)."""
+        if not FUSE_Q_INDEXER_Q:
+            return super().q_norm_rope_indexer_q(q, iq, positions, cos_sin, weights, eps)
+        with op_group(name, K_Q_NORM_ROPE_INDEXER_Q):
+            return self.k["nr"].q_norm_rope_indexer_q(q.to(BF16), iq.to(BF16), positions, cos_sin, weights, eps)
 
     def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None,
                      slot_base=None):

@@ -135,12 +135,14 @@ class RankModel:
             q = o.linear(qr, L["wq_b"], "attn.wq_b")
             iq = o.linear(qr, L["idx"]["wq_b"], "indexer.wq_b") if idx else None
         q = q.reshape(T, self.H, hd)      # raw (may be a column slice): normed right before the attention
-        q = o.q_norm_rope(q, pos, cs, cfg.rms_norm_eps)    # per-head RMSNorm + RoPE, read in place
+        if not idx:
+            q = o.q_norm_rope(q, pos, cs, cfg.rms_norm_eps)    # per-head RMSNorm + RoPE, read in place
         o.join(br)
         if ratio:
             comp_cache = C.comp
-            if idx:
-                qf, wf = o.indexer_q(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), pos, cs, iw)
+            if idx:                         # after the join: iw comes from the side chain's x_proj
+                q, qf, wf = o.q_norm_rope_indexer_q(q, iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), pos,
+                                                    cs, iw, cfg.rms_norm_eps)
                 # the top-512 comes back as global compressed slots (req * n_comp added in the launch)
                 comp_slots = o.indexer_topk(qf, wf, C.idx, C.idx_block_table, req, cm["ncomp"], C.n_comp,
                                             cfg.index_topk, "indexer.logits_topk", next_n=next_n,

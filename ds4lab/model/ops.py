@@ -257,6 +257,12 @@ class Backend:
         round, per-(token, head) pow2 scale folded into ``w`` with ``128^-0.5 * 64^-0.5``."""
         raise NotImplementedError
 
+    def q_norm_rope_indexer_q(self, q, iq, positions, cos_sin, weights, eps, name="attn.q_norm_rope+indexer.q_quant"):
+        """A C4A layer's two q preparations: :meth:`q_norm_rope` of ``q (T, H, hd)`` and :meth:`indexer_q` of
+        ``iq (T, 64, 128)`` with ``weights (T, 64)`` -> ``(q_normed bf16, q_fp8, w fp32)``. This default runs
+        the two ops (their own groups); a backend may run both in one launch (group ``name``, the same bits)."""
+        return (self.q_norm_rope(q, positions, cos_sin, eps),) + tuple(self.indexer_q(iq, positions, cos_sin, weights))
+
     def indexer_topk(self, q_fp8, w, cache, block_table, req, limits, max_len, topk, name, next_n=None,
                      slot_base=None):
         """Indexer logits over request ``req[t]``'s compressed entries ``j < limits[t]`` and the
