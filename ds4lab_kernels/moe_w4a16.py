@@ -27,7 +27,9 @@ words per packed PTX block (lop3 + ``fma.rn.bf16x2``/``f16x2``, exact; :data:`DE
 ``"hperm"`` / ``"xperm"`` keep h / a copy of x in plane order (within each 128-group element
 ``8c + j`` at ``16j + c``) so the A operand of each nibble plane is contiguous and cp.async-pipelined;
 ``"pb": "tight"`` scans 16 ids instead of 128 up to 16 pairs. Same operands, same dot order: the
-results are bit-equal to the ``mma_*`` row of the same tiles.
+results are bit-equal to the ``mma_*`` row of the same tiles. ``"h": "w2"`` (rows ``mmaq_*xh*``, issue 20
+moeh): no w13 split-K ticket tail; w13 stores its fp32 partials and each w2 leader forms h from them
+before its K loop (same sums in the same order: bit-equal to the row without it).
 """
 import os
 
@@ -966,8 +968,11 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
         y.stride(0), out.stride(0), part, float(limit), ps0, ps1,
         IK=I, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN2, BLOCK_T=cfg.get("BLOCK_T", 16), DEQ=deq, ASM=asm,
         HPERM=hperm, ACCUM=1 if accumulate else 0,
-        # HB: the h columns formed per step, the largest power of two dividing inter, at most 512
-        **({"HSPLIT": splits, "HB": min(I & -I, 512)} if notail else {}),
+        # HB: the h columns formed per step: the largest power of two dividing inter, at most config "HB"
+        # (default 512; tests take 64 to run several steps), and
+        # 2,048 / splits (the 2 x splits partial loads of a step in flight: 16 fp32 a thread at 4 warps;
+        # 8 splits x 512 spilled on sm_90)
+        **({"HSPLIT": splits, "HB": min(I & -I, cfg.get("HB", 512), 2048 // splits)} if notail else {}),
         num_warps=cfg["num_warps2"], num_stages=cfg.get("num_stages", 2))
     return out
 

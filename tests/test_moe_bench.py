@@ -49,3 +49,24 @@ def test_exit_code_is_1_on_any_fail_or_error_row():
     assert moe_bench.exit_code([{"status": "OK"}, {"status": "SKIP"}]) == 0
     assert moe_bench.exit_code([{"status": "OK"}, {"status": "FAIL"}]) == 1
     assert moe_bench.exit_code([{"status": "ERROR"}]) == 1
+
+
+def test_moe_bench_biteq_and_no_peer(tmp_path, monkeypatch):
+    """``--biteq`` (moeh): a row of the same arithmetic passes, a row of other arithmetic (the FMA decode
+    variant) FAILs on its bits though within the bf16 budget; ``--no-peer`` (peer_labels=[]) loads no peer."""
+    monkeypatch.setattr(bench, "_provenance", lambda build: (
+        {"build": build, "roof_copy_tbps": 4.0}, {"device": torch.device("cpu"), "arch": "sm_89", "l2": 1,
+                                                  "roofs": {"roof_copy_tbps": 4.0, "roof_fp8_tflops": 1.0}}))
+    monkeypatch.setattr(bench, "time_calls", lambda fns, replays=30: (fns[0](), ((1.0, 2.0, 3.0), "stub"))[1])
+    monkeypatch.setattr(peer_moe, "load_peer", lambda: pytest.fail("--no-peer loaded the peer"))
+    monkeypatch.setattr("ds4lab.harness.specs.moe.MOE_CASES", ("random", "padding_nan"))
+    shape = lambda tp, T: {"T": T, "E": 8, "D": 256, "I": 128, "topk": 2, "tp": tp}
+    logs = []
+    rows = moe_bench.run("sm89", 4, [1], str(tmp_path), log=logs.append, shape_of=shape, numerics_t=2,
+                         peer_labels=[], labels_only=["mmaq_n64s4x", "mmaq_n64s4xh", "decode"], biteq="mmaq_n64s4x",
+                         straw_max_t=0)
+    got = {r["config_label"]: r["status"] for r in rows}
+    assert got == {"mmaq_n64s4x": "OK", "mmaq_n64s4xh": "OK", "decode": "FAIL"}, got
+    assert any(s.startswith("biteq") and "mmaq_n64s4xh" in s and s.endswith("PASS") for s in logs)
+    assert any(s.startswith("biteq") and "decode" in s and s.endswith("FAIL") for s in logs)
+    assert "bit-equal to mmaq_n64s4x: True" in next(r for r in rows if r["config_label"] == "mmaq_n64s4xh")["numerics"]

@@ -15,6 +15,10 @@ reference. The peer (:mod:`ds4lab.harness.peer_moe`) is timed as a vLLM step run
 launches + the activation + the top-k sum (``impl=vllm_triton_w4a16``; its metadata and weight views
 made outside the timed region), and its two GEMM launches alone (``impl=vllm_triton_w4a16_gemms``).
 ``torch_dequant_bf16`` is the straw-man baseline (a python loop over experts, eager).
+``--biteq LABEL`` (issue 20, moeh): every other row must also give the same bits as row LABEL (a row of
+the same tiles whose arithmetic it claims to keep), on every numerics case both overwriting a bf16 out and
+adding into a float32 out (``accumulate=True``, as the step calls it), and on each timed T's set 0; a
+mismatch FAILs the row (``biteq ... FAIL`` in the log).
 
 Rows: ``OUT/moe_bench.csv`` (the bench's columns, appended as measured). The table printed last
 gives per T: us, TB/s (``costs.moe_min_bytes`` over p50), % of the same-run copy roof, and the
@@ -74,10 +78,11 @@ def _rms_rel(out, ref) -> float:
 
 def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_max_t: int = 16,
         shape_of=None, numerics_t: int = 16, peer_labels: list[str] | None = None,
-        labels_only: list[str] | None = None) -> list[dict]:
+        labels_only: list[str] | None = None, biteq: str | None = None) -> list[dict]:
     """Numerics, then time (see the module doc); ``shape_of(tp, T)`` overrides the geometry's
     shapes (tests); ``peer_labels`` limits the peer's sweep to those labels of
-    ``peer_moe.sweep_for`` (None: all); ``labels_only`` the ds4lab rows (:func:`candidate_labels`). Returns the rows (also appended to ``out_dir/moe_bench.csv``)."""
+    ``peer_moe.sweep_for`` (None: all); ``labels_only`` the ds4lab rows (:func:`candidate_labels`); ``biteq`` the row every other
+    row must match bit for bit (see the module doc). Returns the rows (also appended to ``out_dir/moe_bench.csv``)."""
     import torch
 
     from ds4lab.harness import peer_moe
@@ -93,6 +98,12 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
     rows = bench._Rows(os.path.join(out_dir, "moe_bench.csv"))
     labels = candidate_labels(arch, labels_only) if labels_only else candidate_labels(arch)
     dev = runinfo["device"]
+    ref_cfg = CONFIGS[arch][biteq] if biteq else None
+
+    def same_bits(a, b) -> bool:
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+            a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+            b.view(torch.int16 if b.element_size() == 2 else torch.int32))
 
     # ---- numerics first: every candidate, every case, at the real shape ----------------------------
     bad_labels = set()
@@ -101,6 +112,11 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
     for case in MOE_CASES:
         inp = spec.make_inputs(nshape, case, 7, dev)
         want = ref_fn(**inp)
+        if ref_cfg is not None:  # the bit-equality reference: both output modes
+            g = torch.Generator(device=dev).manual_seed(11)
+            out0 = torch.randn(inp["x"].shape, generator=g, device=dev, dtype=torch.float32)
+            base_out = fused_moe_w4a16(**inp, config=ref_cfg)
+            base_acc = fused_moe_w4a16(**inp, config=ref_cfg, out=out0.clone(), accumulate=True)
         for label in labels:
             try:
                 got = fused_moe_w4a16(**inp, config=CONFIGS[arch][label])
@@ -108,6 +124,12 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
                 reps = check_moe(got, want, inp)
                 ok = all(reps)
                 msg = "; ".join(r.summary() for r in reps)
+                if ref_cfg is not None and label != biteq:
+                    acc = fused_moe_w4a16(**inp, config=CONFIGS[arch][label], out=out0.clone(), accumulate=True)
+                    same = same_bits(got, base_out) and same_bits(acc, base_acc)
+                    log(f"biteq {arch_build} T={numerics_t} {case:<18} {label:<14} vs {biteq}: {'PASS' if same else 'FAIL'}")
+                    ok = ok and same
+                    msg = f"bit-equal to {biteq} (bf16 out and accumulate): {same}; " + msg
             except Exception as e:  # fail-soft: one candidate must not stop the rest
                 ok, msg = False, f"{type(e).__name__}: {e}"[:300]
             log(f"numerics {arch_build} T={numerics_t} {case:<18} {label:<14} {'PASS' if ok else 'FAIL'} {msg[:150]}")
@@ -116,12 +138,15 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
         del inp, want
     torch.cuda.empty_cache()
 
-    try:
-        peer = peer_moe.load_peer()
-        log(f"peer: {peer.label} ({peer.source})")
-    except Exception as e:
-        peer = None
-        log(f"peer unavailable: {e}")
+    peer = None
+    if peer_labels == []:  # --no-peer
+        log("peer: skipped (--no-peer)")
+    else:
+        try:
+            peer = peer_moe.load_peer()
+            log(f"peer: {peer.label} ({peer.source})")
+        except Exception as e:
+            log(f"peer unavailable: {e}")
 
     for T in Ts:
         shape = shape_of(tp, T)
@@ -130,6 +155,10 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
         common = {**base, "kernel": spec.name, "tp": tp, "shape": json.dumps(shape), "flops": spec.flops(shape),
                   "min_bytes": spec.min_bytes(shape), "n_sets": len(sets)}
         repro = f"python3 -m ds4lab.harness.moe_bench --arch {arch_build} --tp {tp} --T {T}"
+        base_t = None
+        if ref_cfg is not None:
+            base_t = fused_moe_w4a16(**sets[0], config=ref_cfg)
+            _sync()
 
         def emit(row, fns, replays=30):
             try:
@@ -150,6 +179,11 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
                 _sync()
                 reps = check_moe(got, want, sets[0])
                 ok, row["numerics"] = all(reps), "; ".join(r.summary() for r in reps)
+                if base_t is not None and label != biteq:
+                    same = same_bits(got, base_t)
+                    log(f"biteq {arch_build} T={T} set0 {label:<14} vs {biteq}: {'PASS' if same else 'FAIL'}")
+                    ok = ok and same
+                    row["numerics"] = f"bit-equal to {biteq}: {same}; " + row["numerics"]
             except Exception as e:
                 ok, row["numerics"] = False, f"{type(e).__name__}: {e}"[:300]
             if label in bad_labels:
@@ -231,6 +265,11 @@ def main(argv=None) -> int:
     p.add_argument("--peer-src", metavar="DIR")
     p.add_argument("--labels", nargs="+", metavar="LABEL",
                    help="time only these ds4lab decode rows (default: the defaults and every mmaq_* row)")
+    p.add_argument("--biteq", metavar="LABEL",
+                   help="every other ds4lab row must give the same bits as this row (numerics cases, both "
+                        "output modes, and each T's set 0); a mismatch FAILs the row")
+    p.add_argument("--numerics-t", type=int, default=16, help="T of the adversarial numerics pass (default 16)")
+    p.add_argument("--no-peer", action="store_true", help="time no peer rows")
     p.add_argument("--peer-configs", nargs="+", metavar="LABEL",
                    help="time only these peer configs (labels of peer_moe.sweep_for: vllm, m16n32k64w2s4, ...)")
     p.add_argument("--straw-max-t", type=int, default=16,
@@ -263,8 +302,13 @@ def main(argv=None) -> int:
         return 2
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
-    rows = run(a.arch, a.tp, a.T, a.out, straw_max_t=a.straw_max_t, peer_labels=a.peer_configs,
-               labels_only=a.labels)
+    if a.biteq:
+        from ds4lab_kernels.moe_w4a16 import CONFIGS
+        if a.biteq not in CONFIGS["sm_89"] or CONFIGS["sm_89"][a.biteq]["path"] != "decode":
+            print(f"--biteq: {a.biteq!r} is not a decode row", file=sys.stderr)
+            return 2
+    rows = run(a.arch, a.tp, a.T, a.out, straw_max_t=a.straw_max_t, peer_labels=[] if a.no_peer else a.peer_configs,
+               labels_only=a.labels, biteq=a.biteq, numerics_t=a.numerics_t)
     print(f"\n== W4A16 MoE decode, build {a.arch}, TP={a.tp} ({time.time() - t0:.0f} s) ==")
     print(table(rows))
     return exit_code(rows)

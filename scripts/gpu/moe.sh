@@ -8,6 +8,12 @@
 # .peer/), timed with the bench's timer (CUDA graph, cold L2 by rotating weight sets) at TP=4,
 # T = 1, 16, 4. Rows -> $OUT/moe_bench.csv (appended as measured), logs -> $OUT/moe_<build>.log; the
 # table last. Usage: OUT=DIR [PEER_SRC=DIR] bash scripts/gpu/moe.sh     ~112-160 s (80 s per build: 62 s cut the sm89 T=4 rows in session 5); fail-soft per build.
+# Knobs (env): MOE_BUILDS (default "sm89 native"), MOE_T (default "1 16 4"), MOE_PEER=0 (no peer rows),
+# MOE_BITEQ=LABEL (every other row must give LABEL's bits: numerics cases in both output modes and each T's
+# set 0; "biteq ... FAIL" lines below), MOE_NUMERICS_T (default 16), MOE_BUILD_TIMEOUT (s per build, 80).
+# moeh (issue 20), the tail-less rows against the narrow default, sm89 build only, T=1 and 2, ~90-120 s:
+#   MOE_LABELS="mmaq_n64s4x mmaq_n64s4xh mmaq_n64s8xh mmaq_n64s4xh_w2n128" MOE_BUILDS=sm89 MOE_T="1 2" \
+#   MOE_PEER=0 MOE_BITEQ=mmaq_n64s4x MOE_BUILD_TIMEOUT=170 OUT=$OUT bash scripts/gpu/moe.sh
 set -uo pipefail
 OUT=${OUT:-${1:-results/local/moe}}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
@@ -24,13 +30,19 @@ peer_arg=()
 # the other mmaq_* rows were timed in sessions 5 and 9 (NOTES moe5, moe9). MOE_LABELS="" times every default +
 # mmaq_* row (session 5: over the 80 s build limit).
 MOE_LABELS=${MOE_LABELS-mmaq_n64s4x mmaq_n64s2x}
+MOE_BUILDS=${MOE_BUILDS:-sm89 native}
+MOE_T=${MOE_T:-1 16 4}
+extra=(--numerics-t "${MOE_NUMERICS_T:-16}")
+[ "${MOE_PEER:-1}" = 0 ] && extra+=(--no-peer)
+[ -n "${MOE_BITEQ:-}" ] && extra+=(--biteq "$MOE_BITEQ")
 rc=0
 t0=$SECONDS
-for arch in sm89 native; do
-  timeout ${MOE_BUILD_TIMEOUT:-80} python3 -m ds4lab.harness.moe_bench --arch "$arch" --tp 4 --T 1 16 4 \
+for arch in $MOE_BUILDS; do
+  timeout ${MOE_BUILD_TIMEOUT:-80} python3 -m ds4lab.harness.moe_bench --arch "$arch" --tp 4 --T $MOE_T \
     ${MOE_LABELS:+--labels $MOE_LABELS} --peer-configs m16n32k128w4s4 m16n32k64w2s4 --straw-max-t 0 \
-    --out "$OUT" "${peer_arg[@]}" > "$OUT/moe_$arch.log" 2>&1 || { echo "FAILED or cut short: build $arch (rc $?)"; rc=1; }
-  grep -E "^numerics .*FAIL|^FAIL|^ERROR|^peer" "$OUT/moe_$arch.log" | cut -c1-220
+    "${extra[@]}" --out "$OUT" "${peer_arg[@]}" > "$OUT/moe_$arch.log" 2>&1 || { echo "FAILED or cut short: build $arch (rc $?)"; rc=1; }
+  grep -E "^numerics .*FAIL|^biteq .*FAIL|^FAIL|^ERROR|^peer" "$OUT/moe_$arch.log" | cut -c1-220
+  echo "biteq checks passed: $(grep -cE '^biteq .*PASS' "$OUT/moe_$arch.log"), failed: $(grep -cE '^biteq .*FAIL' "$OUT/moe_$arch.log")"
   echo "build $arch done at $((SECONDS - t0)) s"
 done
 echo
