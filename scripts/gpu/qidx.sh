@@ -2,13 +2,15 @@
 # qidx (issue 20): a C4A layer's attention q norm + RoPE (rmsnorm_rope) and indexer q RoPE + FP8 quant
 # (indexer_q_rope_quant) in ONE launch (norm_rope.q_norm_rope_indexer_q; backend_kernel.FUSE_Q_INDEXER_Q).
 # Per build (default: sm89, the step's build; BUILDS="sm89 native" for both), each in its own process:
-# numerics first (scripts/gpu/qidx_check.py: bit for bit vs the two launches at the TP=4 C4A shapes, T in
-# {1, 2, 5, 16, 64}, every case and config row; the registry checks; CUDA-graph replay; the tiny model's
-# logits with the switch on == off), then ds4lab bench (check, then time: CUDA graph, cold L2) of the fused
-# launch (rows q1i4 / q2i8 / q4i16) next to the two-launch pair (baseline row) at TP=4, T in {1, 2, 16}.
-# Rows: $OUT/bench.csv, $OUT/qidx_check_<build>.csv; logs $OUT/*_<build>.log; the table prints last.
+# kernel numerics first (scripts/gpu/qidx_check.py --part kernel: bit for bit vs the two launches at the TP=4
+# C4A shapes, T in {1, 2, 5, 16, 64}, every case and config row; the registry checks; CUDA-graph replay), then
+# ds4lab bench (check, then time: CUDA graph, cold L2) of the fused launch (rows q1i4 / q2i8 / q4i16) next to
+# the two-launch pair (baseline row) at TP=4, T in {1, 2, 16}, then --part model (the tiny config's C4A layer:
+# decode logits with the switch on == off, batch 2 x 1 and 1 x 2 tokens).
+# Rows: $OUT/bench.csv, $OUT/qidx_check_{kernel,model}_<build>.csv; logs $OUT/*_<build>.log; the table prints last.
 # Run from a plain copy of the tree with the image's python3:  OUT=/some/dir bash scripts/gpu/qidx.sh
-# Expected: ~50-70 s for sm89 (numerics ~25-40 s, mostly compiles; bench ~15-20 s; timeouts 60 + 40 s).
+# Expected: ~50-80 s for sm89 (kernel numerics ~10-15 s, bench ~15-20 s, model check ~25-45 s, mostly
+# compiles; timeouts 45 + 40 + 75 s cap it at 160 s).
 # The step A/B: ds4lab step --ab backend_kernel.FUSE_Q_INDEXER_Q=True
 # Fail-soft: a failing check or build is reported, the rest still runs; exit 1 if anything failed.
 set -u
@@ -20,14 +22,20 @@ export DS4LAB_GIT_SHA="${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/nul
 rc=0
 t0=$SECONDS
 for build in ${BUILDS:-sm89}; do
-  timeout 60 python3 scripts/gpu/qidx_check.py --arch "$build" --out "$OUT" > "$OUT/qidx_check_${build}.log" 2>&1 \
-    || { echo "qidx_check --arch $build: exit $?"; rc=1; }
-  echo "== $build: numerics ($((SECONDS - t0)) s) =="
-  sed -n '/^build /,$p' "$OUT/qidx_check_${build}.log"; grep '^FAIL' "$OUT/qidx_check_${build}.log" | head -8
-  tail -3 "$OUT/qidx_check_${build}.log" | grep -i "error\|Traceback" || true
+  # kernel numerics first, then the bench, then the model check (its many kernels compile slowest)
+  timeout 45 python3 scripts/gpu/qidx_check.py --arch "$build" --out "$OUT" --part kernel \
+    > "$OUT/qidx_check_kernel_${build}.log" 2>&1 || { echo "qidx_check --part kernel --arch $build: exit $?"; rc=1; }
+  echo "== $build: kernel numerics ($((SECONDS - t0)) s) =="
+  sed -n '/^build /,$p' "$OUT/qidx_check_kernel_${build}.log"; grep '^FAIL' "$OUT/qidx_check_kernel_${build}.log" | head -8
+  grep -A3 Traceback "$OUT/qidx_check_kernel_${build}.log" | tail -4
   timeout 40 python3 -m ds4lab.harness.bench q_norm_rope_indexer_q --tp 4 --arch "$build" --out "$OUT" \
     > "$OUT/bench_${build}.log" 2>&1 || { echo "bench --arch $build: exit $?"; rc=1; }
   grep -E "FAIL|Error" "$OUT/bench_${build}.log" | head -5
+  timeout 75 python3 scripts/gpu/qidx_check.py --arch "$build" --out "$OUT" --part model \
+    > "$OUT/qidx_check_model_${build}.log" 2>&1 || { echo "qidx_check --part model --arch $build: exit $?"; rc=1; }
+  echo "== $build: model logits, switch on vs off ($((SECONDS - t0)) s) =="
+  sed -n '/^build /,$p' "$OUT/qidx_check_model_${build}.log"; grep '^FAIL' "$OUT/qidx_check_model_${build}.log" | head -4
+  grep -A3 Traceback "$OUT/qidx_check_model_${build}.log" | tail -4
 done
 python3 - "$OUT/bench.csv" <<'PY'
 import csv, json, sys

@@ -13,7 +13,8 @@ Checks (each row PASS/FAIL with a detail; the table prints last):
 - ``model``: the tiny config cut to one C4A layer, kernel backend: decode logits (batch 2 x 1 token, batch 1
   x 2 tokens) with ``backend_kernel.FUSE_Q_INDEXER_Q`` on equal off, bit for bit.
 
-Usage (tree root): python3 scripts/gpu/qidx_check.py --arch sm89 --out DIR   (exit 1 on any FAIL)
+Usage (tree root): python3 scripts/gpu/qidx_check.py --arch sm89 --out DIR [--part kernel|model|all]
+(exit 1 on any FAIL; ``--part model`` alone: the model check, the slowest to compile, in its own process)
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 def main(argv=None) -> int:
     from ds4lab.harness.gpu_check import Checks, setup
-    args, gpu = setup(argv, __doc__.splitlines()[0])     # the build first, before triton is imported
+    args, gpu = setup(argv, __doc__.splitlines()[0], lambda p: p.add_argument(
+        "--part", default="all", choices=["kernel", "model", "all"]))     # the build first, before triton
     import dataclasses
 
     import torch
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
 
     # ---- fused vs the two launches ------------------------------------------------------------------
     labels = [lb for lb in spec.configs[table]] if gpu else ["interp"]
-    for T in (1, 2, 5, 16, 64) if gpu else (1, 2):
+    for T in ((1, 2, 5, 16, 64) if gpu else (1, 2)) if args.part != "model" else ():
         for case in spec.cases:
             for lb in [None] + (labels if case == spec.cases[0] and gpu else []):
                 def pair(T=T, case=case, lb=lb):
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
         ck.attempt("pair", f"T={T} out-of-table position", oot)
 
     # ---- the registry's own checks (the TP=4 bench shapes) ------------------------------------------
-    for shape in spec.bench_shapes(DEFAULT_CONFIG, 4):
+    for shape in spec.bench_shapes(DEFAULT_CONFIG, 4) if args.part != "model" else ():
         for case in spec.cases:
             def reg(shape=shape, case=case):
                 inp = spec.make_inputs(shape, case, 5, dev)
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
             ck.attempt("registry", f"{shape['T']} {case}", reg)
 
     # ---- CUDA-graph replay ---------------------------------------------------------------------------
-    if gpu:
+    if gpu and args.part != "model":
         def graph():
             sets = [SQI.make_qi_inputs({"T": T, **base}, c, 21 + T, dev) for T, c in ((1, "random"), (2, "nonfinite"),
                                                                                    (16, "huge"))]
@@ -108,33 +110,34 @@ def main(argv=None) -> int:
         ck.attempt("graph", "T=1,2,16 in one graph", graph)
 
     # ---- the model: switch on == off ------------------------------------------------------------------
-    import ds4lab.model.backend_kernel as bk
-    from ds4lab.checkpoint.tiny import TINY_CONFIG as CFG
-    from ds4lab.model import build_rank
-    from ds4lab.model.weights import random_weights
-    cfg = dataclasses.replace(CFG, num_hidden_layers=1, compress_ratios=(4, 0), num_hash_layers=1)
-    m = build_rank(cfg, 1, 0, random_weights(cfg, 1, device=dev, seed=5), device=dev, backend="kernel", max_pos=512,
-                   chunk=16)
-    for B, n in ((2, 1), (1, 2)):
-        def model(B=B, n=n):
-            ids = torch.randint(0, CFG.vocab_size, (B, n), generator=torch.Generator().manual_seed(1)).to(dev)
-            pos = (10 + torch.arange(n)).expand(B, n).contiguous().to(dev)
-            lg = {}
-            for on in (False, True):
-                bk.FUSE_Q_INDEXER_Q = on
-                C = m.new_caches(B, 16)
-                g = torch.Generator().manual_seed(0)
-                for L in C.layers:
-                    if L.idx is not None:
-                        L.idx.copy_(torch.randint(0, 120, L.idx.shape, dtype=torch.uint8, generator=g))
-                lg[on] = m.decode(ids, pos, C).clone()
-            bk.FUSE_Q_INDEXER_Q = False
-            ok = bool(torch.isfinite(lg[False]).all()) and torch.equal(lg[False], lg[True])
-            return ok, f"logits {tuple(lg[True].shape)} " + ("equal" if ok else "DIFFER")
-        ck.attempt("model", f"tiny C4A layer, batch {B} x {n} tokens", model)
+    if args.part != "kernel":
+        import ds4lab.model.backend_kernel as bk
+        from ds4lab.checkpoint.tiny import TINY_CONFIG as CFG
+        from ds4lab.model import build_rank
+        from ds4lab.model.weights import random_weights
+        cfg = dataclasses.replace(CFG, num_hidden_layers=1, compress_ratios=(4, 0), num_hash_layers=1)
+        m = build_rank(cfg, 1, 0, random_weights(cfg, 1, device=dev, seed=5), device=dev, backend="kernel", max_pos=512,
+                       chunk=16)
+        for B, n in ((2, 1), (1, 2)):
+            def model(B=B, n=n):
+                ids = torch.randint(0, CFG.vocab_size, (B, n), generator=torch.Generator().manual_seed(1)).to(dev)
+                pos = (10 + torch.arange(n)).expand(B, n).contiguous().to(dev)
+                lg = {}
+                for on in (False, True):
+                    bk.FUSE_Q_INDEXER_Q = on
+                    C = m.new_caches(B, 16)
+                    g = torch.Generator().manual_seed(0)
+                    for L in C.layers:
+                        if L.idx is not None:
+                            L.idx.copy_(torch.randint(0, 120, L.idx.shape, dtype=torch.uint8, generator=g))
+                    lg[on] = m.decode(ids, pos, C).clone()
+                bk.FUSE_Q_INDEXER_Q = False
+                ok = bool(torch.isfinite(lg[False]).all()) and torch.equal(lg[False], lg[True])
+                return ok, f"logits {tuple(lg[True].shape)} " + ("equal" if ok else "DIFFER")
+            ck.attempt("model", f"tiny C4A layer, batch {B} x {n} tokens", model)
 
     secs = time.time() - t0
-    path = ck.write_csv(args.out, "qidx_check")
+    path = ck.write_csv(args.out, "qidx_check" + ("" if args.part == "all" else "_" + args.part))
     fails = ck.failing()
     print(f"\n{'build':<7} {'check':<10} {'pass':>5} {'fail':>5}")
     for c, (nf, npass) in ck.tally().items():
