@@ -95,8 +95,8 @@ OP_BUDGET = {"float": 2 ** -7, "mhc": 1e-2, "index": 0.98, "bytes": 0.999}
 
 _SHADOWED = ("rmsnorm", "linear", "q_kv_norm_rope", "q_norm_rope", "rope", "mla_cache_write", "indexer_cache_write",
              "compressor", "compressor_insert",
-             "indexer_q", "indexer_topk", "sparse_mla", "o_proj", "sparse_mla_o_proj", "mhc_pre", "mhc_post",
-             "mhc_post_pre", "hc_head", "route", "gate_route", "experts", "swiglu", "add")
+             "indexer_q", "q_norm_rope_indexer_q", "indexer_topk", "sparse_mla", "o_proj", "sparse_mla_o_proj", "mhc_pre",
+             "mhc_post", "mhc_post_pre", "hc_head", "route", "gate_route", "experts", "swiglu", "add")
 
 
 def _pairs(a, b, out):
