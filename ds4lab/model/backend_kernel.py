@@ -239,10 +239,11 @@ BRANCH_PRIORITY = False
 #: qidx (issue 20): at C4A layers the attention q's per-head RMSNorm + RoPE (``rmsnorm_rope``, group
 #: ``attn.q_norm_rope``) and the indexer q's RoPE + FP8 quant (``indexer_q_rope_quant``, ``indexer.q_quant``)
 #: in ONE launch (``norm_rope.q_norm_rope_indexer_q``, group ``attn.q_norm_rope+indexer.q_quant``): the same
-#: bits, one launch a C4A layer fewer (21 a step). The prediction (NOTES "qidx"): batch 1 -35..45 us (the ~1.7 us
-#: launch + its gap). OFF until the step A/B (``ds4lab step --ab backend_kernel.FUSE_Q_INDEXER_Q=True``) says
-#: so; read per call, on the interpreter too.
-FUSE_Q_INDEXER_Q = False
+#: bits, one launch a C4A layer fewer (21 a step). H200, sm_89 build, TP=4, ctx 8k, ABBA (session 11 call 1,
+#: ``ds4lab step --ab backend_kernel.FUSE_Q_INDEXER_Q=True --abba``, NOTES "qidx"): batch 1 4,804 -> 4,756 us (-48;
+#: predicted -35..45), MTP 6,209 -> 6,176 (-33), 21.6 -> 21.1 launches a layer; the model check passes with it on.
+#: Read per call, on the interpreter too.
+FUSE_Q_INDEXER_Q = True
 
 #: above this many tokens a step is a prefill chunk: the compressor computes boundary rows only
 #: (one ``nonzero``, a host sync that a decode step never takes)
