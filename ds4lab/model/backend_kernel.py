@@ -226,14 +226,21 @@ BRANCH_BLOCKS = ("attn", "moe")
 #: the forks whose main-chain head is issued BEFORE the side chain (both still depend only on the fork point):
 #: ``"attn"``: ``wqkv_a`` before the compressors' GEMM; ``"moe"``: the router before the shared expert. In a CUDA
 #: graph the two chains are independent either way; what changes is the order the launches reach the GPU, so
-#: which kernel's CTAs take the SMs first (session 11: the attention fork slows ``wqkv_a`` 4 -> 8.7 us a call
-#: beside the bf16 ``x_proj``). ``ds4lab step --ab "backend_kernel.BRANCH_MAIN_FIRST=['attn']"``
-BRANCH_MAIN_FIRST = ()
+#: which kernel's CTAs take the SMs first: side first, ``wqkv_a`` ran at ~8.7 us a call beside the bf16 ``x_proj``
+#: (~4 with the streams off) and the router ~1.5 us slower beside the shared expert. H200, sm_89 build, TP=4, ctx 8k,
+#: ABBA (session 11 call 2, ``ds4lab step --ab "backend_kernel.BRANCH_MAIN_FIRST=('attn','moe')" --abba``, NOTES
+#: "order11"): batch 1 4,755 -> 4,716 us (-39), MTP 6,145 -> 5,941 (-204), batch 16 10,304 -> 10,287 (-17), batch 16
+#: MTP 14,625 -> 14,543 (-82); op groups: wqkv_a -201 / -241, gate_route -63 / -243 at batch 1 / MTP, the side
+#: chain's kernels (hidden) slower. Bit-identical (tests/test_branch_streams.py on the H200).
+BRANCH_MAIN_FIRST = ("attn", "moe")
 #: with :data:`BRANCH_STREAMS`: the step's main chain runs on a stream of the device's greatest priority (forked
 #: from, and joined back into, the caller's stream around the layers: ``Backend.step_scope``) and the side chains
 #: on the default-priority side stream, so that when both chains' CTAs wait for an SM the block scheduler takes
 #: the main chain's first. A CUDA graph keeps it: kernel nodes take their capture stream's priority, and torch
 #: instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``. Same kernels, same inputs: bit-identical.
+#: Measured (session 11 call 2, ABBA, before BRANCH_MAIN_FIRST was on) the same as issuing the main chain first:
+#: batch 1 -23 us, MTP -192, batch 16 -10, batch 16 MTP -99 (both on: -23 / -185 / -18 / -101); off, as the simpler
+#: of the two (no extra stream). Kept as a switch: another GPU's block scheduler may tell them apart.
 BRANCH_PRIORITY = False
 
 #: qidx (issue 20): at C4A layers the attention q's per-head RMSNorm + RoPE (``rmsnorm_rope``, group
@@ -416,7 +423,7 @@ class KernelBackend(Backend):
         return _StreamScope(s)
 
     def branch_main_first(self, block: str) -> bool:
-        """:data:`BRANCH_MAIN_FIRST` (only with the side stream on a GPU: else the order cannot matter)."""
+        """:data:`BRANCH_MAIN_FIRST` (with :data:`BRANCH_STREAMS`; on a CPU it only changes the issue order)."""
         return BRANCH_STREAMS and block in BRANCH_MAIN_FIRST
 
     # ---- dense glue ------------------------------------------------------------------------
