@@ -27,9 +27,7 @@ words per packed PTX block (lop3 + ``fma.rn.bf16x2``/``f16x2``, exact; :data:`DE
 ``"hperm"`` / ``"xperm"`` keep h / a copy of x in plane order (within each 128-group element
 ``8c + j`` at ``16j + c``) so the A operand of each nibble plane is contiguous and cp.async-pipelined;
 ``"pb": "tight"`` scans 16 ids instead of 128 up to 16 pairs. Same operands, same dot order: the
-results are bit-equal to the ``mma_*`` row of the same tiles. ``"h": "w2"`` (rows ``mmaq_*xh*``, issue 20
-moeh): no w13 split-K ticket tail; w13 stores its fp32 partials and each w2 leader forms h from them
-before its K loop (same sums in the same order: bit-equal to the row without it).
+results are bit-equal to the ``mma_*`` row of the same tiles.
 """
 import os
 
@@ -508,7 +506,7 @@ def _dec_mma_w13_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp, stride_ps, stride_pp,
     K: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr = 0, ASM: tl.constexpr = 0,
-    HPERM: tl.constexpr = 0, XPERM: tl.constexpr = 0, NOTAIL: tl.constexpr = 0,
+    HPERM: tl.constexpr = 0, XPERM: tl.constexpr = 0,
 ):
     """Grid ``(pairs, inter / BLOCK_N, SPLIT)``.
     One program (a leader, see ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N gate
@@ -524,11 +522,7 @@ def _dec_mma_w13_kernel(
     order (:func:`_plane_col`) and reads the A operand from there (contiguous 32 B rows, pipelined
     like the weights) instead of 8 stride-8 gathers per group. Every program touching a token
     writes the same values (a benign race: identical bytes); each reads only what its own threads
-    wrote before its barrier.
-
-    NOTAIL (SPLIT > 1; issue 20, moeh): the program only stores its fp32 partials; no ticket, no
-    last-program pass, ``h`` is not written here: the w2 launch (``_dec_mma_w2_kernel`` with
-    ``HSPLIT = SPLIT``) sums the partials, applies the SwiGLU and writes h itself."""
+    wrote before its barrier."""
     pair0 = tl.program_id(0)
     nb = tl.program_id(1)
     split = tl.program_id(2)
@@ -588,18 +582,17 @@ def _dec_mma_w13_kernel(
             base = part_ptr + p64[:, None] * stride_pp + n[None, :]
             tl.store(base + split * stride_ps, acc_g, mask=smask)
             tl.store(base + split * stride_ps + I, acc_u, mask=smask)
-            if NOTAIL == 0:  # NOTAIL: the launch boundary orders these stores before the w2 launch's loads
-                tl.debug_barrier()
-                ticket = tl.atomic_add(cnt_ptr + pair0 * tl.num_programs(1) + nb, 1, sem="acq_rel", scope="gpu")
-                if ticket == SPLIT - 1:
-                    gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    us = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    for s in tl.static_range(SPLIT):
-                        gs += tl.load(base + s * stride_ps, mask=smask, other=0.0, cache_modifier=".cg")
-                        us += tl.load(base + s * stride_ps + I, mask=smask, other=0.0, cache_modifier=".cg")
-                    h = _swiglu(gs, us, limit)
-                    tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
-                    tl.atomic_xchg(cnt_ptr + pair0 * tl.num_programs(1) + nb, 0, sem="relaxed", scope="gpu")
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr + pair0 * tl.num_programs(1) + nb, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                us = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    gs += tl.load(base + s * stride_ps, mask=smask, other=0.0, cache_modifier=".cg")
+                    us += tl.load(base + s * stride_ps + I, mask=smask, other=0.0, cache_modifier=".cg")
+                h = _swiglu(gs, us, limit)
+                tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
+                tl.atomic_xchg(cnt_ptr + pair0 * tl.num_programs(1) + nb, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -607,11 +600,9 @@ def _dec_mma_w2_kernel(
     h_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, y_ptr, out_ptr, cnt_ptr,
     T, P, N, E,
     stride_hp, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_yp, stride_ot,
-    part_ptr, limit, stride_ps, stride_pp,
     IK: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     DEQ: tl.constexpr = 0, ASM: tl.constexpr = 0, HPERM: tl.constexpr = 0, ACCUM: tl.constexpr = 0,
-    HSPLIT: tl.constexpr = 0, HB: tl.constexpr = 128,
 ):
     """Grid ``(pairs, hidden / BLOCK_N)``.
     One program (a leader, ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N columns: y[pair_m, n] =
@@ -620,14 +611,7 @@ def _dec_mma_w2_kernel(
     on its column block's counter; the last of the ``pairs`` programs writes
     out[t, n] = sum_{j in slot order, valid ids} topk_weights[t, j] * y[t*TOPK + j, n] for every
     token (skipped pairs never read) and resets the counter: the top-k sum without a third launch.
-    ACCUM: ``out`` (fp32) += that sum instead.
-
-    HSPLIT > 0 (issue 20, moeh; the w13 launch ran with ``NOTAIL``): a leader first forms h for its
-    valid rows from the ``HSPLIT`` fp32 partials ``part[s, pair, :2*inter]`` (gate | up): summed in
-    split order from 0.0 (the w13 ticket tail's order: the same bits), the clamped SwiGLU, rounded
-    to fp16 and stored to ``h`` (plane order with HPERM), ``HB`` columns a step; every program of
-    the pair stores the same bytes (a benign race: identical values), then one CTA barrier so its
-    own K loop (cp.async) reads what its threads stored. The K loop is unchanged."""
+    ACCUM: ``out`` (fp32) += that sum instead."""
     pair0 = tl.program_id(0)
     nb = tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -639,26 +623,6 @@ def _dec_mma_w2_kernel(
         w_off = e64 * stride_we + n.to(tl.int64)[None, :] * stride_wn + c[:, None]
         s_off = e64 * stride_se + n.to(tl.int64) * stride_sn
         p64 = prow.to(tl.int64)
-        if HSPLIT > 0:
-            m_ar = tl.arange(0, BLOCK_M)
-            kb = tl.arange(0, HB)
-            for m in range(tl.sum(mvalid.to(tl.int32), axis=0)):  # the valid rows are a prefix of the tile
-                p_m = tl.sum(tl.where(m_ar == m, p64, 0), axis=0)
-                for k0 in tl.static_range(0, IK, HB):
-                    kq = k0 + kb
-                    src = part_ptr + p_m * stride_pp + kq
-                    gs = tl.zeros([HB], dtype=tl.float32)
-                    us = tl.zeros([HB], dtype=tl.float32)
-                    for sp in tl.static_range(HSPLIT):
-                        gs += tl.load(src + sp * stride_ps)
-                        us += tl.load(src + sp * stride_ps + IK)
-                    hv = _swiglu(gs, us, limit)
-                    if HPERM:
-                        hq = _plane_col(kq)
-                    else:
-                        hq = kq
-                    tl.store(h_ptr + p_m * stride_hp + hq, hv.to(tl.float16))
-            tl.debug_barrier()
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for g in range(0, IK // 128):
             p = tl.load(w_ptr + w_off + g * 16)
@@ -951,28 +915,18 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     # "xperm": 1: x copied per program into xs in plane order (the w13 A operand contiguous); needs deq
     xperm = 1 if (deq and cfg.get("xperm")) else 0
     xs = buf("xs", (T, D), torch.bfloat16) if xperm else x
-    # "h": "w2" (issue 20, moeh): w13 stores its split partials only (no ticket tail); each w2 leader sums
-    # them, applies the SwiGLU and writes h before its K loop. One split: w13 writes h itself as always
-    notail = 1 if (cfg.get("h") == "w2" and splits > 1) else 0
-    ps0, ps1 = (part.stride(0), part.stride(1)) if splits > 1 else (0, 0)
     _dec_mma_w13_kernel[(P, nb1, splits)](
         x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit),
         x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
-        h.stride(0), ps0, ps1,
+        h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
         K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm, XPERM=xperm,
-        **({"NOTAIL": 1} if notail else {}),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
     _dec_mma_w2_kernel[(P, nb2)](
         h, w2p, w2s, ids, tw, y, out, cnt2, T, P, D, E,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2),
-        y.stride(0), out.stride(0), part, float(limit), ps0, ps1,
+        y.stride(0), out.stride(0),
         IK=I, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN2, BLOCK_T=cfg.get("BLOCK_T", 16), DEQ=deq, ASM=asm,
         HPERM=hperm, ACCUM=1 if accumulate else 0,
-        # HB: the h columns formed per step: the largest power of two dividing inter, at most config "HB"
-        # (default 512; tests take 64 to run several steps), and
-        # 2,048 / splits (the 2 x splits partial loads of a step in flight: 16 fp32 a thread at 4 warps;
-        # 8 splits x 512 spilled on sm_90)
-        **({"HSPLIT": splits, "HB": min(I & -I, cfg.get("HB", 512), 2048 // splits)} if notail else {}),
         num_warps=cfg["num_warps2"], num_stages=cfg.get("num_stages", 2))
     return out
 
@@ -1094,21 +1048,6 @@ _DECODE = {
     # candidate (moe9): the next step of the same trend, 8 splits of 64-wide tiles
     "mmaq_n64s8x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                     "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
-    # candidates (issue 20, moeh; NOTES "moeh"): "h": "w2" drops the w13 split-K ticket tail (membar +
-    # acq_rel ticket + the last program's partial reload, ~1.5-2 us on the T=1 critical path): w13 stores
-    # its partials only, each w2 leader sums its pair's SPLIT partials in split order, applies the SwiGLU
-    # and stores h (the same bits as the tail) before its unchanged K loop; bit-equal to the row without "h"
-    "mmaq_n64s4xh": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                     "h": "w2", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4,
-                     "num_stages": 3},
-    # a split costs no ticket now: 8 splits (384 w13 programs at T=1; w2 reads 32 KB of partials per program)
-    "mmaq_n64s8xh": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                     "h": "w2", "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4,
-                     "num_stages": 3},
-    # half the w2 programs (each forms h once for 128 columns instead of 64): half the partial reads
-    "mmaq_n64s4xh_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1,
-                            "xperm": 1, "h": "w2", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 128,
-                            "num_warps2": 4, "num_stages": 3},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {

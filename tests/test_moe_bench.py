@@ -52,7 +52,7 @@ def test_exit_code_is_1_on_any_fail_or_error_row():
 
 
 def test_moe_bench_biteq_and_no_peer(tmp_path, monkeypatch):
-    """``--biteq`` (moeh): a row of the same arithmetic passes, a row of other arithmetic (the FMA decode
+    """``--biteq``: a row of the same arithmetic (the PTX dequant of the same tiles) passes, a row of other arithmetic (the FMA decode
     variant) FAILs on its bits though within the bf16 budget; ``--no-peer`` (peer_labels=[]) loads no peer."""
     monkeypatch.setattr(bench, "_provenance", lambda build: (
         {"build": build, "roof_copy_tbps": 4.0}, {"device": torch.device("cpu"), "arch": "sm_89", "l2": 1,
@@ -63,10 +63,10 @@ def test_moe_bench_biteq_and_no_peer(tmp_path, monkeypatch):
     shape = lambda tp, T: {"T": T, "E": 8, "D": 256, "I": 128, "topk": 2, "tp": tp}
     logs = []
     rows = moe_bench.run("sm89", 4, [1], str(tmp_path), log=logs.append, shape_of=shape, numerics_t=2,
-                         peer_labels=[], labels_only=["mmaq_n64s4x", "mmaq_n64s4xh", "decode"], biteq="mmaq_n64s4x",
+                         peer_labels=[], labels_only=["mma_n32s4", "mmaq_n32s4", "decode"], biteq="mma_n32s4",
                          straw_max_t=0)
     got = {r["config_label"]: r["status"] for r in rows}
-    assert got == {"mmaq_n64s4x": "OK", "mmaq_n64s4xh": "OK", "decode": "FAIL"}, got
-    assert any(s.startswith("biteq") and "mmaq_n64s4xh" in s and s.endswith("PASS") for s in logs)
+    assert got == {"mma_n32s4": "OK", "mmaq_n32s4": "OK", "decode": "FAIL"}, got
+    assert any(s.startswith("biteq") and "mmaq_n32s4" in s and s.endswith("PASS") for s in logs)
     assert any(s.startswith("biteq") and "decode" in s and s.endswith("FAIL") for s in logs)
-    assert "bit-equal to mmaq_n64s4x: True" in next(r for r in rows if r["config_label"] == "mmaq_n64s4xh")["numerics"]
+    assert "bit-equal to mma_n32s4: True" in next(r for r in rows if r["config_label"] == "mmaq_n32s4")["numerics"]

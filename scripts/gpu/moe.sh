@@ -11,9 +11,9 @@
 # Knobs (env): MOE_BUILDS (default "sm89 native"), MOE_T (default "1 16 4"), MOE_PEER=0 (no peer rows),
 # MOE_BITEQ=LABEL (every other row must give LABEL's bits: numerics cases in both output modes and each T's
 # set 0; "biteq ... FAIL" lines below), MOE_NUMERICS_T (default 16), MOE_BUILD_TIMEOUT (s per build, 80).
-# moeh (issue 20), the tail-less rows against the narrow default, sm89 build only, T=1 and 2, ~90-120 s:
-#   MOE_LABELS="mmaq_n64s4x mmaq_n64s4xh mmaq_n64s8xh mmaq_n64s4xh_w2n128" MOE_BUILDS=sm89 MOE_T="1 2" \
-#   MOE_PEER=0 MOE_BITEQ=mmaq_n64s4x MOE_BUILD_TIMEOUT=170 OUT=$OUT bash scripts/gpu/moe.sh
+# e.g. candidate rows against the narrow default, sm89 build only, T=1 and 2, ~90-120 s:
+#   MOE_LABELS="mmaq_n64s4x <rows>" MOE_BUILDS=sm89 MOE_T="1 2" MOE_PEER=0 MOE_BITEQ=mmaq_n64s4x \
+#   MOE_BUILD_TIMEOUT=170 OUT=$OUT bash scripts/gpu/moe.sh
 set -uo pipefail
 OUT=${OUT:-${1:-results/local/moe}}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
