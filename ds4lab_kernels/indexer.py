@@ -193,6 +193,60 @@ def _fp8_paged_mqa_logits_kernel(
                  stride_btb, stride_or, NEXT_N, H, D, BS, 0)
 
 
+@triton.jit
+def _paged_topk_warm(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, cnt_ptr, h0_ptr, off_ptr, idx_ptr,
+                     max_ctx, num_blocks, bt_width, tiles, stride_qr, stride_qh, stride_blk8, stride_blk32, stride_wr,
+                     stride_btb, stride_wsr, stride_ir,
+                     NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
+                     KP2: tl.constexpr, HAS_OFF: tl.constexpr, SEL_BLOCK: tl.constexpr, SEL_ROW: tl.constexpr,
+                     SEL_BITS: tl.constexpr, H0_BITS: tl.constexpr):
+    """The body of ``_fp8_paged_mqa_topk_kernel`` with ``WARM`` (see there): program 0 the code warmer,
+    program ``1 + b * P + p`` request ``b``'s logits program ``p``; the warmer and the last arrival reach
+    ONE ``select_topk`` call site with their arguments chosen per program."""
+    W0: tl.constexpr = H0_BITS if H0_BITS > 0 else SEL_BITS
+    WZ: tl.constexpr = KP2 if KP2 > SEL_ROW else SEL_ROW       # the warmer's output scratch (int32)
+    WH: tl.constexpr = (1 << W0) if H0_BITS > 0 else 0          # its first-level histogram (zero)
+    pid = tl.program_id(0)
+    warm = pid == 0
+    P = tl.maximum(tl.cdiv(tl.cdiv(max_ctx, BS), tiles), 1)      # logits programs a request (the launcher's)
+    g = tl.maximum(pid - 1, 0)
+    b = g // P
+    t_begin = (g - b * P) * tiles
+    h0r_ptr = h0_ptr + (WZ + WH)                                 # the rows' histograms
+    lim0 = b * 0
+    lim1 = b * 0
+    go = warm
+    if not warm:
+        lim0, lim1 = _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, h0r_ptr, b, t_begin,
+                                  t_begin + tiles, max_ctx, num_blocks, bt_width, stride_qr, stride_qh,
+                                  stride_blk8, stride_blk32, stride_wr, stride_btb, stride_wsr, NEXT_N, H, D, BS,
+                                  H0_BITS)
+        tl.debug_barrier()  # every thread's logits are written before the arrival is published
+        ticket = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+        go = ticket == P - 1
+    if go:
+        # the warmer: one row (row 0's workspace, read while it is written), scratch output and histogram;
+        # the last arrival: its request's rows. ONE call site either way (a second call would be a second
+        # inlined copy of the select code, warming nothing)
+        nrows = tl.where(warm, 1, tl.where(lim1 >= -1, NEXT_N, 0))
+        lw = tl.where(max_ctx < SEL_ROW, max_ctx, SEL_ROW)
+        for i in range(nrows):
+            row = (b * NEXT_N + i).to(tl.int64)
+            off = 0
+            if HAS_OFF:
+                off = tl.load(off_ptr + row)
+            L = tl.where(warm, lw, tl.where(i == 1, lim1, lim0))
+            out_row = tl.where(warm, h0_ptr, idx_ptr + row * stride_ir)
+            h0_row = tl.where(warm, h0_ptr + WZ, h0r_ptr + row * (1 << W0))
+            select_topk(ws_ptr + row * stride_wsr, out_row, L, off, h0_row, K, KP2, SEL_BLOCK, SEL_ROW, W0,
+                        SEL_BITS, H0_BITS > 0, True)
+        if warm:
+            tl.debug_barrier()  # the select's stores land before the scratch is re-zeroed (same CTA)
+            tl.store(h0_ptr + tl.arange(0, WZ), tl.zeros((WZ,), tl.int32))
+        else:
+            tl.atomic_xchg(cnt_ptr + b, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["tiles"])
 def _fp8_paged_mqa_topk_kernel(
     q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, cnt_ptr, h0_ptr, off_ptr, idx_ptr,
@@ -200,7 +254,7 @@ def _fp8_paged_mqa_topk_kernel(
     stride_btb, stride_wsr, stride_ir,
     NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
     KP2: tl.constexpr, HAS_OFF: tl.constexpr, SEL_BLOCK: tl.constexpr, SEL_ROW: tl.constexpr,
-    SEL_BITS: tl.constexpr, H0_BITS: tl.constexpr, SEL_LOOP: tl.constexpr,
+    SEL_BITS: tl.constexpr, H0_BITS: tl.constexpr, SEL_LOOP: tl.constexpr, WARM: tl.constexpr = False,
 ):
     """Grid ``(batch, P)``, ``P = cdiv(cdiv(max_context_len, block_size), tiles)`` (at least 1).
     One program: ``tiles`` consecutive cache blocks of request ``b``, all its next_n rows, logits into
@@ -215,7 +269,25 @@ def _fp8_paged_mqa_topk_kernel(
     counter for the next launch / CUDA-graph replay. ``SEL_LOOP`` (NOTES.md "idx10c"): the register
     select's radix levels as one runtime loop (``topk.select_topk_regs_loop``) and the request's next_n
     rows in a runtime loop too, so the tail executes one copy of the select code, not NEXT_N unrolled
-    ones. No program waits on another."""
+    ones. No program waits on another.
+
+    ``WARM`` (NOTES.md "idx10w"; needs ``SEL_LOOP`` and ``SEL_ROW``): the grid is 1-D, ``(1 + batch * P,)``;
+    program ``1 + b * P + p`` is program ``(b, p)`` above and program 0 is a code warmer: it takes no part
+    in the logits or the tickets, and at launch runs the SAME select call site (one copy of the select
+    code, so the lines it executes are in L2 when the request's last arrival needs them) on row 0 of the
+    workspace (arbitrary values while the logits programs write it: NaN / +-inf included), at most
+    ``SEL_ROW`` entries, into a scratch of the arrivals buffer: ``h0_ptr`` then points at
+    ``WZ = max(KP2, SEL_ROW)`` int32 of output scratch, then (``H0_BITS``) one ``2^H0_BITS``-bin scratch
+    histogram (zero: the warmer's descent then runs every level, finds no key and writes only ``-1``
+    padding; termination does not depend on the data: each level lowers the shift), then the rows'
+    histograms. The warmer re-zeroes its output scratch (after a CTA barrier), so the buffer is left
+    zero."""
+    if WARM:
+        _paged_topk_warm(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, cnt_ptr, h0_ptr, off_ptr, idx_ptr,
+                         max_ctx, num_blocks, bt_width, tiles, stride_qr, stride_qh, stride_blk8, stride_blk32,
+                         stride_wr, stride_btb, stride_wsr, stride_ir, NEXT_N, H, D, BS, K, KP2, HAS_OFF, SEL_BLOCK,
+                         SEL_ROW, SEL_BITS, H0_BITS)
+        return
     b = tl.program_id(0)
     t_begin = tl.program_id(1) * tiles
     lim0, lim1 = _paged_tiles(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, h0_ptr, b, t_begin,
@@ -658,6 +730,29 @@ def paged_topk_h0_base(batch: int) -> int:
     return -(-batch // 32) * 32
 
 
+def paged_topk_arrivals_need(batch: int, next_n: int, k: int, config: dict) -> tuple:
+    """``(n, what)``: how many int32 :func:`fp8_paged_mqa_topk` needs in its ``arrivals`` buffer with
+    ``config``, and a description of them: ``batch`` counters; with ``H0_BITS`` or ``SEL_WARM`` from
+    :func:`paged_topk_h0_base` on: (``SEL_WARM``) the code warmer's output scratch of
+    ``max(next_pow2(k), SEL_ROW)`` int32 and (with ``H0_BITS`` too) its ``2^H0_BITS``-bin scratch histogram,
+    then (``H0_BITS``) ``batch * next_n`` row histograms of ``2^H0_BITS`` bins. All left zero by every launch."""
+    h0_bits = int(config.get("H0_BITS", 0))
+    if not (h0_bits or config.get("SEL_WARM")):
+        return batch, f"{batch} (one per request)"
+    base, parts = paged_topk_h0_base(batch), [f"{batch} counters"]
+    n = base
+    if config.get("SEL_WARM"):
+        wz = max(1 << max(k - 1, 0).bit_length(), int(config.get("SEL_ROW", 0)))
+        wh = (1 << h0_bits) if h0_bits else 0
+        n += wz + wh
+        parts.append(f"{wz + wh} warmer scratch from {base}")
+    if h0_bits:
+        m = batch * next_n
+        parts.append(f"{m} x {1 << h0_bits} histogram bins from {n}")
+        n += m << h0_bits
+    return n, " + ".join(parts)
+
+
 def paged_topk_arrivals(device: torch.device, n: int) -> torch.Tensor:
     """The zeroed ``int32`` per-request arrival counters (and, for configs with ``H0_BITS``, the rows'
     first-level histograms after them) of :func:`fp8_paged_mqa_topk` on ``device`` (at least ``n``).
@@ -709,7 +804,8 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
             afterwards it holds :func:`fp8_paged_mqa_logits`'s output bit for bit.
         arrivals: optional zeroed int32 counters, ``>= batch`` of them, left zero (default
             :func:`paged_topk_arrivals`); a config with ``H0_BITS`` also keeps its rows' histograms
-            there: ``>= paged_topk_h0_base(batch) + batch * next_n * 2^H0_BITS`` int32.
+            there: ``>= paged_topk_h0_base(batch) + batch * next_n * 2^H0_BITS`` int32; a config with
+            ``SEL_WARM`` also its code warmer's scratch (:func:`paged_topk_arrivals_need` says how many).
         config: a row of ``CONFIGS["paged_topk"]``.
 
     Returns:
@@ -748,16 +844,17 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
     cfg = config or pick_paged_topk_config(B, N, dev)
     h0_bits, sel_row, sel_bits = int(cfg.get("H0_BITS", 0)), int(cfg.get("SEL_ROW", 0)), int(cfg.get("SEL_BITS", 7))
     check_select_config(sel_row, sel_bits, h0_bits or sel_bits, "config SEL_ROW/SEL_BITS/H0_BITS")
+    warm = bool(cfg.get("SEL_WARM", False))
+    if warm and not (sel_row and cfg.get("SEL_LOOP")):
+        raise ValueError("config SEL_WARM: needs SEL_ROW and SEL_LOOP (the warmer runs the loop select's call site)")
     h0_base = paged_topk_h0_base(B)
-    n_arr = h0_base + (M << h0_bits) if h0_bits else B
+    n_arr, what = paged_topk_arrivals_need(B, nn, k, cfg)
     if arrivals is None:
         arrivals = paged_topk_arrivals(dev, n_arr)
     else:
         check.tensor("arrivals", arrivals, torch.int32, 1)
         check.same_device("q", q, arrivals=arrivals)
         if arrivals.numel() < n_arr or (B and arrivals.stride(0) != 1):
-            what = f"{B} counters + {M} x {1 << h0_bits} histogram bins from {h0_base}" if h0_bits else \
-                f"{B} (one per request)"
             raise ValueError(f"arrivals: {arrivals.numel()} contiguous int32, need >= {n_arr}: {what}")
     if M == 0:
         return out
@@ -765,14 +862,17 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
     n_tiles = triton.cdiv(N, bs)
     tiles = paged_topk_tiles(cfg, B, n_tiles, dev)
     grid = (B, max(1, triton.cdiv(n_tiles, tiles)))
+    if warm:    # program 0 the code warmer, then the (b, p) programs in order (the kernel's WARM layout)
+        grid = (1 + grid[0] * grid[1],)
     _fp8_paged_mqa_topk_kernel[grid](
-        q, kv8, kv32, weights, lim, block_table, logits, arrivals, arrivals[h0_base:] if h0_bits else arrivals,
+        q, kv8, kv32, weights, lim, block_table, logits, arrivals,
+        arrivals[h0_base:] if h0_bits or warm else arrivals,
         offsets if offsets is not None else lim, out,
         N, kv_cache.shape[0], block_table.shape[1], tiles, q.stride(1), q.stride(2), stride, stride // 4,
         weights.stride(0), block_table.stride(0), logits.stride(0), out.stride(0),
         NEXT_N=nn, H=H, D=D, BS=bs, K=k, KP2=triton.next_power_of_2(k), HAS_OFF=offsets is not None,
         SEL_BLOCK=cfg["SEL_BLOCK"], SEL_ROW=sel_row, SEL_BITS=sel_bits, H0_BITS=h0_bits,
-        SEL_LOOP=bool(cfg.get("SEL_LOOP", False)),
+        SEL_LOOP=bool(cfg.get("SEL_LOOP", False)), **({"WARM": True} if warm else {}),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     return out
 
@@ -808,6 +908,14 @@ _PAGED_TOPK = {
                    "num_warps": 4, "num_stages": 3},
     "p2r2048h11b6c": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "H0_BITS": 11,
                       "SEL_LOOP": True, "num_warps": 4, "num_stages": 3},
+    # idx10w (NOTES.md): the loop rows + SEL_WARM: one extra program (program 0) runs the select's one
+    # call site at launch on throw-away data, so its code is in L2 (not DRAM) when the last arrival runs
+    # it (the step evicts it between two calls: +7-10 us a call measured cold). Same results.
+    # PROVISIONAL: not timed yet.
+    "p2r2048b6cw": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "SEL_LOOP": True,
+                    "SEL_WARM": True, "num_warps": 4, "num_stages": 3},
+    "p2r2048h11b6cw": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "H0_BITS": 11,
+                       "SEL_LOOP": True, "SEL_WARM": True, "num_warps": 4, "num_stages": 3},
 }
 CONFIGS = {
     # q (decode: T*64 rows of 128): one row per warp; T=1 is 64 rows -> 16-64 programs

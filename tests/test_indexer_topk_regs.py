@@ -7,7 +7,10 @@ all-equal rows, NaN / +-inf, fewer valid entries than k, limit 0, next_n 2, rows
 ``SEL_ROW`` (the streaming fallback in the same launch); counters and histograms are zero after
 every call and a second call is equal. The ``SEL_LOOP`` / ``LOOP`` rows (NOTES.md "idx10c": the same select
 with its radix levels and the next_n rows as runtime loops, ``topk.select_topk_regs_loop``) pass every
-case the unrolled rows pass."""
+case the unrolled rows pass. The ``SEL_WARM`` rows (NOTES.md "idx10w": one extra program runs the select's one
+call site at launch on throw-away data, a code warmer) pass every case the loop rows pass; the warmer alone
+touches neither the outputs nor the real histograms, leaves its scratch zero, survives a garbage scratch
+histogram, and a short arrivals buffer is refused by name."""
 import pytest
 import torch
 
@@ -29,6 +32,7 @@ ROWS = {lb: c for lb, c in K.CONFIGS["paged_topk"]["sm_89"].items() if c.get("SE
 CASES = [(lb, c) for lb, c in ROWS.items()] + [(lb + "-row256", dict(c, SEL_ROW=256, TILES=2)) for lb, c in ROWS.items()
                                                if not (c.get("SEL_LOOP") and not c.get("H0_BITS"))]
 IDS = [lb for lb, _ in CASES]
+WARM = {lb: c for lb, c in ROWS.items() if c.get("SEL_WARM")}
 
 
 def test_the_table_has_register_rows_with_and_without_the_logits_histogram():
@@ -36,10 +40,14 @@ def test_the_table_has_register_rows_with_and_without_the_logits_histogram():
     for c in ROWS.values():
         assert c["num_warps"] == 4 and c["SEL_ROW"] == 2048   # the logits' bits need the paged rows' 4 warps
     # every loop row is an unrolled row plus SEL_LOOP (so the A/B in the step compares the code shape only)
-    loops = {lb: c for lb, c in ROWS.items() if c.get("SEL_LOOP")}
+    loops = {lb: c for lb, c in ROWS.items() if c.get("SEL_LOOP") and not c.get("SEL_WARM")}
     assert {bool(c.get("H0_BITS")) for c in loops.values()} == {True, False}
     for lb, c in loops.items():
         assert {k: v for k, v in c.items() if k != "SEL_LOOP"} == ROWS[lb[:-1]]
+    # every warm row is a loop row plus SEL_WARM (idx10w)
+    assert set(WARM) == {lb + "w" for lb in loops}
+    for lb, c in WARM.items():
+        assert {k: v for k, v in c.items() if k != "SEL_WARM"} == ROWS[lb[:-1]]
     assert {k: v for k, v in TK.CONFIGS["sm_89"]["b1024r2048c"].items() if k != "LOOP"} == REG_TOPK
 
 
@@ -139,6 +147,77 @@ def test_histograms_live_in_the_arrivals_buffer_after_the_counters():
     e = K.fp8_paged_mqa_topk(inp["q"][:0], inp["kv_cache"], inp["weights"][:0], inp["context_lens"][:0],
                              inp["block_table"][:0], 500, k=16, config=cfg)
     assert e.shape == (0, 16) and _arrivals_left() == 0
+
+
+# ---- the code-warming rows (SEL_WARM, NOTES.md "idx10w") ---------------------------------------------
+class _WarmerOnly:
+    """Stands in for ``indexer._fp8_paged_mqa_topk_kernel``: launches the real kernel on grid ``(1,)``, i.e.
+    the code warmer (program 0) alone."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getitem__(self, grid):
+        assert len(grid) == 1 and grid[0] > 1      # the warm rows' 1-D grid: the warmer + the logits programs
+        return self.real[(1,)]
+
+
+@pytest.mark.parametrize("garbage", [False, True], ids=["zero", "garbage-hist"])
+@pytest.mark.parametrize("nn", [1, 2])
+@pytest.mark.parametrize("lb", list(WARM))
+def test_the_warmer_alone_touches_only_its_scratch(lb, nn, garbage, monkeypatch):
+    """The warmer selects from row 0 of the workspace (distinct values, NaN / +-inf among them) into its own
+    scratch and leaves that zero: the outputs (a sentinel), the counters and the rows' histograms (a pattern)
+    are untouched. ``garbage``: its scratch histogram holds arbitrary counts (a broken zero contract): the
+    descent still ends (each level lowers the shift) and writes nowhere else."""
+    cfg = WARM[lb]
+    B, ctx, k = 2, 700, 256
+    inp = make_paged_inputs({"B": B, "next_n": nn, "ctx": ctx}, "decode", 4, DEVICE)
+    M = B * nn
+    n, what = K.paged_topk_arrivals_need(B, nn, k, cfg)
+    base = K.paged_topk_h0_base(B)
+    wz = max(k, cfg["SEL_ROW"])
+    wh = (1 << cfg["H0_BITS"]) if cfg.get("H0_BITS") else 0
+    assert n == base + wz + wh + (M * wh) and "warmer scratch" in what
+    g = torch.Generator().manual_seed(nn)
+    arr = torch.zeros(n + 64, dtype=torch.int32)
+    arr[base + wz + wh:] = torch.randint(1, 1000, (n + 64 - base - wz - wh,), generator=g, dtype=torch.int32)
+    if garbage:
+        if not wh:
+            pytest.skip("no scratch histogram without H0_BITS")
+        arr[base + wz: base + wz + wh] = torch.randint(0, 300, (wh,), generator=g, dtype=torch.int32)
+    want_arr = arr.clone()
+    want_arr[base: base + wz + wh] = 0
+    arr = arr.to(DEVICE)
+    ws = torch.randn(M, ctx, generator=g)
+    ws[0, ::7] = float("nan")
+    ws[0, 3::11] = float("inf")
+    ws[0, 5::13] = float("-inf")
+    ws = ws.to(DEVICE)
+    ws0 = ws.clone()
+    out = torch.full((M, k), -7, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(K, "_fp8_paged_mqa_topk_kernel", _WarmerOnly(K._fp8_paged_mqa_topk_kernel))
+    K.fp8_paged_mqa_topk(**inp, k=k, offsets=_offsets(B, nn, ctx), out=out, logits=ws, arrivals=arr, config=cfg)
+    assert (out.cpu() == -7).all()                    # no output written
+    assert torch.equal(ws.cpu().view(torch.int32), ws0.cpu().view(torch.int32))   # the workspace only read
+    assert torch.equal(arr.cpu(), want_arr)            # counters 0, rows' histograms kept, its scratch re-zeroed
+
+
+@pytest.mark.parametrize("lb", list(WARM))
+def test_warm_rows_refuse_a_short_arrivals_buffer_and_leave_it_zero(lb):
+    cfg = WARM[lb]
+    B, nn, k = 3, 2, 512
+    inp = make_paged_inputs({"B": B, "next_n": nn, "ctx": 500}, "decode", 2, DEVICE)
+    need, _ = K.paged_topk_arrivals_need(B, nn, k, cfg)
+    with pytest.raises(ValueError, match=rf"arrivals: {need - 1} contiguous int32, need >= {need}: .*warmer scratch"):
+        K.fp8_paged_mqa_topk(**inp, k=k, arrivals=torch.zeros(need - 1, dtype=torch.int32, device=DEVICE),
+                             config=cfg)
+    arr = torch.zeros(need, dtype=torch.int32, device=DEVICE)
+    got = K.fp8_paged_mqa_topk(**inp, k=k, arrivals=arr, config=cfg)
+    assert (arr.cpu() == 0).all()
+    assert torch.equal(got.cpu(), _two_launch(inp, k, None)[0].cpu())
+    with pytest.raises(ValueError, match="config SEL_WARM: needs SEL_ROW and SEL_LOOP"):
+        K.fp8_paged_mqa_topk(**inp, k=k, config=dict(cfg, SEL_LOOP=False))
 
 
 # ---- topk_indices' register row and the select's digit widths ----------------------------------------

@@ -18,6 +18,8 @@ subtracted. Per row: the sums over the layers per mode, and code - warm (instruc
 warm), cold - l2 (with L2 cold). Prediction: ~0 for p2s512 (3 K instructions, a loop), +5-10 us a call
 for the unrolled register rows (7-16 K), ~+1-2 for the *c rows (the select executes ~1.7-2 K of looping code).
 ``--rows`` picks config rows (comma-separated); ``--out DIR`` writes DIR/idx_in_step.csv.
+idx10w (NOTES.md): the default rows include the code-warming rows ``*cw``; the summary's local no longer shadows
+the model (session 11 call 2 crashed at next_n 2: ``m.decode`` on the dict).
   python3 scripts/gpu/idx_in_step.py --arch sm89 --cold --out $OUT
 """
 import argparse
@@ -34,7 +36,7 @@ def main() -> int:
     ap.add_argument("--arch", default="sm89", choices=["native", "sm89"])
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--cold", action="store_true", help="also time with a cold L2 / cold code / both")
-    ap.add_argument("--rows", default="p2s512,p2r2048b6,p2r2048h11b6,p2r2048b6c,p2r2048h11b6c")
+    ap.add_argument("--rows", default="p2s512,p2r2048h11b6,p2r2048b6c,p2r2048h11b6c,p2r2048b6cw,p2r2048h11b6cw")
     ap.add_argument("--out", default=None, help="folder for idx_in_step.csv")
     args = ap.parse_args()
     bench._setup_build(args.arch)
@@ -119,11 +121,11 @@ def main() -> int:
         if args.cold:
             n = len(got)
             print(f"\n  next_n {next_n}, us per call (mean over {n} layers; mode cost subtracted)")
-            print(f"  {'row':<14} " + " ".join(f"{md:>7}" for md in modes) + f" {'code-warm':>9} {'cold-l2':>8}")
+            print(f"  {'row':<15} " + " ".join(f"{md:>7}" for md in modes) + f" {'code-warm':>9} {'cold-l2':>8}")
             for lb in labels:
-                m = {md: msum[(md, lb)] / n for md in modes}
-                print(f"  {lb:<14} " + " ".join(f"{m[md]:7.2f}" for md in modes) +
-                      f" {m['code'] - m['warm']:9.2f} {m['cold'] - m['l2']:8.2f}")
+                mean = {md: msum[(md, lb)] / n for md in modes}   # (not `m`: that is the model, decoded next)
+                print(f"  {lb:<15} " + " ".join(f"{mean[md]:7.2f}" for md in modes) +
+                      f" {mean['code'] - mean['warm']:9.2f} {mean['cold'] - mean['l2']:8.2f}")
     if args.out:
         import csv
         os.makedirs(args.out, exist_ok=True)

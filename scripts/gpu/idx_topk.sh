@@ -18,6 +18,10 @@
 # last table compares them with the unrolled rows and p2s512): sm89 alone ~80 s (call 2 of session 10 took
 # 57 s with 7 rows), timeouts 90 + 90 s.
 #   BUILDS="sm89" to time one build only.
+# idx10w (NOTES.md) added the code-warming rows p2r2048b6cw / p2r2048h11b6cw (SEL_WARM; the graph check replays
+# them too: their warmer's scratch lives in the arrivals buffer).
+#   ROWS="p2s512,p2r2048h11b6c,p2r2048b6cw,p2r2048h11b6cw": check and time these config rows only (no
+#   baselines; one bench process per row, ~15 s each): sm89 ~70 s.
 # Fail-soft: a failing check or build is reported, the rest still runs; exit 1 if anything failed.
 set -u
 : "${OUT:?set OUT to an output folder}"
@@ -26,13 +30,15 @@ cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 export DS4LAB_GIT_SHA="${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 BUILDS=${BUILDS:-sm89 native}
+ROWS=${ROWS:-}
 rc=0
 t0=$SECONDS
 # numerics of both builds in parallel (compile-bound; each build has its own triton cache, which the
 # bench then finds warm), then the benches one at a time (the GPU to themselves)
 pids=()
 for build in $BUILDS; do
-  timeout 90 python3 scripts/gpu/idx_topk_check.py --arch "$build" --out "$OUT" > "$OUT/idx_topk_check_${build}.log" 2>&1 &
+  timeout 90 python3 scripts/gpu/idx_topk_check.py --arch "$build" --out "$OUT" ${ROWS:+--rows "$ROWS"} \
+    > "$OUT/idx_topk_check_${build}.log" 2>&1 &
   pids+=($!)
 done
 i=0
@@ -42,8 +48,15 @@ for build in $BUILDS; do
 done
 echo "numerics: $((SECONDS - t0)) s"
 for build in $BUILDS; do
-  timeout 90 python3 -m ds4lab.harness.bench fp8_paged_mqa_topk --tp 4 --arch "$build" \
-    --out "$OUT" > "$OUT/bench_${build}.log" 2>&1 || { echo "bench --arch $build: exit $?"; rc=1; }
+  if [ -n "$ROWS" ]; then
+    for row in ${ROWS//,/ }; do
+      timeout 60 python3 -m ds4lab.harness.bench fp8_paged_mqa_topk --tp 4 --arch "$build" --config "$row" \
+        --no-baselines --out "$OUT" >> "$OUT/bench_${build}.log" 2>&1 || { echo "bench --arch $build $row: exit $?"; rc=1; }
+    done
+  else
+    timeout 90 python3 -m ds4lab.harness.bench fp8_paged_mqa_topk --tp 4 --arch "$build" \
+      --out "$OUT" > "$OUT/bench_${build}.log" 2>&1 || { echo "bench --arch $build: exit $?"; rc=1; }
+  fi
 done
 for build in $BUILDS; do
   echo "== $build: numerics =="; sed -n '/^build /,$p' "$OUT/idx_topk_check_${build}.log"
@@ -75,10 +88,11 @@ for (b, B, nn, N), d in best.items():
     others = ", ".join(f"{n} {q:.2f}" for n, q in sorted(d.items()) if n != lb)
     print(f"{b:<7} {B * nn:>3} {B:>3} {nn:>2} {N:>5}  {lb + ' ' + format(p, '.2f'):<16} {two:>10.2f} {two / p:>6.2f}x  {others}")
 # idx10c: the register rows, unrolled against their runtime-loop twins (*c), and the streaming p2s512
-cols = ["p2s512", "p2r2048b6", "p2r2048b6c", "p2r2048h11b6", "p2r2048h11b6c"]
-print(f"\n{'build':<7} {'B':>3} {'nn':>2} {'N':>5}  " + " ".join(f"{c:>13}" for c in cols) + "   (us, p50)")
+# idx10w: and the code-warming rows (*cw); a row not run shows nan
+cols = ["p2s512", "p2r2048b6", "p2r2048b6c", "p2r2048b6cw", "p2r2048h11b6", "p2r2048h11b6c", "p2r2048h11b6cw"]
+print(f"\n{'build':<7} {'B':>3} {'nn':>2} {'N':>5}  " + " ".join(f"{c:>14}" for c in cols) + "   (us, p50)")
 for (b, B, nn, N), d in best.items():
-    print(f"{b:<7} {B:>3} {nn:>2} {N:>5}  " + " ".join(f"{d.get(c, float('nan')):13.2f}" for c in cols))
+    print(f"{b:<7} {B:>3} {nn:>2} {N:>5}  " + " ".join(f"{d.get(c, float('nan')):14.2f}" for c in cols))
 PY
 echo "total: $((SECONDS - t0)) s"
 exit $rc

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 def _add_arguments(p):
     p.add_argument("--quick", action="store_true", help="N = 2048 only, default config only (a CPU smoke run)")
+    p.add_argument("--rows", default=None, help="comma-separated config rows to check (default: every row)")
 
 
 def main(argv=None) -> int:
@@ -54,6 +55,13 @@ def main(argv=None) -> int:
     if not gpu:
         shapes = [dict(s, ctx=300, k=64) for s in shapes[:2]]
     labels = [None] + ([] if args.quick or not gpu else list(K.CONFIGS["paged_topk"][table]))
+    if args.rows:
+        want = args.rows.split(",")
+        bad = [lb for lb in want if lb not in K.CONFIGS["paged_topk"][table]]
+        if bad:
+            print(f"--rows: unknown config rows {bad}")
+            return 2
+        labels = [None] + want
     for shape in shapes:
         for case in spec.cases:
             for lb in (labels if case == spec.cases[0] else [None]):
@@ -96,8 +104,10 @@ def main(argv=None) -> int:
             return bad == 0, f"{bad} rows differ from torch.topk; {ties} rows with a tie at the k-th place skipped"
         attempt("torch", f"{shape}", vs_torch)
         # the default row, and every row whose logits programs also count histograms into the arrivals
-        # buffer (H0_BITS, NOTES.md "idx10": more state that each replay must leave at zero)
-        for lb in [None] + [lb for lb in labels if lb and K.CONFIGS["paged_topk"][table][lb].get("H0_BITS")]:
+        # buffer (H0_BITS, NOTES.md "idx10": more state that each replay must leave at zero) or whose code
+        # warmer keeps its scratch there (SEL_WARM, NOTES.md "idx10w")
+        for lb in [None] + [lb for lb in labels if lb and (K.CONFIGS["paged_topk"][table][lb].get("H0_BITS") or
+                                                           K.CONFIGS["paged_topk"][table][lb].get("SEL_WARM"))]:
             if not (gpu and shape["ctx"] == ns[0]):
                 break
             cfg = K.CONFIGS["paged_topk"][table][lb] if lb else None
