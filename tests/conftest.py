@@ -107,3 +107,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if skip_vllm and ("vllm" in item.keywords or item.nodeid.split("::")[0].endswith(VLLM_NOTEBOOKS)):
             item.add_marker(skip_vllm)
+
+
+def op_kinds(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with an op-group hook installed (``ds4lab.model.ops.set_hook``): returns
+    ``(fn's result, [(group name, kind), ...])`` in the order the groups were entered."""
+    from ds4lab.model.ops import set_hook
+    seen = []
+
+    class Hook:
+        def enter(self, name, kind):
+            seen.append((name, kind))
+
+        def exit(self, name, kind):
+            pass
+    old = set_hook(Hook())
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        set_hook(old)
+    return out, seen

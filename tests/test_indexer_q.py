@@ -5,7 +5,7 @@ strided q, out-of-table positions (NaN, never a wrong angle), bad inputs; the ba
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, op_kinds
 from ds4lab.harness.numerics import compare_exact
 from ds4lab.harness.specs import indexer_q as SQ
 from ds4lab_kernels.indexer import indexer_q_rope_quant
@@ -70,29 +70,16 @@ def test_bad_inputs():
 def test_backend_indexer_q_is_one_kernel_and_matches_the_twin():
     from ds4lab.model.backend_kernel import KernelBackend
     from ds4lab.model.backend_ref import ReferenceBackend
-    from ds4lab.model.ops import set_hook
     inp = SQ.make_q_inputs({"T": 2, "H": 64, "D": 128, "max_pos": 256}, "random", 7, DEVICE)
-    seen = []
-
-    class Hook:
-        def enter(self, name, kind):
-            seen.append((name, kind))
-
-        def exit(self, name, kind):
-            pass
-    old = set_hook(Hook())
-    try:
-        # as the model passes them: column slices of the fused projections' outputs (no copies made)
-        T = inp["q"].shape[0]
-        wide_q = torch.zeros(T, 64 * 128 + 96, dtype=torch.bfloat16, device=DEVICE)
-        wide_q[:, 32:32 + 64 * 128] = inp["q"].reshape(T, -1)
-        wide_w = torch.zeros(T, 64 + 40, dtype=inp["weights"].dtype, device=DEVICE)
-        wide_w[:, 40:] = inp["weights"]
-        q_view, w_view = wide_q[:, 32:32 + 64 * 128].reshape(T, 64, 128), wide_w[:, 40:]
-        assert not q_view.is_contiguous() and not w_view.is_contiguous()
-        q8, w = KernelBackend().indexer_q(q_view, inp["positions"], inp["cos_sin"], w_view)
-    finally:
-        set_hook(old)
+    # as the model passes them: column slices of the fused projections' outputs (no copies made)
+    T = inp["q"].shape[0]
+    wide_q = torch.zeros(T, 64 * 128 + 96, dtype=torch.bfloat16, device=DEVICE)
+    wide_q[:, 32:32 + 64 * 128] = inp["q"].reshape(T, -1)
+    wide_w = torch.zeros(T, 64 + 40, dtype=inp["weights"].dtype, device=DEVICE)
+    wide_w[:, 40:] = inp["weights"]
+    q_view, w_view = wide_q[:, 32:32 + 64 * 128].reshape(T, 64, 128), wide_w[:, 40:]
+    assert not q_view.is_contiguous() and not w_view.is_contiguous()
+    (q8, w), seen = op_kinds(KernelBackend().indexer_q, q_view, inp["positions"], inp["cos_sin"], w_view)
     assert seen == [("indexer.q_quant", "kernel:indexer.indexer_q_rope_quant")]
     assert _same((q8, w), SQ.indexer_q_glue(**inp))
     # the twin (float64 RoPE): e4m3 bytes within one step, weights equal where the scale agrees

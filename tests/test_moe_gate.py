@@ -5,7 +5,7 @@ logits, the check failing on planted errors, bad inputs; and the backend's gate_
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, op_kinds
 from ds4lab.harness.specs import moe_gate as SG
 from ds4lab.reference import moe as R
 from ds4lab_kernels import moe_gate as K
@@ -131,23 +131,11 @@ def test_backend_gate_route_matches_the_unfused_pair():
     """KernelBackend.gate_route (one launch) == the Backend default (linear fp32 + route) on ids,
     and its op group names the fused kernel."""
     from ds4lab.model.backend_kernel import KernelBackend
-    from ds4lab.model.ops import Backend, Linear, set_hook
+    from ds4lab.model.ops import Backend, Linear
     kb = KernelBackend()
     inp = _inputs(T=3, E=64, D=256)
     lin = Linear(inp["gate_weight"])
-    seen = []
-
-    class Hook:
-        def enter(self, name, kind):
-            seen.append((name, kind))
-
-        def exit(self, name, kind):
-            pass
-    old = set_hook(Hook())
-    try:
-        w, e = kb.gate_route(inp["hidden_states"], lin, inp["e_score_correction_bias"], 6, 1.5, None, None)
-    finally:
-        set_hook(old)
+    (w, e), seen = op_kinds(kb.gate_route, inp["hidden_states"], lin, inp["e_score_correction_bias"], 6, 1.5, None, None)
     assert seen == [("moe.gate_route", "kernel:moe_gate.gate_sqrtsoftplus_topk")]
     w2, e2 = Backend.gate_route(kb, inp["hidden_states"], lin, inp["e_score_correction_bias"], 6, 1.5, None, None)
     assert torch.equal(e, e2) and torch.allclose(w, w2, rtol=1e-5, atol=0)

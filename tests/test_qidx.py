@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, op_kinds
 from ds4lab.harness.numerics import compare_exact
 from ds4lab.harness.specs import q_indexer as SQI
 from ds4lab_kernels import norm_rope as NR
@@ -127,22 +127,9 @@ def test_empty_batch():
 
 def _kinds_and_launches(fn, *a):
     from ds4lab.model.launches import count_launches
-    from ds4lab.model.ops import set_hook
-    kinds = {}
-
-    class Hook:
-        def enter(self, name, kind):
-            kinds[name] = kind
-
-        def exit(self, name, kind):
-            pass
-    old = set_hook(Hook())
-    try:
-        fn(*a)
-    finally:
-        set_hook(old)
+    _, seen = op_kinds(fn, *a)
     out, n = count_launches(fn, *a)
-    return out, kinds, n
+    return out, dict(seen), n
 
 
 def test_backend_switch_one_launch_same_bits(monkeypatch):

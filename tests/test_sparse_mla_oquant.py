@@ -8,7 +8,7 @@ plus the kernels per call, the bad inputs, and the model backend's switch."""
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, op_kinds
 from ds4lab.harness.specs import o_proj as oproj_spec
 from ds4lab.harness.specs.sparse_mla import CASES, Q_NORM_MAX_POS, _cache, make_decode_inputs
 from ds4lab.reference.rope import cos_sin_cache
@@ -263,24 +263,10 @@ def test_backend_switch_same_output_one_launch_fewer(monkeypatch):
     args = (inp["q"], inp["swa_cache"], inp["swa_indices"], inp["swa_lens"], inp["attn_sink"], inp["comp_cache"],
             inp["comp_indices"], inp["comp_lens"], 64, 2, 512 ** -0.5, pos, cs, wo_a, wo_b, G)
     kb = bk.KernelBackend()
-    from ds4lab.model.ops import set_hook
 
     def kinds_of(call):
         """The op-group kinds ``call`` reports, by group name."""
-        kinds = {}
-
-        class Hook:
-            def enter(self, name, kind):
-                kinds[name] = kind
-
-            def exit(self, name, kind):
-                pass
-        old = set_hook(Hook())
-        try:
-            call()
-        finally:
-            set_hook(old)
-        return kinds
+        return dict(op_kinds(call)[1])
     sw = "FUSE_O_QUANT_INTERP" if DEVICE == "cpu" else "FUSE_O_QUANT"   # the switch this device reads
     monkeypatch.setattr(bk, sw, True)
     kb.sparse_mla_o_proj(*args)       # first call: the split-K counter buffers are allocated (zeroed) once

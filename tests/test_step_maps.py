@@ -6,7 +6,7 @@ kernel backend; argument errors; one launch per step. (The registry sweep covers
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, op_kinds
 from ds4lab.geometry import DEFAULT_CONFIG
 from ds4lab.harness.specs.step_maps import check, make_inputs, shape_for
 from ds4lab.model.cache import map_sizes, new_caches
@@ -150,16 +150,7 @@ def test_kernel_backend_one_launch_and_torch_fallback():
     (kind ``torch:index_maps``) with the same maps."""
     from ds4lab.model.backend_kernel import KernelBackend
     from ds4lab.model.launches import count_launches
-    from ds4lab.model.ops import set_hook
 
-    kinds = []
-
-    class Hook:
-        def enter(self, name, kind):
-            kinds.append((name, kind))
-
-        def exit(self, name, kind):
-            pass
     ops = KernelBackend()
     pos = torch.tensor([8191, 8192], device=DEVICE)
     req = torch.tensor([0, 0], device=DEVICE)
@@ -168,12 +159,8 @@ def test_kernel_backend_one_launch_and_torch_fallback():
     assert dict(n) == {"step.maps": 1}
     _assert_same(maps, ref_maps(pos, req, W, swa_ring, layers))
     odd = layers + ((4, 64, 264, 264),)                            # a second C4 size: not covered
-    old = set_hook(Hook())
-    try:
-        maps = ops.index_maps(pos, req, W, swa_ring, layers)
-        maps_odd = ops.index_maps(pos, req, W, swa_ring, odd)
-    finally:
-        set_hook(old)
+    (maps, maps_odd), kinds = op_kinds(lambda: (ops.index_maps(pos, req, W, swa_ring, layers),
+                                                 ops.index_maps(pos, req, W, swa_ring, odd)))
     assert kinds == [("step.maps", "kernel:step_maps.step_index_maps"), ("step.maps", "torch:index_maps")]
     _assert_same(maps_odd, ref_maps(pos, req, W, swa_ring, odd))
     assert (4, 64) in maps_odd["comp"]
