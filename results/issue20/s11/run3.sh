@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../../.."
 T0=$SECONDS
 mkdir -p /tmp/s11
-left() { echo $((580 - (SECONDS - T0))); }
+left() { echo $((${BUDGET:-420} - (SECONDS - T0))); }
 ROWS=p2r2048h11b6c,p2r2048b6cw,p2r2048h11b6cw BUILDS=sm89 OUT=/tmp/s11/idx bash scripts/gpu/idx_topk.sh > "$OUT/idx.log" 2>&1; cp /tmp/s11/idx/bench.csv "$OUT/idx_bench.csv"
 echo "idx_topk: rc=$? ($((SECONDS - T0)) s)"; grep -E "checks|fail|FAIL" "$OUT/idx.log" | head -8; tail -22 "$OUT/idx.log"
 timeout 130 python3 scripts/gpu/idx_in_step.py --arch sm89 --cold --rows p2s512,p2r2048h11b6c,p2r2048b6cw,p2r2048h11b6cw \
@@ -16,9 +16,9 @@ timeout 130 python3 scripts/gpu/idx_in_step.py --arch sm89 --cold --rows p2s512,
 echo "idx_in_step: rc=$? ($((SECONDS - T0)) s)"; grep -A7 "us per call" "$OUT/ins.log"
 W="indexer.PAGED_TOPK_DEFAULT={'sm_89':'p2r2048h11b6cw','sm_90':'p2r2048h11b6cw'}"
 N2="backend_kernel.INDEXER_FUSED_MAX_NEXT_N=2"
-timeout $(( $(left) - 110 )) python3 -m ds4lab.harness.step --tp 4 --batch 1 --batch 16 --ctx 8192 --mode plain --mode mtp \
+timeout $(( $(left) - 20 )) python3 -m ds4lab.harness.step --tp 4 --batch 1 --batch 16 --ctx 8192 --mode plain --mode mtp \
   --arch sm89 --ab "$W" --ab "$W,$N2" --abba --out /tmp/s11/sm89 > "$OUT/step_sm89.log" 2>&1; cp /tmp/s11/sm89/decode_step.csv "$OUT/sm89.csv"
 echo "step sm89: rc=$? ($((SECONDS - T0)) s)"; grep -E "^sm89" "$OUT/step_sm89.log" | cut -c1-150
-timeout $(( $(left) )) python3 -m ds4lab.harness.step --tp 4 --batch 1 --batch 16 --ctx 8192 --mode plain --mode mtp \
+[ "$(left)" -gt 100 ] && timeout $(( $(left) )) python3 -m ds4lab.harness.step --tp 4 --batch 1 --batch 16 --ctx 8192 --mode plain --mode mtp \
   --arch native --ab "$W,$N2" --out /tmp/s11/native > "$OUT/step_native.log" 2>&1; cp /tmp/s11/native/decode_step.csv "$OUT/native.csv"
 echo "step native: rc=$? ($((SECONDS - T0)) s)"; grep -E "^native" "$OUT/step_native.log" | cut -c1-150
