@@ -966,6 +966,11 @@ def pick_paged_config(B: int, max_context_len: int, device: torch.device) -> dic
 
 # PROVISIONAL, not yet timed (NOTES.md "idx6"): the H200 run (scripts/gpu/idx_topk.sh) times every row
 PAGED_TOPK_DEFAULT = {"sm_89": "p2s512", "sm_90": "p2s512"}
+#: the rows each table's pick functions can return on a GPU (``pick_q_config``, ``CONFIGS["insert"]``,
+#: ``pick_mqa_config``, ``pick_paged_config``, ``pick_paged_topk_config``): what the compile report builds for
+#: sm_120, which reads the sm_89 table (its candidate rows are built for sm_89 and sm_90 only)
+GPU_DEFAULTS = {a: ("r4", "r16", "default", "n128_q16", "n256_q32", "t4", "t16", PAGED_TOPK_DEFAULT[a])
+                for a in ("sm_89", "sm_90")}
 
 
 def paged_topk_tiles(cfg: dict, B: int, n_tiles: int, device: torch.device) -> int:

@@ -139,7 +139,8 @@ def rmsnorm_rope_rows(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, pid, n_rows, rows_pe
 def _rmsnorm_rope_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, n_rows, rows_per_token, stride_xt, D, max_pos, eps,
                          HAS_W: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
                          BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    """Grid ``(cdiv(n_rows, ROWS),)``. One program owns ``ROWS`` whole rows (:func:`rmsnorm_rope_rows`)."""
+    """Grid ``(cdiv(n_rows, ROWS),)``.
+    One program owns ``ROWS`` whole rows (:func:`rmsnorm_rope_rows`)."""
     rmsnorm_rope_rows(x_ptr, w_ptr, pos_ptr, cs_ptr, y_ptr, tl.program_id(0), n_rows, rows_per_token, stride_xt, D,
                       max_pos, eps, HAS_W, NORM, ROPE, R, BLOCK_D, ROWS)
 

@@ -160,3 +160,11 @@ def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, arch, cap):
         table = mod.CONFIGS[arch]
         got = {next(lb for lb, c in table.items() if c is cfg) for cfg in cfgs}
         assert got == set(mod.GPU_DEFAULTS[arch]), (mod.__name__, arch, got)
+    # the indexer: one family, five tables (q / insert / mqa / paged / paged top-k)
+    from ds4lab_kernels import indexer as ix
+    picks = {"q": [ix.pick_q_config(n, dev) for n in (64, 8192, 8193)], "insert": [ix.CONFIGS["insert"][arch]["default"]],
+             "mqa": [ix.pick_mqa_config(m, n, dev) for m, n in ((1, 1), (1 << 12, 1 << 12))],
+             "paged": [ix.pick_paged_config(b, c, dev) for b, c in ((1, 64), (64, 1 << 17))],
+             "paged_topk": [ix.pick_paged_topk_config(b, c, dev) for b, c in ((1, 64), (16, 1 << 15))]}
+    got = {next(lb for lb, c in ix.CONFIGS[t][arch].items() if c is cfg) for t, cfgs in picks.items() for cfg in cfgs}
+    assert got == set(ix.GPU_DEFAULTS[arch]), ("indexer", arch, got)

@@ -299,6 +299,14 @@ def rmsnorm_rope_min_bytes(s: dict) -> float:
     return 4 * n + w + (s["T"] * (4 + s.get("R", ROPE_DIM) * 4) if rope else 0)
 
 
+def q_norm_rope_indexer_q_min_bytes(s: dict) -> float:
+    """``q_norm_rope_indexer_q``: the floors of its two launches (the q heads' ``rmsnorm_rope`` and
+    ``indexer_q_rope_quant``), the shared per-token position and cos/sin row counted once."""
+    R = s.get("R", 64)
+    return (rmsnorm_rope_min_bytes({"T": s["T"], "H": s["H"], "D": s["D"], "R": R, "mode": "q_norm_rope"})
+            + indexer_q_min_bytes({"T": s["T"], "H": s["IH"], "D": s["ID"], "R": R}) - s["T"] * (4 + R * 4))
+
+
 def q_kv_rmsnorm_rope_min_bytes(s: dict) -> float:
     """The bf16 ``(T, Dq + Dkv)`` row in, both bf16 segments out, both gains once, per token a
     position and one cos/sin row."""
@@ -372,6 +380,7 @@ FLOPS: dict[str, Callable[[dict], float]] = {
     "sparse_mla_prefill": sparse_prefill_flops,
     "topk_indices": _zero,
     "rmsnorm_rope": _zero,
+    "q_norm_rope_indexer_q": _zero,
     "q_kv_rmsnorm_rope": _zero,
     "swiglu_clamp": _zero,
     "compress_decode": compress_decode_flops,
@@ -407,6 +416,7 @@ MIN_BYTES: dict[str, Callable[[dict], float]] = {
     "sparse_mla_prefill": sparse_prefill_min_bytes,
     "topk_indices": topk_min_bytes,
     "rmsnorm_rope": rmsnorm_rope_min_bytes,
+    "q_norm_rope_indexer_q": q_norm_rope_indexer_q_min_bytes,
     "q_kv_rmsnorm_rope": q_kv_rmsnorm_rope_min_bytes,
     "swiglu_clamp": swiglu_min_bytes,
     "compress_decode": compress_decode_min_bytes,

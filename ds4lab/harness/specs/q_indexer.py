@@ -73,13 +73,6 @@ def _bench(cfg, tp):
     return [{"T": t, **base} for t in DECODE_T]
 
 
-def _min_bytes(s: dict) -> float:
-    """The two launches' floors, the shared per-token position and cos/sin row counted once."""
-    R = s.get("R", 64)
-    return (costs.rmsnorm_rope_min_bytes({"T": s["T"], "H": s["H"], "D": s["D"], "R": R, "mode": "q_norm_rope"})
-            + costs.indexer_q_min_bytes({"T": s["T"], "H": s["IH"], "D": s["ID"], "R": R}) - s["T"] * (4 + R * 4))
-
-
 def two_launches(q, iq, positions, cos_sin, weights, eps, config=None):
     """What the fused launch replaces (and its bit-identity oracle): ``rmsnorm_rope`` of the q heads,
     then ``indexer_q_rope_quant`` of the indexer q -> ``(q_normed, q_fp8, w)``."""
@@ -103,8 +96,8 @@ register(KernelSpec(
     test_shapes=[{"T": 2, "H": 4, "D": 512, "IH": 8, "ID": 128, "max_pos": 64},
                  {"T": 3, "H": 3, "D": 96, "IH": 4, "ID": 32, "R": 16, "max_pos": 64}],
     bench_shapes=_bench,
-    flops=lambda s: 0.0,
-    min_bytes=_min_bytes,
+    flops=costs.FLOPS["q_norm_rope_indexer_q"],
+    min_bytes=costs.MIN_BYTES["q_norm_rope_indexer_q"],
     check=check_qi,
     configs=kernel_configs("norm_rope", "q_norm_rope_indexer_q"),
     baselines={"two_launches(rmsnorm_rope+indexer_q_rope_quant)": _pair},
