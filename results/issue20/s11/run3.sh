@@ -14,7 +14,7 @@ echo "idx_topk: rc=$? ($((SECONDS - T0)) s)"; cp /tmp/s11/idx/bench.csv "$OUT/id
 grep -E "checks|fail|FAIL" "$OUT/idx.log" | head -8; tail -22 "$OUT/idx.log"
 W="indexer.PAGED_TOPK_DEFAULT={'sm_89':'p2r2048h11b6cw','sm_90':'p2r2048h11b6cw'}"
 N2="backend_kernel.INDEXER_FUSED_MAX_NEXT_N=2"
-timeout $(( $(left) - 10 )) python3 -m ds4lab.harness.step --tp 4 --batch 1 --batch 16 --ctx 8192 --mode plain --mode mtp \
+timeout $(( $(left) - 10 )) python3 -m ds4lab.harness.step --tp 4 ${STEP_BATCHES:---batch 1 --batch 16} --ctx 8192 --mode plain --mode mtp \
   --arch sm89 --ab "$W" --ab "$W,$N2" --abba --out /tmp/s11/sm89 > "$OUT/step_sm89.log" 2>&1
 echo "step sm89: rc=$? ($((SECONDS - T0)) s)"; cp /tmp/s11/sm89/decode_step.csv "$OUT/sm89.csv"
 grep -E "^sm89" "$OUT/step_sm89.log" | cut -c1-150
