@@ -18,7 +18,8 @@ mHC pre (+attn_norm) -> ``wqkv_a`` -> q_norm, kv_norm + RoPE (one op, ``q_kv_nor
 is written by the q/kv norm op -> [compressor (+ indexer compressor; each writes its boundary entries
 into its cache), indexer q, logits, top-512); C4A: the three bf16 GEMMs on ``x`` (both compressors'
 ``wkv_gate``, the indexer's ``weights_proj``) as one, ``attn.x_proj``, its column slices read in place]
--> per-head q RMSNorm + RoPE (``q_norm_rope``) and sparse MLA with sink over SWA (+
+-> per-head q RMSNorm + RoPE (``q_norm_rope``; C4A: one op with the indexer q's RoPE + quant,
+``q_norm_rope_indexer_q``) and sparse MLA with sink over SWA (+
 compressed) -> o_proj (``sparse_mla_o_proj``: the kernel backend may quantize o_proj's input in the attention
 launch) -> mHC post -> mHC pre (+ffn_norm) ->
 router (hash ``tid2eid`` in layers < num_hash_layers, else sqrtsoftplus + bias) ->
