@@ -232,6 +232,8 @@ BRANCH_BLOCKS = ("attn", "moe")
 #: "order11"): batch 1 4,755 -> 4,716 us (-39), MTP 6,145 -> 5,941 (-204), batch 16 10,304 -> 10,287 (-17), batch 16
 #: MTP 14,625 -> 14,543 (-82); op groups: wqkv_a -201 / -241, gate_route -63 / -243 at batch 1 / MTP, the side
 #: chain's kernels (hidden) slower. Bit-identical (tests/test_branch_streams.py on the H200).
+#: ``"attn2"`` (instead of ``"attn"``): the q/kv norm too (``wqkv_a`` -> ``q_kv_norm_rope`` before the side chain):
+#: session 11's main-first rows ran it at ~5.2 us a call beside ``x_proj`` (3.8 side first). Candidate (session 12).
 BRANCH_MAIN_FIRST = ("attn", "moe")
 #: with :data:`BRANCH_STREAMS`: the step's main chain runs on a stream of the device's greatest priority (forked
 #: from, and joined back into, the caller's stream around the layers: ``Backend.step_scope``) and the side chains
