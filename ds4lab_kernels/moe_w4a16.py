@@ -1048,6 +1048,27 @@ _DECODE = {
     # candidate (moe9): the next step of the same trend, 8 splits of 64-wide tiles
     "mmaq_n64s8x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                     "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    # candidates (issue 20, moe16: 16-32 tokens = 96-192 pairs, rows for DECODE_ROW_WIDE): the default's time
+    # there is per-program latency, not bytes: each w13 program (128 KB of weights at n64s2) pays the id scan,
+    # the x copy, the first DRAM trips and the split-K ticket tail; each w2 program (16 KB at n64) pays a
+    # 450-instruction id scan and a ticket for 4 groups of work. "s1": no K split (256 KB a w13 program, h
+    # stored directly: no partials, no ticket); "w2n128" / "w2n256w8": 2x / 4x the w2 columns a program
+    # (half / a quarter of the w2 programs, scans and tickets). Same per-element arithmetic as the row with
+    # the same SPLIT_K (w2 tiles only change which program computes a column): s2 rows bit-equal n64s2x.
+    "mmaq_n64s2x_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                           "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 128, "num_warps2": 4,
+                           "num_stages": 3},
+    "mmaq_n64s1x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                    "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64s1x_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                           "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 128, "num_warps2": 4,
+                           "num_stages": 3},
+    "mmaq_n64s1x_w2n256w8": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                             "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 256, "num_warps2": 8,
+                             "num_stages": 3},
+    "mmaq_n32s1x_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                           "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 128, "num_warps2": 4,
+                           "num_stages": 3},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {
@@ -1089,7 +1110,14 @@ DECODE_MAX_PAIRS = 256
 DECODE_ROW = "mmaq_n64s2x"
 DECODE_ROW_NARROW = "mmaq_n64s4x"
 DECODE_NARROW_MAX_PAIRS = 12
-GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW, "prefill"))) for a in ("sm_89", "sm_90")}
+#: the decode row from :data:`DECODE_WIDE_MIN_PAIRS` pairs up (batch 16 = 96 pairs, batch 16 MTP = 192), or None
+#: (off: :data:`DECODE_ROW` serves every size above the narrow bound). Issue 20 moe16 candidates
+#: (``mmaq_n64s1x_w2n128``, ``mmaq_n32s1x_w2n128``, ...): time one in the step with
+#: ``ds4lab step --ab "moe_w4a16.DECODE_ROW_WIDE='mmaq_n32s1x_w2n128'"`` (read per call by :func:`pick_config`)
+DECODE_ROW_WIDE = None
+DECODE_WIDE_MIN_PAIRS = 48
+GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW, *((DECODE_ROW_WIDE,) if DECODE_ROW_WIDE else ()),
+                                        "prefill"))) for a in ("sm_89", "sm_90")}
 
 
 def pick_config(pairs: int, device: torch.device) -> dict:
@@ -1105,5 +1133,10 @@ def pick_config(pairs: int, device: torch.device) -> dict:
         # every T in both builds (was mma_n32s4 32.5 / 32.1 at T=1, mma_n64s2 80.3 / 79.5 at T=4 and 261.3 /
         # 268.9 at T=16); vLLM's Triton W4A16 at its best swept config 85.1 / 238.8 / 738.9 (sm89 build).
         # Session 9 (moe9): up to DECODE_NARROW_MAX_PAIRS pairs, mmaq_n64s4x (T=1 22.9 us vs 25.1, sm89 build)
-        return CONFIGS[arch][DECODE_ROW_NARROW if pairs <= DECODE_NARROW_MAX_PAIRS else DECODE_ROW]
+        if pairs <= DECODE_NARROW_MAX_PAIRS:
+            return CONFIGS[arch][DECODE_ROW_NARROW]
+        # moe16 (off unless set): the wide row for 16-32 tokens (module globals read here, per call)
+        if DECODE_ROW_WIDE and pairs >= DECODE_WIDE_MIN_PAIRS:
+            return CONFIGS[arch][DECODE_ROW_WIDE]
+        return CONFIGS[arch][DECODE_ROW]
     return CONFIGS[arch][path]
