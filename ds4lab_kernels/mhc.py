@@ -1105,6 +1105,175 @@ def _mhc_seam_rows_kernel(
                                 PF_EVICT_LAST)
 
 
+# ---- the token-parallel decode seam (issue 20, mhc16: `seamt_*` rows) ------------------------------
+@triton.jit
+def _mhc_seam_tok_kernel(
+    x_ptr, x2_ptr, res_ptr, post_in_ptr, comb_in_ptr, res_out_ptr,
+    fn_ptr, scale_ptr, base_ptr, w_ptr, part_ptr, cnt_ptr,
+    post_ptr, comb_ptr, out_ptr, q_ptr, qs_ptr,
+    T, D, S, n_tasks, n_chunks, rms_numel, rms_eps, pre_eps, sk_eps, post_mult, n_iters, norm_eps, q_eps,
+    stride_xt, stride_x2t, stride_rt, stride_rh, stride_pt, stride_ct, stride_ot, stride_oh, stride_fn,
+    stride_yt, stride_qt, stride_qst,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PART_ROWS: tl.constexpr,
+    CHUNK: tl.constexpr, PART_W: tl.constexpr, STEP: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr, QUANT: tl.constexpr = False,
+):
+    """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``; ``P = cdiv(T, BLOCK_M) * S`` programs, ONE counter
+    sync for the whole grid (issue 20, mhc16, ``seamt_*`` rows: 1 to ``SEAMT_MAX_T`` tokens).
+
+    Phase A, program (m, s): tokens ``[m*BLOCK_M, +BLOCK_M)`` x columns ``[s*BLOCK_D, +BLOCK_D)`` of the 4 streams,
+    every global load first (the 4 ``fn^T`` tiles ``[BLOCK_D, 32]``, x, x2, the residual, the coefficients, the
+    norm weight of its phase-B chunk): the post (bf16 residual out), the partial mixes as ``tl.dot`` (``PRECISION``:
+    TF32 or ieee, as the two-pass ``decode`` kernel) and the packed 4x4 Gram matrix of the new streams (fp32 FMA).
+    Partial row ``token * S + s`` (``PART_W`` fp32): mixes 0-23 (pre 0-3, post 4-7, comb 8-23), Gram 24-33
+    (:func:`_gram_ab` order).
+
+    Phase B, after the sync, is token-parallel (the ``seamr`` kernel ran its block's tokens one after the other
+    and all Sinkhorns in one program): task ``k`` in ``[0, n_tasks)`` (``n_tasks = T * n_chunks``, program ``pid``
+    takes ``pid, pid + P, ...``) is token ``k // n_chunks`` x columns ``[(k % n_chunks) * CHUNK, +CHUNK)``: it
+    reduces the token's S partial rows (fixed order: the same bits in every task of the token), forms the pre
+    gates, collapses its columns from the new streams (L2), normalises with ``mean(y^2) = pre^T G pre / D`` (as the
+    seam1 / seamr kernels) and stores the layer input (+ its FP8 copy with QUANT: ``CHUNK`` is a multiple of 128);
+    chunk 0's task also writes the post gates and runs Sinkhorn (:func:`_sinkhorn16`) for its token.
+    PHASE 0: one launch (GPU; every program resident at once). PHASE 1 / 2: phase A / B as two launches
+    (the interpreter, grids above the resident limit)."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    P = tl.num_programs(0) * S
+    pid = pid_m * S + pid_s
+    cb = tl.arange(0, CHUNK)
+    if PHASE != 1:  # the norm weight of this program's first phase-B chunk: its DRAM trip before the sync
+        ch0 = pid % n_chunks
+        if HAS_NORM:
+            w_first = tl.load(w_ptr + ch0 * CHUNK + cb, mask=(ch0 * CHUNK + cb < D) & (pid < n_tasks),
+                              other=0.0).to(tl.float32)
+    if PHASE != 2:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        tmask = rm < T
+        rm64 = rm.to(tl.int64)
+        dd = pid_s * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = dd < D
+        m2 = tmask[:, None] & dmask[None, :]
+        rn = tl.arange(0, 32)
+        nmask = rn < 24
+        w_col = fn_ptr + rn[None, :] * stride_fn + dd[:, None]                   # fn^T [BLOCK_D, 32], stream 0
+        wm = dmask[:, None] & nmask[None, :]
+        fw0 = tl.load(w_col, mask=wm, other=0.0)
+        fw1 = tl.load(w_col + D, mask=wm, other=0.0)
+        fw2 = tl.load(w_col + 2 * D, mask=wm, other=0.0)
+        fw3 = tl.load(w_col + 3 * D, mask=wm, other=0.0)
+        x = tl.load(x_ptr + rm64[:, None] * stride_xt + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_X2:
+            x = _add_bf16(x, x2_ptr + rm64[:, None] * stride_x2t + dd[None, :], m2)
+        r_row = res_ptr + rm64[:, None] * stride_rt + dd[None, :]
+        r0 = tl.load(r_row, mask=m2, other=0.0).to(tl.float32)
+        r1 = tl.load(r_row + stride_rh, mask=m2, other=0.0).to(tl.float32)
+        r2 = tl.load(r_row + 2 * stride_rh, mask=m2, other=0.0).to(tl.float32)
+        r3 = tl.load(r_row + 3 * stride_rh, mask=m2, other=0.0).to(tl.float32)
+        n0 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 0)
+        n1 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 1)
+        n2 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 2)
+        n3 = _seam_stream(x, r0, r1, r2, r3, post_in_ptr, comb_in_ptr, rm, stride_pt, stride_ct, tmask, 3)
+        f0 = n0.to(tl.float32)
+        f1 = n1.to(tl.float32)
+        f2 = n2.to(tl.float32)
+        f3 = n3.to(tl.float32)
+        acc = tl.dot(f0, fw0, tl.zeros((BLOCK_M, 32), dtype=tl.float32), input_precision=PRECISION)
+        acc = tl.dot(f1, fw1, acc, input_precision=PRECISION)
+        acc = tl.dot(f2, fw2, acc, input_precision=PRECISION)
+        acc = tl.dot(f3, fw3, acc, input_precision=PRECISION)
+        o_row = res_out_ptr + rm64[:, None] * stride_ot + dd[None, :]
+        tl.store(o_row, n0, mask=m2)
+        tl.store(o_row + stride_oh, n1, mask=m2)
+        tl.store(o_row + 2 * stride_oh, n2, mask=m2)
+        tl.store(o_row + 3 * stride_oh, n3, mask=m2)
+        prow = (rm64 * S + pid_s) * PART_W
+        tl.store(part_ptr + prow[:, None] + rn[None, :], acc, mask=tmask[:, None] & nmask[None, :])
+        g_row = part_ptr + prow + 24
+        tl.store(g_row + 0, tl.sum(f0 * f0, axis=1), mask=tmask)
+        tl.store(g_row + 1, tl.sum(f0 * f1, axis=1), mask=tmask)
+        tl.store(g_row + 2, tl.sum(f0 * f2, axis=1), mask=tmask)
+        tl.store(g_row + 3, tl.sum(f0 * f3, axis=1), mask=tmask)
+        tl.store(g_row + 4, tl.sum(f1 * f1, axis=1), mask=tmask)
+        tl.store(g_row + 5, tl.sum(f1 * f2, axis=1), mask=tmask)
+        tl.store(g_row + 6, tl.sum(f1 * f3, axis=1), mask=tmask)
+        tl.store(g_row + 7, tl.sum(f2 * f2, axis=1), mask=tmask)
+        tl.store(g_row + 8, tl.sum(f2 * f3, axis=1), mask=tmask)
+        tl.store(g_row + 9, tl.sum(f3 * f3, axis=1), mask=tmask)
+    if PHASE == 0:
+        _count_sync_acq(cnt_ptr, pid, P, STEP)
+    if PHASE != 1:
+        c = tl.arange(0, 64)
+        ga, gb = _gram_ab(c - 24)
+        gmask = (c >= 24) & (c < 34)
+        for task in range(pid, n_tasks, P):
+            t = task // n_chunks
+            ch = task - t * n_chunks
+            t64 = t.to(tl.int64)
+            cols = ch * CHUNK + cb
+            cm = cols < D
+            b_row = res_out_ptr + t64 * stride_ot + cols
+            b0 = tl.load(b_row, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            b1 = tl.load(b_row + stride_oh, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            b2 = tl.load(b_row + 2 * stride_oh, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            b3 = tl.load(b_row + 3 * stride_oh, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            v = tl.zeros((64,), dtype=tl.float32)
+            for k in tl.static_range(BLOCK_S // PART_ROWS):
+                rs = k * PART_ROWS + tl.arange(0, PART_ROWS)
+                rows = (t64 * S + rs) * PART_W
+                v += tl.sum(tl.load(part_ptr + rows[:, None] + c[None, :], mask=(rs < S)[:, None] & (c < 34)[None, :],
+                                    other=0.0, cache_modifier=".cg"), axis=0)
+            sq = tl.sum(tl.where(gmask & (ga == gb), v, 0.0), axis=0)                 # trace(G)
+            rms = tl.math.rsqrt(sq / rms_numel + rms_eps)
+            s0_ = tl.load(scale_ptr)
+            p0 = tl.sigmoid(_at(v, c, 0) * rms * s0_ + tl.load(base_ptr)) + pre_eps
+            p1 = tl.sigmoid(_at(v, c, 1) * rms * s0_ + tl.load(base_ptr + 1)) + pre_eps
+            p2 = tl.sigmoid(_at(v, c, 2) * rms * s0_ + tl.load(base_ptr + 2)) + pre_eps
+            p3 = tl.sigmoid(_at(v, c, 3) * rms * s0_ + tl.load(base_ptr + 3)) + pre_eps
+            wq = _pick4(ga, p0, p1, p2, p3) * _pick4(gb, p0, p1, p2, p3) * tl.where(ga == gb, 1.0, 2.0)
+            ysq = tl.maximum(tl.sum(tl.where(gmask, v * wq, 0.0), axis=0), 0.0)
+            y = (p0 * b0 + p1 * b1 + p2 * b2 + p3 * b3).to(tl.bfloat16)
+            if HAS_NORM:
+                inv = tl.math.rsqrt(ysq / D + norm_eps)
+                wv = tl.load(w_ptr + cols, mask=cm & (task != pid), other=0.0).to(tl.float32)
+                y = (y.to(tl.float32) * inv * tl.where(task == pid, w_first, wv)).to(tl.bfloat16)
+            tl.store(out_ptr + t64 * stride_yt + cols, y, mask=cm)
+            if QUANT:
+                NG: tl.constexpr = CHUNK // 128
+                q, sc = quant_rows_e4m3_pow2(tl.reshape(y.to(tl.float32), (NG, 128)), q_eps)
+                tl.store(q_ptr + t64 * stride_qt + cols, tl.reshape(q, (CHUNK,)), mask=cm)
+                rg = tl.arange(0, NG)
+                tl.store(qs_ptr + t64 * stride_qst + ch * NG + rg, fp32_pow2_to_ue8m0(sc).to(tl.uint8),
+                         mask=ch * CHUNK + rg * 128 < D)
+            if ch == 0:  # the token's post gates and Sinkhorn (only the next seam reads them)
+                post = tl.sigmoid(v * rms * tl.load(scale_ptr + 1)
+                                  + tl.load(base_ptr + c, mask=(c >= 4) & (c < 8), other=0.0))
+                tl.store(post_ptr + t64 * 4 + (c - 4), post * post_mult, mask=(c >= 4) & (c < 8))
+                lg = v * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + c, mask=(c >= 8) & (c < 24), other=0.0)
+                k00, k01, k02, k03, k10, k11, k12, k13, k20, k21, k22, k23, k30, k31, k32, k33 = _sinkhorn16(
+                    _at(lg, c, 8), _at(lg, c, 9), _at(lg, c, 10), _at(lg, c, 11),
+                    _at(lg, c, 12), _at(lg, c, 13), _at(lg, c, 14), _at(lg, c, 15),
+                    _at(lg, c, 16), _at(lg, c, 17), _at(lg, c, 18), _at(lg, c, 19),
+                    _at(lg, c, 20), _at(lg, c, 21), _at(lg, c, 22), _at(lg, c, 23), sk_eps, n_iters)
+                cr = comb_ptr + t64 * 16
+                tl.store(cr + 0, k00)
+                tl.store(cr + 1, k01)
+                tl.store(cr + 2, k02)
+                tl.store(cr + 3, k03)
+                tl.store(cr + 4, k10)
+                tl.store(cr + 5, k11)
+                tl.store(cr + 6, k12)
+                tl.store(cr + 7, k13)
+                tl.store(cr + 8, k20)
+                tl.store(cr + 9, k21)
+                tl.store(cr + 10, k22)
+                tl.store(cr + 11, k23)
+                tl.store(cr + 12, k30)
+                tl.store(cr + 13, k31)
+                tl.store(cr + 14, k32)
+                tl.store(cr + 15, k33)
+
+
 # ---- input checks --------------------------------------------------------------------------------
 def _check_hidden(name, D):
     if D % 16 or D <= 0 or D > 16384:
@@ -1162,8 +1331,10 @@ GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seamr_d64", "seam1_d64"),
 #: last bound the two-pass ``decode`` row. H200, session 6 (results/issue20/s6/mhc_table.csv), TP4 p50 us, sm_89
 #: build / native: seamr_d64 T=1 9.93 / 9.77 vs seam1_d64 10.61 / 10.53 (seamr loses from T=2: 14.42 vs 11.89,
 #: and from T=4 it loses to ``decode``: 25.87 vs 17.48), so the row-tile seam only at one token.
+#: pick_config reads it on every call, so ``ds4lab step --ab "mhc.SEAM_DEFAULTS=((1,'seamr_d64'),(32,'seamt_d32'))"``
+#: switches the seam rows of the step (issue 20, mhc16: the token-parallel ``seamt_*`` rows, off by default).
 SEAM_DEFAULTS = ((1, "seamr_d64"), (4, "seam1_d64"))
-SEAM_DEFAULT_MAX_T = SEAM_DEFAULTS[-1][0]
+SEAM_DEFAULT_MAX_T = SEAM_DEFAULTS[-1][0]  # the import-time bound (documentation; pick_config reads SEAM_DEFAULTS)
 
 
 def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> dict:
@@ -1172,7 +1343,7 @@ def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> d
     ``config=`` (the registry sweep and tests/test_mhc.py do)."""
     table = CONFIGS[arch_of(device)]
     cfg = table["decode"] if num_tokens <= 64 else table["prefill"]
-    if fused and num_tokens <= SEAM_DEFAULT_MAX_T and device.type == "cuda":
+    if fused and num_tokens <= max(top for top, _ in SEAM_DEFAULTS) and device.type == "cuda":
         # H200 (issue 20, session 5; results/issue20/s5/mhc_bench.csv): mhc_fused_post_pre TP4, sm_89 build /
         # native, us: seam1_d64 T=1 10.62 / 10.67, T=2 11.89 / 11.92, T=4 16.19 / 16.20 vs decode 17.65 /
         # 17.7, 18.08 / 17.87, 17.87 / 18.1 and seam_d64 13.36 / 13.38, 17.03 / 17.05, 20.9 / 20.84
@@ -1505,6 +1676,71 @@ def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_
     return res_cur, post, comb, out
 
 
+SEAMT_MAX_T = 32   # seamt rows: 1-32 tokens by default (the step's batch-16 MTP verify); above, the two-pass kernels
+SEAMT_PART_W = 48  # fp32 per partial row: mixes 0-23, Gram 24-33 (192-byte rows)
+SEAMT_MAX_CHUNK = 2048  # phase-B columns a task collapses at most (above, a program runs several tasks)
+
+
+def seamt_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dict:
+    """Launch plan of ``_mhc_seam_tok_kernel`` (``seamt_*`` rows): phase-A token block ``SEAMT_BLOCK_M`` (16: the
+    ``tl.dot`` minimum) x ``SEAMT_BLOCK_D`` columns, ``P = m_tiles * S`` programs; phase B: the smallest
+    ``CHUNK`` (a power of two, >= 128 so that every FP8 group is one task's, <= ``SEAMT_MAX_CHUNK``) with
+    ``T * cdiv(D, CHUNK) <= P`` tasks; launches (1 with the counter sync; 2 on the interpreter, for
+    ``SEAMT_LAUNCHES = 2`` rows, or when P exceeds the programs resident at once: :func:`resident_per_sm` x SMs).
+    ``compiled`` as :func:`seam_plan`. Raises ValueError outside ``1..SEAMT_MAX_T`` tokens."""
+    top = cfg.get("SEAMT_MAX_T", SEAMT_MAX_T)
+    if not 1 <= T <= top:
+        raise ValueError(f"num_tokens={T}: this seamt row serves 1..{top} tokens")
+    BM, BD = cfg["SEAMT_BLOCK_M"], cfg["SEAMT_BLOCK_D"]
+    S = triton.cdiv(D, BD)
+    mt = triton.cdiv(T, BM)
+    P = mt * S
+    chunk = 128
+    while chunk < min(SEAMT_MAX_CHUNK, triton.next_power_of_2(D)) and T * triton.cdiv(D, chunk) > P:
+        chunk *= 2
+    n_chunks = triton.cdiv(D, chunk)
+    launches = cfg.get("SEAMT_LAUNCHES", 1)
+    interp = _interpreting() if compiled is None else not compiled
+    if interp or P > resident_per_sm(cfg["SEAMT_WARPS"]) * num_sms(device) or P > SEAM1_STEP:
+        launches = 2
+    BS = triton.next_power_of_2(S)
+    return {"BLOCK_M": BM, "BLOCK_D": BD, "S": S, "m_tiles": mt, "programs": P, "launches": launches,
+            "BLOCK_S": BS, "PART_ROWS": min(BS, cfg["SEAMT_PART_ROWS"]), "CHUNK": chunk, "n_chunks": n_chunks,
+            "n_tasks": T * n_chunks}
+
+
+def _seam_tok(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, pre_eps, sk_eps,
+              post_mult, n_iters, norm_eps, precision, cfg, quant=None):
+    T, _, D = residual.shape
+    dev = residual.device
+    res_cur = torch.empty_like(residual)
+    out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
+    post = torch.empty((T, HC, 1), dtype=torch.float32, device=dev)
+    comb = torch.empty((T, HC, HC), dtype=torch.float32, device=dev)
+    plan = seamt_plan(T, D, dev, cfg)
+    BM, S, mt = plan["BLOCK_M"], plan["S"], plan["m_tiles"]
+    part = torch.empty((mt * BM * S, SEAMT_PART_W), dtype=torch.float32, device=dev)
+    cnt = _count_buffer(dev) if plan["launches"] == 1 else part
+    q, qs = quant if quant is not None else (out, out)
+    args = (x, x2 if x2 is not None else x, residual, post_mix, comb_mix, res_cur,
+            fn, hc_scale, hc_base, norm_weight if norm_weight is not None else out, part, cnt,
+            post, comb, out, q, qs,
+            T, D, S, plan["n_tasks"], plan["n_chunks"], float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps),
+            float(post_mult), int(n_iters), float(norm_eps), ACT_QUANT_EPS,
+            x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
+            post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
+            out.stride(0), q.stride(0), qs.stride(0))
+    meta = dict(BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_ROWS=plan["PART_ROWS"],
+                CHUNK=plan["CHUNK"], PART_W=SEAMT_PART_W, STEP=SEAM1_STEP, PRECISION=precision,
+                HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None, num_warps=cfg["SEAMT_WARPS"], num_stages=1)
+    if plan["launches"] == 1:
+        _mhc_seam_tok_kernel[(mt, S)](*args, PHASE=0, QUANT=quant is not None, **meta)
+    else:
+        _mhc_seam_tok_kernel[(mt, S)](*args, PHASE=1, **meta)
+        _mhc_seam_tok_kernel[(mt, S)](*args, PHASE=2, QUANT=quant is not None, **meta)
+    return res_cur, post, comb, out
+
+
 def _check_post_inputs(x, residual, post_mix, comb_mix, x2=None):
     T, D = _check_residual("residual", residual)
     check.tensor("x", x, (torch.bfloat16, torch.float32), 2)   # fp32: the MoE's fp32 sum, used unrounded
@@ -1774,7 +2010,10 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
     if quant_out and quant_out_path(T, cfg) == "fused":
         quant = (torch.empty((T, D), dtype=torch.float8_e4m3fn, device=residual.device),
                  torch.empty((T, D // QUANT_GROUP), dtype=torch.uint8, device=residual.device))
-    if path == "seamr":
+    if path == "seamt":
+        outs = _seam_tok(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps,
+                         hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, precision, cfg, quant)
+    elif path == "seamr":
         outs = _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps,
                           hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, sinkhorn_iters, norm_eps, cfg, quant, pf)
     elif path == "seam1":
@@ -1800,9 +2039,11 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.
 def seam_path(num_tokens: int, cfg: dict) -> str:
     """Which kernels :func:`mhc_fused_post_pre` runs for ``num_tokens`` with config row ``cfg``: ``"seamr"``
     (``_mhc_seam_rows_kernel``), ``"seam1"`` (``_mhc_seam1_kernel``), ``"seam"`` (``_mhc_seam_kernel``) or
-    ``"two_pass"`` (``_mhc_post_kernel`` + ``_mhc_apply_kernel``); the first whose row keys and token range
-    match, in that order."""
+    ``"two_pass"`` (``_mhc_post_kernel`` + ``_mhc_apply_kernel``), or ``"seamt"`` (``_mhc_seam_tok_kernel``,
+    checked first); the first whose row keys and token range match, in that order."""
     T = num_tokens
+    if cfg.get("SEAMT_BLOCK_D") and 1 <= T <= cfg.get("SEAMT_MAX_T", SEAMT_MAX_T):
+        return "seamt"
     if cfg.get("SEAMR_BLOCK_D") and 1 <= T <= cfg.get("SEAMR_MAX_T", SEAMR_MAX_T):
         return "seamr"
     if cfg.get("SEAM1_BLOCK_D") and 1 <= T <= SEAM1_MAX_T:
@@ -1828,7 +2069,7 @@ def quant_out_path(num_tokens: int, cfg: dict) -> str:
     writes the layer input (a seamr / seam1 row whose column block divides 128, or the two-pass apply kernel),
     else ``"separate"`` (one ``per_token_group_quant_fp8`` launch after: the ``seam_*`` rows)."""
     path = seam_path(num_tokens, cfg)
-    if path == "two_pass":
+    if path in ("two_pass", "seamt"):
         return "fused"
     if path in ("seamr", "seam1"):
         bd = cfg["SEAMR_BLOCK_D"] if path == "seamr" else cfg["SEAM1_BLOCK_D"]
@@ -1935,6 +2176,17 @@ SEAMR_ROWS = {
     # 4 warps: 16 B spill on sm_89, ptxas hoists all 8 tokens' loads)
     "seamr_d128w8": {"SEAMR_BLOCK_D": 128, "SEAMR_WARPS": 8},
 }
+# SEAMT_*: the token-parallel seam (_mhc_seam_tok_kernel, 1-SEAMT_MAX_T tokens; issue 20, mhc16): phase A in
+#   SEAMT_BLOCK_M-token (tl.dot) x SEAMT_BLOCK_D-column programs, one counter sync for the grid, phase B as
+#   (token, column chunk) tasks over every program (Sinkhorn per token in parallel); SEAMT_PART_ROWS bounds the
+#   partial rows one phase-B load brings in. Candidates, off by default (SEAM_DEFAULTS).
+_SEAMT = {"SEAMT_BLOCK_M": 16, "SEAMT_BLOCK_D": 64, "SEAMT_WARPS": 4, "SEAMT_LAUNCHES": 1, "SEAMT_PART_ROWS": 64}
+SEAMT_ROWS = {
+    # 128 programs a 16-token block: T=32 is 256 (2 a SM); sm_89 168-220 registers, 0 spills
+    "seamt_d32": {"SEAMT_BLOCK_D": 32},
+    # not rows (sm_89, ds4lab aot, quant_out, T=2 / 32): 64-column programs spill at 255 registers, 4 warps
+    # 28 / 40 B, 8 warps ({"SEAMT_BLOCK_D": 64, "SEAMT_WARPS": 8}) 44 / 20 B
+}
 CONFIGS = {
     "sm_89": {
         "decode": _DECODE_89,
@@ -1947,6 +2199,7 @@ CONFIGS = {
         **{k: {**_DECODE_89, **_SEAM, **v} for k, v in SEAM_ROWS.items()},
         **{k: {**_DECODE_89, **_SEAM1, **v} for k, v in SEAM1_ROWS.items()},
         **{k: {**_DECODE_89, **_SEAMR, **v} for k, v in SEAMR_ROWS.items()},
+        **{k: {**_DECODE_89, **_SEAMT, **v} for k, v in SEAMT_ROWS.items()},
     },
     "sm_90": {
         "decode": _DECODE_90,
@@ -1961,5 +2214,6 @@ CONFIGS = {
         **{k: {**_DECODE_90, **_SEAM1, **v} for k, v in SEAM1_ROWS.items()},
         # seamr_d32 spills 4 B on sm_90a at T=8 (ptxas stops at 128 registers; 151 / 0 on sm_89): not listed
         **{k: {**_DECODE_90, **_SEAMR, **v} for k, v in SEAMR_ROWS.items() if k != "seamr_d32"},
+        **{k: {**_DECODE_90, **_SEAMT, **v} for k, v in SEAMT_ROWS.items()},
     },
 }

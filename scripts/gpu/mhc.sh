@@ -11,6 +11,10 @@
 #   3. the table last (p50 us per config x T x build), also written to $OUT/mhc_table.csv; raw rows in
 #      $OUT/bench.csv.
 # Usage: OUT=DIR bash scripts/gpu/mhc.sh    (BUILDS="native sm89" default; 156 s measured on a fresh machine)
+# MODE=seamt (issue 20, mhc16): instead, per build one process of scripts/gpu/mhc_seamt.py: numerics of every
+#   seamt_* row at T = 1, 2, 4, 8, 16, 32 (quant_out, fp64 reference, graph replays), then p50 of decode, seam1_d64,
+#   seamr_d64 and the seamt rows at those T (quant_out, cold L2, CUDA graph); table + $OUT/mhc_seamt_<build>.csv.
+#   `MODE=seamt BUILDS=sm89 OUT=DIR bash scripts/gpu/mhc.sh`: ~60-110 s on a fresh machine (predicted).
 # Fail-soft: a failing step is reported and the rest still runs; exit 1 if any failed.
 set -uo pipefail
 OUT=${OUT:-${1:-results}}
@@ -22,6 +26,16 @@ export DS4LAB_GIT_SHA=${DS4LAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null
 BUILDS=${BUILDS:-native sm89}
 rc=0
 t0=$SECONDS
+if [ "${MODE:-}" = seamt ]; then
+  for build in $BUILDS; do
+    timeout ${SEAMT_TIMEOUT:-170} python3 scripts/gpu/mhc_seamt.py --arch "$build" --out "$OUT" 2>&1 \
+      | tee "$OUT/mhc_seamt_$build.log" | grep -E "^FAIL|numerics|^config|^(decode|seam|T=)|rows ->" \
+      || { echo "SEAMT $build: failed or timed out (see mhc_seamt_$build.log)"; rc=1; }
+    grep -q "0 failing" "$OUT/mhc_seamt_$build.log" || rc=1
+  done
+  echo "total: $((SECONDS - t0)) s"
+  exit $rc
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout ${CHECK_TIMEOUT:-90} python3 scripts/gpu/mhc_check.py > "$OUT/mhc_check.log" 2>&1 \
   || { echo "MHC NUMERICS FAILED or timed out (see mhc_check.log)"; rc=1; }

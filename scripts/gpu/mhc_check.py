@@ -22,6 +22,8 @@ from ds4lab_kernels._arch import arch_of
 
 def _plan(cfg, T):
     dev = torch.device("cuda")
+    if "SEAMT_BLOCK_D" in cfg:
+        return K.seamt_plan(T, 4096, dev, cfg)
     if "SEAMR_BLOCK_D" in cfg:
         return K.seamr_plan(T, 4096, dev, cfg)
     if "SEAM1_BLOCK_D" in cfg:
@@ -35,6 +37,9 @@ _MID_CASES = ("random", "x2", "sharp_comb")
 def runs(table):
     """(label, T, cases) to check: ~60 s of compiles and float64 references on the H200."""
     out = []
+    for label in K.SEAMT_ROWS:  # mhc16: the token-parallel seam, 1-32 tokens
+        if label in table:
+            out += [(label, T, S.FUSED_CASES if T in (2, 32) else _MID_CASES) for T in (1, 2, 4, 8, 16, 32)]
     for label in K.SEAMR_ROWS:
         if label in table:
             top = table[label].get("SEAMR_MAX_T", K.SEAMR_MAX_T)

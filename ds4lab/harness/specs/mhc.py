@@ -216,15 +216,18 @@ _SEAMR_T = (1, 2, 4, 8, 16)  # the row-tile seam: one launch up to 16 tokens (mh
 _BENCH_T4 = (1, 2, 4, 8, 16)
 SEAM = "seam rows"  # every row with SEAM_BLOCK_D or SEAM1_BLOCK_D (ds4lab_kernels.mhc SEAM_ROWS / SEAM1_ROWS)
 SEAMR = "seamr rows"  # every row with SEAMR_BLOCK_D (ds4lab_kernels.mhc SEAMR_ROWS)
+SEAMT = "seamt rows"  # every row with SEAMT_BLOCK_D (ds4lab_kernels.mhc SEAMT_ROWS; issue 20, mhc16)
 # session 6: of the seam_* / seam1_* rows only the default seam1_d64 is timed again (the others measured in
 # session 5, code unchanged: NOTES.md "mHC seam (issue 20, mhc5)"); they stay in the table as candidates
 _SEAM_RETIMED = ("seam1_d64",)
-CANDIDATES = {"mhc_fused_post_pre": ((("fused_m64k16",), (512, 2048)), ((SEAM,), _SEAM_T), ((SEAMR,), _SEAMR_T))}
+# mhc16: the token-parallel seamt rows at the bench's decode sizes (T = 32 too: scripts/gpu/mhc_seamt.py)
+CANDIDATES = {"mhc_fused_post_pre": ((("fused_m64k16",), (512, 2048)), ((SEAM,), _SEAM_T), ((SEAMR,), _SEAMR_T),
+                                     ((SEAMT,), _SEAMR_T))}
 
 
 def is_seam(row: dict) -> bool:
     """A decode-seam row of the mhc table (only mhc_fused_post_pre reads its SEAM keys)."""
-    return "SEAM_BLOCK_D" in row or "SEAM1_BLOCK_D" in row or "SEAMR_BLOCK_D" in row
+    return "SEAM_BLOCK_D" in row or "SEAM1_BLOCK_D" in row or "SEAMR_BLOCK_D" in row or "SEAMT_BLOCK_D" in row
 
 
 def _group(labels, table, seam):
@@ -233,6 +236,8 @@ def _group(labels, table, seam):
         return [c for c in seam if c in _SEAM_RETIMED]
     if labels == (SEAMR,):
         return [c for c in seam if "SEAMR_BLOCK_D" in table[c]]
+    if labels == (SEAMT,):
+        return [c for c in seam if "SEAMT_BLOCK_D" in table[c]]
     return list(labels)
 
 
@@ -241,6 +246,11 @@ def _seam_key(row: dict, T: int, D: int):
     when the row runs the two-pass `decode` kernels there (a seam1 row above SEAM1_MAX_T tokens)."""
     from ds4lab_kernels import mhc as K
     cpu = torch.device("cpu")
+    if "SEAMT_BLOCK_D" in row:
+        if T > row.get("SEAMT_MAX_T", K.SEAMT_MAX_T):
+            return None
+        p = K.seamt_plan(T, D, cpu, row, compiled=True)
+        return ("seamt", p["BLOCK_M"], p["BLOCK_D"], p["launches"], p["BLOCK_S"], p["CHUNK"], row["SEAMT_WARPS"])
     if "SEAMR_BLOCK_D" in row:
         if T > row.get("SEAMR_MAX_T", K.SEAMR_MAX_T):
             return None
@@ -263,6 +273,8 @@ def _config_for_kernel(name):
         labels = [c for c in table if name == "mhc_fused_post_pre" or c not in seam]
         if shape.get("aot") == "quant":
             return [step_row(shape["T"])]
+        if shape.get("aot") == "seamt":  # mhc16: the seamt rows with quant_out at their phase-B chunk sizes
+            return [c for c in labels if "SEAMT_BLOCK_D" in table[c]]
         if shape.get("aot"):
             # compile each distinct seam kernel once: rows whose launch plan and warps coincide at this
             # shape build the same code (at T = 8 every seam_* row's dot blocks are 32 columns, two
@@ -302,6 +314,10 @@ AOT_SHAPE_SEAM = {"T": 1, "D": 4096, "hc": 4, "N": 24, "aot": "seam", "x2": 1}  
 AOT_SHAPES_QUANT = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "x2": 1, "quant_out": 1} for t in (1, 4, 8)]
 # prefetch=... (l2pf, issue 20): the decode step's seam (quant_out, no x2) with its 8 prefetch regions, at the
 # token counts where the step's row issues it: T=1 seamr_d64, T=2 / 4 seam1_d64
+# the seamt rows (mhc16) as the step would run them (quant_out) at 2 tokens (128-column phase-B chunks) and at
+# 32 with the x2 addend (1,024-column chunks for seamt_d64, 2 token blocks: the most registers)
+AOT_SHAPES_SEAMT = [{"T": 2, "D": 4096, "hc": 4, "N": 24, "aot": "seamt", "quant_out": 1},
+                    {"T": 32, "D": 4096, "hc": 4, "N": 24, "aot": "seamt", "quant_out": 1, "x2": 1}]
 AOT_SHAPES_PREFETCH = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "quant_out": 1, "prefetch": 1}
                        for t in (1, 2, 4)]
 
@@ -339,7 +355,8 @@ for _name, _kind, _check, _cases, (_b1, _b4), _bound in _KINDS:
         config_for=_config_for_kernel(_name),
         baselines={"torch_eager": reference_baseline(f"ds4lab.reference.mhc:{_name}", compute_dtype=torch.float32)},
         bound=_bound,
-        aot_shape=([AOT_SHAPE, AOT_SHAPE_SEAM, *AOT_SHAPES_QUANT, *AOT_SHAPES_PREFETCH] if _kind == "fused"
+        aot_shape=([AOT_SHAPE, AOT_SHAPE_SEAM, *AOT_SHAPES_QUANT, *AOT_SHAPES_PREFETCH, *AOT_SHAPES_SEAMT]
+                   if _kind == "fused"
                    else AOT_SHAPE),
         sm89_mma={"_hc_prenorm_gemm_kernel": "HMMA"} if _kind in ("gemm", "pre", "broadcast", "head")
         else ({"_mhc_post_kernel": "HMMA"} if _kind == "fused" else {}),
