@@ -398,6 +398,31 @@ def _expert_rows(ids_ptr, pair0, P, E, TOPK: tl.constexpr, PB: tl.constexpr, BLO
 
 
 @triton.jit
+def _expert_rows_loop(ids_ptr, pair0, P, E, PB: tl.constexpr, BLOCK_M: tl.constexpr):
+    """:func:`_expert_rows` with the same result for a leader, found without the ``[BLOCK_M, PB]`` one-hot
+    selection (issue 20 moe16: ~790 instructions a program at 192 pairs, before its first weight load).
+    A leader ``pair0`` is itself occurrence ``before`` of its expert, so its rows are ``pair0`` and the next
+    ``min(BLOCK_M, total - before) - 1`` matches after it, each one ``[PB]`` min-reduction (at decode sizes
+    an expert has ~1-2 pairs: 0-1 steps). Non-leaders get ``mvalid`` all false (the kernels read nothing of
+    a non-leader but ``lead``). ``prow`` is 0 where ``mvalid`` is false, as in :func:`_expert_rows`."""
+    e = tl.load(ids_ptr + pair0)
+    q = tl.arange(0, PB)
+    idq = tl.load(ids_ptr + q, mask=q < P, other=-1)
+    match = (idq == e) & (q < P)
+    mi = match.to(tl.int32)
+    before = tl.sum(tl.where(q < pair0, mi, 0), axis=0)
+    lead = (e >= 0) & (e < E) & (before % BLOCK_M == 0)
+    nrows = tl.where(lead, tl.minimum(tl.sum(mi, axis=0) - before, BLOCK_M), 0)
+    m = tl.arange(0, BLOCK_M)
+    prow = tl.where(m == 0, pair0, 0)
+    prev = pair0
+    for r in range(1, nrows):
+        prev = tl.min(tl.where(match & (q > prev), q, PB), axis=0)
+        prow = tl.where(m == r, prev, prow)
+    return lead, e, prow, m < nrows
+
+
+@triton.jit
 def _nib16(p, J: tl.constexpr, DT: tl.constexpr):
     """Nibble J of each word as ``q - 8`` in ``DT`` (bf16/fp16, exact), via the 2^23 bit trick."""
     q = ((p >> (4 * J)) & 0xF) | 0x4B000000
@@ -506,7 +531,7 @@ def _dec_mma_w13_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp, stride_ps, stride_pp,
     K: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr = 0, ASM: tl.constexpr = 0,
-    HPERM: tl.constexpr = 0, XPERM: tl.constexpr = 0,
+    HPERM: tl.constexpr = 0, XPERM: tl.constexpr = 0, SCAN: tl.constexpr = 0,
 ):
     """Grid ``(pairs, inter / BLOCK_N, SPLIT)``.
     One program (a leader, see ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N gate
@@ -526,7 +551,10 @@ def _dec_mma_w13_kernel(
     pair0 = tl.program_id(0)
     nb = tl.program_id(1)
     split = tl.program_id(2)
-    lead, e, prow, mvalid = _expert_rows(ids_ptr, pair0, P, E, TOPK, PB, BLOCK_M)
+    if SCAN:   # moe16: the leader's rows by a short loop instead of the one-hot selection (same rows)
+        lead, e, prow, mvalid = _expert_rows_loop(ids_ptr, pair0, P, E, PB, BLOCK_M)
+    else:
+        lead, e, prow, mvalid = _expert_rows(ids_ptr, pair0, P, E, TOPK, PB, BLOCK_M)
     if lead:
         KS: tl.constexpr = K // SPLIT
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -603,6 +631,7 @@ def _dec_mma_w2_kernel(
     IK: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     DEQ: tl.constexpr = 0, ASM: tl.constexpr = 0, HPERM: tl.constexpr = 0, ACCUM: tl.constexpr = 0,
+    SCAN: tl.constexpr = 0,
 ):
     """Grid ``(pairs, hidden / BLOCK_N)``.
     One program (a leader, ``_expert_rows``): up to BLOCK_M pairs of one expert x BLOCK_N columns: y[pair_m, n] =
@@ -616,7 +645,10 @@ def _dec_mma_w2_kernel(
     nb = tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    lead, e, prow, mvalid = _expert_rows(ids_ptr, pair0, P, E, TOPK, PB, BLOCK_M)
+    if SCAN:
+        lead, e, prow, mvalid = _expert_rows_loop(ids_ptr, pair0, P, E, PB, BLOCK_M)
+    else:
+        lead, e, prow, mvalid = _expert_rows(ids_ptr, pair0, P, E, TOPK, PB, BLOCK_M)
     if lead:
         e64 = e.to(tl.int64)
         c = tl.arange(0, 16)
@@ -915,18 +947,24 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     # "xperm": 1: x copied per program into xs in plane order (the w13 A operand contiguous); needs deq
     xperm = 1 if (deq and cfg.get("xperm")) else 0
     xs = buf("xs", (T, D), torch.bfloat16) if xperm else x
+    # "scan": "loop" (moe16): each program finds its rows by a short loop (_expert_rows_loop), not the
+    # [16, PB] one-hot selection; the same rows, so the same bits
+    scan = {"onehot": 0, "loop": 1}.get(cfg.get("scan", "onehot"))
+    if scan is None:
+        raise ValueError(f"config['scan']={cfg.get('scan')!r}: expected 'onehot' or 'loop'")
+    sk = {"SCAN": 1} if scan else {}   # absent when 0: the old rows' kernels compile exactly as before
     _dec_mma_w13_kernel[(P, nb1, splits)](
         x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit),
         x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
         h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
         K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm, XPERM=xperm,
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
+        **sk, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
     _dec_mma_w2_kernel[(P, nb2)](
         h, w2p, w2s, ids, tw, y, out, cnt2, T, P, D, E,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2),
         y.stride(0), out.stride(0),
         IK=I, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN2, BLOCK_T=cfg.get("BLOCK_T", 16), DEQ=deq, ASM=asm,
-        HPERM=hperm, ACCUM=1 if accumulate else 0,
+        HPERM=hperm, ACCUM=1 if accumulate else 0, **sk,
         num_warps=cfg["num_warps2"], num_stages=cfg.get("num_stages", 2))
     return out
 
@@ -1048,27 +1086,29 @@ _DECODE = {
     # candidate (moe9): the next step of the same trend, 8 splits of 64-wide tiles
     "mmaq_n64s8x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                     "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
-    # candidates (issue 20, moe16: 16-32 tokens = 96-192 pairs, rows for DECODE_ROW_WIDE): the default's time
-    # there is per-program latency, not bytes: each w13 program (128 KB of weights at n64s2) pays the id scan,
-    # the x copy, the first DRAM trips and the split-K ticket tail; each w2 program (16 KB at n64) pays a
-    # 450-instruction id scan and a ticket for 4 groups of work. "s1": no K split (256 KB a w13 program, h
-    # stored directly: no partials, no ticket); "w2n128" / "w2n256w8": 2x / 4x the w2 columns a program
-    # (half / a quarter of the w2 programs, scans and tickets). Same per-element arithmetic as the row with
-    # the same SPLIT_K (w2 tiles only change which program computes a column): s2 rows bit-equal n64s2x.
-    "mmaq_n64s2x_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                           "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 128, "num_warps2": 4,
-                           "num_stages": 3},
-    "mmaq_n64s1x": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                    "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
-    "mmaq_n64s1x_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                           "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 128, "num_warps2": 4,
-                           "num_stages": 3},
-    "mmaq_n64s1x_w2n256w8": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                             "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 256, "num_warps2": 8,
-                             "num_stages": 3},
-    "mmaq_n32s1x_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                           "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 128, "num_warps2": 4,
-                           "num_stages": 3},
+    # candidates (issue 20, moe16: 16-32 tokens = 96-192 pairs; rows for DECODE_ROW_WIDE). At those sizes the
+    # default's time is per-program latency and issue, not bytes (sm_89 SASS): every w13 and w2 program first
+    # runs the [16, PB] one-hot id scan (~520 instructions before its first weight load at 96 pairs, ~790 at
+    # 192; a w2 program's whole K loop is ~920 for 16 KB of weights), each w13 program (128 KB at n64s2) then
+    # pays the x copy, its first DRAM trips and the split-K ticket tail. Options, one step each:
+    # "l": "scan": "loop" (_expert_rows_loop: the leader's rows by a short loop, ~160 instructions before the
+    #   first weight load at any pair count; the same rows, so the same bits as the row without it);
+    # "w2n128": 128 w2 columns a program (half the w2 programs, scans and tickets; same bits);
+    # "s1": no K split (256 KB a w13 program at n64, h stored by the program: no partials, no ticket; the K
+    #   sum in one chain: other bits than s2, checked against the float64 reference);
+    # "n32": 32-wide w13 tiles (65 registers instead of 128: 7 CTAs an SM instead of 4; same bits as n64 s1).
+    "mmaq_n64s2xl": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                     "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4,
+                     "num_stages": 3},
+    "mmaq_n64s2xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                            "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "BLOCK_N2": 128,
+                            "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64s1xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                            "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 128,
+                            "num_warps2": 4, "num_stages": 3},
+    "mmaq_n32s1xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                            "scan": "loop", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 128,
+                            "num_warps2": 4, "num_stages": 3},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {
@@ -1112,8 +1152,8 @@ DECODE_ROW_NARROW = "mmaq_n64s4x"
 DECODE_NARROW_MAX_PAIRS = 12
 #: the decode row from :data:`DECODE_WIDE_MIN_PAIRS` pairs up (batch 16 = 96 pairs, batch 16 MTP = 192), or None
 #: (off: :data:`DECODE_ROW` serves every size above the narrow bound). Issue 20 moe16 candidates
-#: (``mmaq_n64s1x_w2n128``, ``mmaq_n32s1x_w2n128``, ...): time one in the step with
-#: ``ds4lab step --ab "moe_w4a16.DECODE_ROW_WIDE='mmaq_n32s1x_w2n128'"`` (read per call by :func:`pick_config`)
+#: (``mmaq_n32s1xl_w2n128``, ``mmaq_n64s1xl_w2n128``, ...): time one in the step with
+#: ``ds4lab step --ab "moe_w4a16.DECODE_ROW_WIDE='mmaq_n32s1xl_w2n128'"`` (read per call by :func:`pick_config`)
 DECODE_ROW_WIDE = None
 DECODE_WIDE_MIN_PAIRS = 48
 GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW, *((DECODE_ROW_WIDE,) if DECODE_ROW_WIDE else ()),

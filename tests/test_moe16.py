@@ -1,15 +1,17 @@
 """moe16 (issue 20): the W4A16 MoE decode rows for 16-32 tokens (``DECODE_ROW_WIDE``), on the interpreter.
 
-The candidate rows are the ``mmaq`` kernels with other tiles: ``"s1"`` (SPLIT_K 1: h stored by the w13
-program itself, no partials, no ticket) and wider w2 column tiles (``w2n128``). What is proven here:
-- a wider w2 tile changes only which program computes a column: bit-equal to the row with the same w13
-  tiles (both output modes), on ragged experts (33 / 5 / 0 tokens, more than one 16-row leader tile),
-  padding tokens with NaN x, NaN-filled workspaces; every ticket counter back to 0;
-- SPLIT_K 1 against the float64 reference on the bf16 budget (the repeated-expert / id >= E / -1 slot /
-  clamp-hitting token bit-equal to the 64-wide split-1 row), a NaN x element kept in its row; a broken
-  output (one pair's term left out) fails;
+The candidate rows are the ``mmaq`` kernels with the loop id scan (``"scan": "loop"``), wider w2 column tiles
+(``w2n128``), no K split (``s1``: h stored by the w13 program, no partials, no ticket) and 32-wide w13 tiles.
+What is proven here:
+- the loop scan and a wider w2 tile change only how a program finds its rows / which program computes a
+  column: bit-equal to the twin row (both output modes) on ragged experts (19 and 20 tokens on one expert:
+  two 16-row leader tiles; 3 / 0 tokens), padding tokens (ids -1, NaN x), an id == E, NaN-filled
+  workspaces; every ticket counter back to 0; also at 1 token (the 16-id tight scan);
+- split 1 against the float64 reference on the bf16 budget (an expert twice in a token, id == E, a -1
+  slot), a clamp-hitting token bit-equal to the 64-wide split-1 row, a NaN x element kept in its row; a
+  broken output (one pair's term left out) fails; an unknown ``scan`` raises naming it;
 - ``pick_config`` returns ``DECODE_ROW_WIDE`` only from ``DECODE_WIDE_MIN_PAIRS`` pairs up, read per call.
-The table rows themselves run at the test shape (D=256, I=128: the launcher narrows the tiles to the shape).
+The table rows run at the test shape (D=256, I=128: the launcher narrows the tiles to the shape).
 """
 import pytest
 import torch
@@ -21,11 +23,13 @@ from ds4lab_kernels import moe_w4a16 as K
 
 pytestmark = pytest.mark.interp
 
-ROWS = ("mmaq_n64s2x_w2n128", "mmaq_n64s1x", "mmaq_n64s1x_w2n128", "mmaq_n32s1x_w2n128")
-# the twin of each row: the same SPLIT_K and w13 tiles with 64-wide w2 tiles (D=512 here: the 128-wide w2
-# tile covers 2 of the 8 64-column blocks, 4 programs per pair instead of 8)
-TWIN = {"mmaq_n64s2x_w2n128": "mmaq_n64s2x", "mmaq_n64s1x_w2n128": "mmaq_n64s1x",
-        "mmaq_n32s1x_w2n128": dict(K.CONFIGS["sm_89"]["mmaq_n32s1x_w2n128"], BLOCK_N2=64)}
+ROWS = ("mmaq_n64s2xl", "mmaq_n64s2xl_w2n128", "mmaq_n64s1xl_w2n128", "mmaq_n32s1xl_w2n128")
+_T = K.CONFIGS["sm_89"]
+# the twin of each row: the same arithmetic with other tiles or the one-hot id scan (D=256 here: a 128-wide
+# w2 tile covers 2 of the 4 64-column blocks, 2 programs per pair instead of 4)
+TWIN = {"mmaq_n64s2xl": "mmaq_n64s2x",
+        "mmaq_n64s2xl_w2n128": dict(_T["mmaq_n64s2xl_w2n128"], BLOCK_N2=64, scan="onehot"),
+        "mmaq_n32s1xl_w2n128": dict(_T["mmaq_n32s1xl_w2n128"], BLOCK_N2=64, scan="onehot")}
 
 
 def _cfg(label):
@@ -42,16 +46,18 @@ def _weights(E, D, I, seed):
             "w2_packed": R.pack_int4(q2), "w2_scale": s2.bfloat16()}
 
 
-def _ragged(D=512, I=128, seed=5):
-    """38 tokens x top-2 = 76 pairs (PB 128, the wide scan): expert 2 has 33 tokens (3 leader tiles),
-    expert 0 five, expert 1 none, expert 3 every token; every 4th token a padding token (ids -1, NaN x)."""
+def _ragged(D=256, I=128, seed=5):
+    """22 tokens x top-2 = 44 pairs (PB 128, the wide scan): expert 2 has 19 tokens, expert 3 every token
+    but the padding ones (two 16-row leader tiles each), expert 0 three, expert 1 none, one id == E (skipped);
+    every 4th token a padding token (ids -1, NaN x)."""
     g = torch.Generator().manual_seed(seed)
-    T = 38
+    T = 22
     ids = torch.empty(T, 2, dtype=torch.int32)
-    ids[:33, 0] = 2
-    ids[33:, 0] = 0
+    ids[:19, 0] = 2
+    ids[19:, 0] = 0
     ids[:, 1] = 3
     ids[::4] = -1
+    ids[5, 1] = 4
     x = torch.randn(T, D, generator=g).bfloat16()
     x[::4] = float("nan")
     tw = ((lambda w: w / w.sum(1, keepdim=True) * 1.5)(torch.rand(T, 2, generator=g) + 0.1)).float()
@@ -90,13 +96,37 @@ def test_wide_w2_tiles_bit_equal_to_twin(label):
     acc_t = K.fused_moe_w4a16(**inp, config=twin, out=out0.clone(), accumulate=True)
     assert torch.equal(acc.view(torch.int32), acc_t.view(torch.int32))
     assert torch.equal(acc[::4], out0[::4])
-    ref = R.fused_moe_w4a16(**{k: v.cpu() for k, v in inp.items()})
+    ids = inp["topk_ids"].cpu()
+    ref = R.fused_moe_w4a16(**{**{k: v.cpu() for k, v in inp.items()},
+                               "topk_ids": torch.where(ids >= 4, torch.full_like(ids, -1), ids)})
     rep = compare(got.cpu(), ref, "bfloat16")
     assert rep, rep.summary()
 
 
+@pytest.mark.parametrize("T", [1])
+def test_loop_scan_narrow_bit_equal(T):
+    """The narrow row with the loop scan (16-id tight scan at <= 16 pairs) == ``mmaq_n64s4x``
+    at 1 token x top-6 (the 2-token case runs on the H200: moe.sh T=1,4,...): an expert twice in a token, a -1 slot, both output modes."""
+    E, D, I, k = 8, 256, 128, 6
+    g = torch.Generator().manual_seed(21 + T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[0, 3] = ids[0, 1]
+    ids[T - 1, 5] = -1
+    inp = _dev({"x": torch.randn(T, D, generator=g).bfloat16(), **_weights(E, D, I, T),
+                "topk_weights": (torch.rand(T, k, generator=g) + 0.1).float(), "topk_ids": ids})
+    a = K.fused_moe_w4a16(**inp, config=dict(_cfg("mmaq_n64s4x"), scan="loop"))
+    b = K.fused_moe_w4a16(**inp, config=_cfg("mmaq_n64s4x"))
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)) and a.abs().max() > 0
+    out0 = torch.randn(T, D, generator=g).float().to(DEVICE)
+    a = K.fused_moe_w4a16(**inp, config=dict(_cfg("mmaq_n64s4x"), scan="loop"), out=out0.clone(), accumulate=True)
+    b = K.fused_moe_w4a16(**inp, config=_cfg("mmaq_n64s4x"), out=out0.clone(), accumulate=True)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    with pytest.raises(ValueError, match="scan"):
+        K.fused_moe_w4a16(**inp, config=dict(dict(_cfg("mmaq_n64s4x"), scan="loop"), scan="nope"))
+
+
 def test_split1_row_vs_reference_and_broken_output_fails():
-    """``mmaq_n32s1x_w2n128`` (w13 32-wide, no split): a repeated expert in a token, id == E and a -1 slot
+    """``mmaq_n32s1xl_w2n128`` (w13 32-wide, no split, loop scan): a repeated expert in a token, id == E and a -1 slot
     (skipped), one clamp-hitting token (x 8), a NaN x element kept in its token's row; a second call gives the same
     bits (no counter left set); dropping one pair's term fails the same check."""
     E, D, I, T, k = 8, 256, 128, 6, 3
@@ -110,7 +140,7 @@ def test_split1_row_vs_reference_and_broken_output_fails():
     ids[2, 0] = -1
     tw = (torch.rand(T, k, generator=g) + 0.1).float()
     inp = _dev({"x": x, **_weights(E, D, I, 9), "topk_weights": tw, "topk_ids": ids})
-    cfg = _cfg("mmaq_n32s1x_w2n128")
+    cfg = _cfg("mmaq_n32s1xl_w2n128")
     out = K.fused_moe_w4a16(**inp, config=cfg)
     again = K.fused_moe_w4a16(**inp, config=cfg)
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))
@@ -119,7 +149,7 @@ def test_split1_row_vs_reference_and_broken_output_fails():
     rep = compare(out[:5].cpu(), ref[:5], "bfloat16")
     assert rep, rep.summary()
     # the same arithmetic as the 64-wide split-1 row (w13 tiles only change which program owns a column)
-    assert torch.equal(out.view(torch.int16), K.fused_moe_w4a16(**inp, config=_cfg("mmaq_n64s1x")).view(torch.int16))
+    assert torch.equal(out.view(torch.int16), K.fused_moe_w4a16(**inp, config=_cfg("mmaq_n64s1xl_w2n128")).view(torch.int16))
     broken = ids_ref.clone()
     broken[3, 1] = -1
     bad = R.fused_moe_w4a16(**{**{kk: v.cpu() for kk, v in inp.items()}, "topk_ids": broken})
@@ -138,9 +168,9 @@ def test_pick_config_wide_row_is_off_by_default_and_read_per_call(monkeypatch):
     assert K.DECODE_ROW_WIDE is None
     t = K.CONFIGS["sm_89"]
     assert K.pick_config(96, Dev()) is t[K.DECODE_ROW] and K.pick_config(192, Dev()) is t[K.DECODE_ROW]
-    monkeypatch.setattr(K, "DECODE_ROW_WIDE", "mmaq_n32s1x_w2n128")
-    assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS, Dev()) is t["mmaq_n32s1x_w2n128"]
-    assert K.pick_config(192, Dev()) is t["mmaq_n32s1x_w2n128"]
+    monkeypatch.setattr(K, "DECODE_ROW_WIDE", "mmaq_n32s1xl_w2n128")
+    assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS, Dev()) is t["mmaq_n32s1xl_w2n128"]
+    assert K.pick_config(192, Dev()) is t["mmaq_n32s1xl_w2n128"]
     assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS - 1, Dev()) is t[K.DECODE_ROW]
     assert K.pick_config(6, Dev()) is t[K.DECODE_ROW_NARROW]
     assert K.pick_config(K.DECODE_MAX_PAIRS + 1, Dev()) is t["prefill"]
