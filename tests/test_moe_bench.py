@@ -2,6 +2,7 @@
 shape, the timer stubbed: numerics-first pass, ds4lab and peer rows (full step + GEMMs only), the
 straw man, a failing candidate recorded as FAIL without stopping the rest, and the table."""
 import csv
+import json
 
 import pytest
 import torch
@@ -70,3 +71,28 @@ def test_moe_bench_biteq_and_no_peer(tmp_path, monkeypatch):
     assert any(s.startswith("biteq") and "mmaq_n32s4" in s and s.endswith("PASS") for s in logs)
     assert any(s.startswith("biteq") and "decode" in s and s.endswith("FAIL") for s in logs)
     assert "bit-equal to mma_n32s4: True" in next(r for r in rows if r["config_label"] == "mmaq_n32s4")["numerics"]
+
+
+def test_biteq_refs_per_row():
+    """``--biteq LABEL ROW=REF ROW2=-`` (moe16): per-row references; an unknown or non-decode row raises naming it."""
+    got = moe_bench.biteq_refs(["mmaq_n64s2x", "mmaq_n32s1xl_w2n128=mmaq_n64s1xl_w2n128", "mmaq_n64s1xl_w2n128=-"])
+    assert got == {None: "mmaq_n64s2x", "mmaq_n32s1xl_w2n128": "mmaq_n64s1xl_w2n128", "mmaq_n64s1xl_w2n128": None}
+    assert moe_bench.biteq_refs("mma_n32s4") == {None: "mma_n32s4"}
+    for bad in (["nope"], ["mmaq_n64s2x=prefill"], ["zz=mmaq_n64s2x"]):
+        with pytest.raises(ValueError, match="not a decode row"):
+            moe_bench.biteq_refs(bad)
+
+
+def test_uniform_routing_ids_and_table_rows():
+    """``--routing uniform``: ids distinct per token, tokens independent (experts shared), seeded; the table
+    keeps a T's uniform rows apart from its distinct rows."""
+    a = moe_bench.uniform_ids(16, 256, 6, 3, "cpu")
+    assert a.dtype == torch.int32 and a.shape == (16, 6) and a.is_contiguous()
+    assert all(len(set(r.tolist())) == 6 for r in a) and int(a.min()) >= 0 and int(a.max()) < 256
+    assert torch.equal(a, moe_bench.uniform_ids(16, 256, 6, 3, "cpu"))
+    assert int(moe_bench.uniform_ids(32, 256, 6, 4, "cpu").unique().numel()) < 192   # shared at T=32
+    base = {"build": "sm89", "impl": "ds4lab", "status": "OK", "tbps": 1.0, "frac_roof": 0.3}
+    rows = [dict(base, config_label="a", p50_us=10.0, shape=json.dumps({"T": 16})),
+            dict(base, config_label="a", p50_us=8.0, shape=json.dumps({"T": 16, "routing": "uniform", "experts": 80.5}))]
+    t = moe_bench.table(rows)
+    assert "T=16  peer" in t and "T=16 routing=uniform (80.5 experts)" in t

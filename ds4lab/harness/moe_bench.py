@@ -18,7 +18,12 @@ made outside the timed region), and its two GEMM launches alone (``impl=vllm_tri
 ``--biteq LABEL`` (issue 20, moeh): every other row must also give the same bits as row LABEL (a row of
 the same tiles whose arithmetic it claims to keep), on every numerics case both overwriting a bf16 out and
 adding into a float32 out (``accumulate=True``, as the step calls it), and on each timed T's set 0; a
-mismatch FAILs the row (``biteq ... FAIL`` in the log).
+mismatch FAILs the row (``biteq ... FAIL`` in the log). Per-row references (issue 20, moe16): ``--biteq LABEL
+ROW=REF ROW2=-``: ROW must match REF instead, ROW2 is not bit-checked (other arithmetic: the float64 check only).
+
+``--routing uniform`` (issue 20, moe16) also times each T with every token's top-k drawn independently
+(experts shared between tokens, as random routing: T=16 ~80.6 distinct experts, T=32 ~136; the table and
+``min_bytes`` use the sets' mean distinct count); the default ``distinct`` is the bytes' worst case.
 
 Rows: ``OUT/moe_bench.csv`` (the bench's columns, appended as measured). The table printed last
 gives per T: us, TB/s (``costs.moe_min_bytes`` over p50), % of the same-run copy roof, and the
@@ -78,7 +83,8 @@ def _rms_rel(out, ref) -> float:
 
 def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_max_t: int = 16,
         shape_of=None, numerics_t: int = 16, peer_labels: list[str] | None = None,
-        labels_only: list[str] | None = None, biteq: str | None = None) -> list[dict]:
+        labels_only: list[str] | None = None, biteq: str | list[str] | None = None,
+        routings: tuple[str, ...] = ("distinct",)) -> list[dict]:
     """Numerics, then time (see the module doc); ``shape_of(tp, T)`` overrides the geometry's
     shapes (tests); ``peer_labels`` limits the peer's sweep to those labels of
     ``peer_moe.sweep_for`` (None: all); ``labels_only`` the ds4lab rows (:func:`candidate_labels`); ``biteq`` the row every other
@@ -98,7 +104,12 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
     rows = bench._Rows(os.path.join(out_dir, "moe_bench.csv"))
     labels = candidate_labels(arch, labels_only) if labels_only else candidate_labels(arch)
     dev = runinfo["device"]
-    ref_cfg = CONFIGS[arch][biteq] if biteq else None
+    refs = biteq_refs(biteq)   # row -> the row whose bits it must give (None: no bit check)
+
+    def ref_of(label):
+        r = refs.get(label, refs.get(None))
+        return r if r and r != label else None
+    ref_labels = sorted({r for r in (ref_of(lb) for lb in labels) if r})
 
     def same_bits(a, b) -> bool:
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
@@ -112,11 +123,13 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
     for case in MOE_CASES:
         inp = spec.make_inputs(nshape, case, 7, dev)
         want = ref_fn(**inp)
-        if ref_cfg is not None:  # the bit-equality reference: both output modes
+        base_out, base_acc = {}, {}
+        if ref_labels:  # the bit-equality references: both output modes
             g = torch.Generator(device=dev).manual_seed(11)
             out0 = torch.randn(inp["x"].shape, generator=g, device=dev, dtype=torch.float32)
-            base_out = fused_moe_w4a16(**inp, config=ref_cfg)
-            base_acc = fused_moe_w4a16(**inp, config=ref_cfg, out=out0.clone(), accumulate=True)
+            for r in ref_labels:
+                base_out[r] = fused_moe_w4a16(**inp, config=CONFIGS[arch][r])
+                base_acc[r] = fused_moe_w4a16(**inp, config=CONFIGS[arch][r], out=out0.clone(), accumulate=True)
         for label in labels:
             try:
                 got = fused_moe_w4a16(**inp, config=CONFIGS[arch][label])
@@ -124,12 +137,13 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
                 reps = check_moe(got, want, inp)
                 ok = all(reps)
                 msg = "; ".join(r.summary() for r in reps)
-                if ref_cfg is not None and label != biteq:
+                r = ref_of(label)
+                if r:
                     acc = fused_moe_w4a16(**inp, config=CONFIGS[arch][label], out=out0.clone(), accumulate=True)
-                    same = same_bits(got, base_out) and same_bits(acc, base_acc)
-                    log(f"biteq {arch_build} T={numerics_t} {case:<18} {label:<14} vs {biteq}: {'PASS' if same else 'FAIL'}")
+                    same = same_bits(got, base_out[r]) and same_bits(acc, base_acc[r])
+                    log(f"biteq {arch_build} T={numerics_t} {case:<18} {label:<14} vs {r}: {'PASS' if same else 'FAIL'}")
                     ok = ok and same
-                    msg = f"bit-equal to {biteq} (bf16 out and accumulate): {same}; " + msg
+                    msg = f"bit-equal to {r} (bf16 out and accumulate): {same}; " + msg
             except Exception as e:  # fail-soft: one candidate must not stop the rest
                 ok, msg = False, f"{type(e).__name__}: {e}"[:300]
             log(f"numerics {arch_build} T={numerics_t} {case:<18} {label:<14} {'PASS' if ok else 'FAIL'} {msg[:150]}")
@@ -148,17 +162,27 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
         except Exception as e:
             log(f"peer unavailable: {e}")
 
-    for T in Ts:
+    for T, routing in [(T, rt) for T in Ts for rt in routings]:
         shape = shape_of(tp, T)
         sets = bench._input_sets(spec, shape, dev, runinfo["l2"])
+        min_bytes = spec.min_bytes(shape)
+        if routing == "uniform":   # moe16: every token's top-k drawn independently (experts shared by tokens)
+            n_e = []
+            for i, st in enumerate(sets):
+                st["topk_ids"] = uniform_ids(T, shape["E"], shape["topk"], 1000 + i, dev)
+                n_e.append(int(st["topk_ids"].unique().numel()))
+            from ds4lab.harness.costs import moe_expert_bytes
+            min_bytes += (sum(n_e) / len(n_e) - costs_touched(shape)) * moe_expert_bytes(shape)
+            shape = {**shape, "routing": "uniform", "experts": round(sum(n_e) / len(n_e), 1)}
+            log(f"T={T} routing uniform: distinct experts per set {n_e}")
+        elif routing != "distinct":
+            raise ValueError(f"routing={routing!r}: expected 'distinct' or 'uniform'")
         want = ref_fn(**sets[0])
         common = {**base, "kernel": spec.name, "tp": tp, "shape": json.dumps(shape), "flops": spec.flops(shape),
-                  "min_bytes": spec.min_bytes(shape), "n_sets": len(sets)}
-        repro = f"python3 -m ds4lab.harness.moe_bench --arch {arch_build} --tp {tp} --T {T}"
-        base_t = None
-        if ref_cfg is not None:
-            base_t = fused_moe_w4a16(**sets[0], config=ref_cfg)
-            _sync()
+                  "min_bytes": min_bytes, "n_sets": len(sets)}
+        repro = f"python3 -m ds4lab.harness.moe_bench --arch {arch_build} --tp {tp} --T {T} --routing {routing}"
+        base_t = {r: fused_moe_w4a16(**sets[0], config=CONFIGS[arch][r]) for r in ref_labels}
+        _sync()
 
         def emit(row, fns, replays=30):
             try:
@@ -179,11 +203,12 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
                 _sync()
                 reps = check_moe(got, want, sets[0])
                 ok, row["numerics"] = all(reps), "; ".join(r.summary() for r in reps)
-                if base_t is not None and label != biteq:
-                    same = same_bits(got, base_t)
-                    log(f"biteq {arch_build} T={T} set0 {label:<14} vs {biteq}: {'PASS' if same else 'FAIL'}")
+                r = ref_of(label)
+                if r:
+                    same = same_bits(got, base_t[r])
+                    log(f"biteq {arch_build} T={T} set0 {label:<14} vs {r}: {'PASS' if same else 'FAIL'}")
                     ok = ok and same
-                    row["numerics"] = f"bit-equal to {biteq}: {same}; " + row["numerics"]
+                    row["numerics"] = f"bit-equal to {r}: {same}; " + row["numerics"]
             except Exception as e:
                 ok, row["numerics"] = False, f"{type(e).__name__}: {e}"[:300]
             if label in bad_labels:
@@ -233,7 +258,9 @@ def table(rows: list[dict]) -> str:
     lines = []
     by_t: dict = {}
     for r in rows:
-        by_t.setdefault((r.get("build", ""), json.loads(r["shape"])["T"]), []).append(r)
+        sh = json.loads(r["shape"])
+        rt = f" routing={sh['routing']} ({sh.get('experts')} experts)" if sh.get("routing") else ""
+        by_t.setdefault((r.get("build", ""), f"{sh['T']}{rt}"), []).append(r)
     for (build, T), rs in by_t.items():
         for r in rs:
             for k in ("p50_us", "tbps", "frac_roof"):
@@ -244,14 +271,14 @@ def table(rows: list[dict]) -> str:
         best_peer = min((r["p50_us"] for r in peers_ok), default=None)
         best_gemms = min((r["p50_us"] for r in ok if r["impl"] == PEER_GEMMS), default=None)
         lines.append(f"build={build} T={T}  peer best (full step) = {best_peer} us, peer best (2 GEMMs only) = {best_gemms} us")
-        lines.append(f"  {'impl':<26} {'config':<16} {'p50 us':>9} {'TB/s':>7} {'% copy':>7} {'x peer':>7} {'x gemms':>7}")
+        lines.append(f"  {'impl':<26} {'config':<21} {'p50 us':>9} {'TB/s':>7} {'% copy':>7} {'x peer':>7} {'x gemms':>7}")
         for r in sorted(rs, key=lambda r: (r.get("status") != "OK", r.get("p50_us") or 1e18)):
             if r.get("status") != "OK":
-                lines.append(f"  {r['impl']:<26} {r['config_label']:<16} {r.get('status')}: {str(r.get('numerics'))[:70]}")
+                lines.append(f"  {r['impl']:<26} {r['config_label']:<21} {r.get('status')}: {str(r.get('numerics'))[:70]}")
                 continue
             xp = f"{best_peer / r['p50_us']:.2f}" if best_peer else "-"
             xg = f"{best_gemms / r['p50_us']:.2f}" if best_gemms else "-"
-            lines.append(f"  {r['impl']:<26} {r['config_label']:<16} {r['p50_us']:>9.2f} {r['tbps']:>7.3f} "
+            lines.append(f"  {r['impl']:<26} {r['config_label']:<21} {r['p50_us']:>9.2f} {r['tbps']:>7.3f} "
                          f"{100 * r['frac_roof']:>6.1f}% {xp:>7} {xg:>7}")
     return "\n".join(lines)
 
@@ -265,9 +292,13 @@ def main(argv=None) -> int:
     p.add_argument("--peer-src", metavar="DIR")
     p.add_argument("--labels", nargs="+", metavar="LABEL",
                    help="time only these ds4lab decode rows (default: the defaults and every mmaq_* row)")
-    p.add_argument("--biteq", metavar="LABEL",
+    p.add_argument("--biteq", metavar="LABEL", nargs="+",
                    help="every other ds4lab row must give the same bits as this row (numerics cases, both "
-                        "output modes, and each T's set 0); a mismatch FAILs the row")
+                        "output modes, and each T's set 0); a mismatch FAILs the row. ROW=REF: ROW against REF "
+                        "instead; ROW=-: ROW not bit-checked (other arithmetic)")
+    p.add_argument("--routing", nargs="+", default=["distinct"], choices=["distinct", "uniform"],
+                   help="timed routings: distinct (every pair its own expert while T*topk <= E: the bytes' worst "
+                        "case) and/or uniform (tokens' top-k independent: experts shared, as random routing)")
     p.add_argument("--numerics-t", type=int, default=16, help="T of the adversarial numerics pass (default 16)")
     p.add_argument("--no-peer", action="store_true", help="time no peer rows")
     p.add_argument("--peer-configs", nargs="+", metavar="LABEL",
@@ -303,15 +334,46 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     if a.biteq:
-        from ds4lab_kernels.moe_w4a16 import CONFIGS
-        if a.biteq not in CONFIGS["sm_89"] or CONFIGS["sm_89"][a.biteq]["path"] != "decode":
-            print(f"--biteq: {a.biteq!r} is not a decode row", file=sys.stderr)
+        try:
+            biteq_refs(a.biteq)
+        except ValueError as e:
+            print(f"--biteq: {e}", file=sys.stderr)
             return 2
     rows = run(a.arch, a.tp, a.T, a.out, straw_max_t=a.straw_max_t, peer_labels=[] if a.no_peer else a.peer_configs,
-               labels_only=a.labels, biteq=a.biteq, numerics_t=a.numerics_t)
+               labels_only=a.labels, biteq=a.biteq, numerics_t=a.numerics_t, routings=tuple(a.routing))
     print(f"\n== W4A16 MoE decode, build {a.arch}, TP={a.tp} ({time.time() - t0:.0f} s) ==")
     print(table(rows))
     return exit_code(rows)
+
+
+def uniform_ids(T: int, E: int, K: int, seed: int, dev):
+    """``[T, K]`` int32 ids, distinct per token, tokens independent (random routing: at T=16, K=6, E=256
+    ~80.6 distinct experts of 96 pairs; T=32 ~136 of 192), seeded (``torch.Generator`` on ``dev``)."""
+    import torch
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return torch.argsort(torch.rand(T, E, generator=g, device=dev), dim=1)[:, :K].to(torch.int32).contiguous()
+
+
+def costs_touched(shape: dict) -> int:
+    from ds4lab.harness.costs import moe_experts_touched
+    return moe_experts_touched(shape)
+
+
+def biteq_refs(biteq) -> dict:
+    """``--biteq`` items -> ``{row: reference row or None}``; key None: the reference of every row not named.
+    An item is ``LABEL`` (every row's reference), ``ROW=REF`` or ``ROW=-`` (no bit check for ROW). ValueError
+    naming an item that is not a decode row of the sm_89 table."""
+    from ds4lab_kernels.moe_w4a16 import CONFIGS
+    t = CONFIGS["sm_89"]
+    items = [biteq] if isinstance(biteq, str) else list(biteq or [])
+    out: dict = {}
+    for it in items:
+        row, _, ref = it.rpartition("=") if "=" in it else (None, "", it)
+        for lb in (row, None if ref == "-" else ref):
+            if lb is not None and (lb not in t or t[lb]["path"] != "decode"):
+                raise ValueError(f"{lb!r} (in {it!r}) is not a decode row")
+        out[row] = None if ref == "-" else ref
+    return out
 
 
 def exit_code(rows: list[dict]) -> int:

@@ -14,7 +14,21 @@
 # e.g. candidate rows against the narrow default, sm89 build only, T=1 and 2, ~90-120 s:
 #   MOE_LABELS="mmaq_n64s4x <rows>" MOE_BUILDS=sm89 MOE_T="1 2" MOE_PEER=0 MOE_BITEQ=mmaq_n64s4x \
 #   MOE_BUILD_TIMEOUT=170 OUT=$OUT bash scripts/gpu/moe.sh
+# MOE_BITEQ may name per-row references: "REF ROW=REF2 ROW3=-" (ROW3: no bit check). MOE_ROUTING (default
+# "distinct"; "distinct uniform" also times each T with tokens' top-k drawn independently, as random routing).
+# MOE_SET=moe16 (issue 20, 16-32 tokens): the wide-row candidates beside the two defaults, sm89 build, T=1 4 16 32,
+# both routings, no peer, bit checks (l rows vs the default, n32s1xl vs n64s1xl), ~100-140 s:
+#   MOE_SET=moe16 OUT=$OUT bash scripts/gpu/moe.sh
 set -uo pipefail
+if [ "${MOE_SET:-}" = moe16 ]; then
+  MOE_LABELS=${MOE_LABELS-mmaq_n64s4x mmaq_n64s2x mmaq_n64s2xl mmaq_n64s2xl_w2n128 mmaq_n64s1xl_w2n128 mmaq_n32s1xl_w2n128}
+  MOE_BUILDS=${MOE_BUILDS:-sm89}
+  MOE_T=${MOE_T:-1 4 16 32}
+  MOE_PEER=${MOE_PEER:-0}
+  MOE_ROUTING=${MOE_ROUTING:-distinct uniform}
+  MOE_BITEQ=${MOE_BITEQ-mmaq_n64s2x mmaq_n64s4x=- mmaq_n64s1xl_w2n128=- mmaq_n32s1xl_w2n128=mmaq_n64s1xl_w2n128}
+  MOE_BUILD_TIMEOUT=${MOE_BUILD_TIMEOUT:-170}
+fi
 OUT=${OUT:-${1:-results/local/moe}}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # caller-relative, before the cd below
 [ -n "${PEER_SRC:-}" ] && [ -d "$PEER_SRC" ] && PEER_SRC=$(cd "$PEER_SRC" && pwd)
@@ -34,7 +48,8 @@ MOE_BUILDS=${MOE_BUILDS:-sm89 native}
 MOE_T=${MOE_T:-1 16 4}
 extra=(--numerics-t "${MOE_NUMERICS_T:-16}")
 [ "${MOE_PEER:-1}" = 0 ] && extra+=(--no-peer)
-[ -n "${MOE_BITEQ:-}" ] && extra+=(--biteq "$MOE_BITEQ")
+[ -n "${MOE_BITEQ:-}" ] && extra+=(--biteq $MOE_BITEQ)
+[ -n "${MOE_ROUTING:-}" ] && extra+=(--routing $MOE_ROUTING)
 rc=0
 t0=$SECONDS
 for arch in $MOE_BUILDS; do
