@@ -1109,6 +1109,10 @@ _DECODE = {
     "mmaq_n32s1xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                             "scan": "loop", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 128,
                             "num_warps2": 4, "num_stages": 3},
+    # the same with 4 stages (3 weight groups in flight a program instead of 2: 12 KB w13, 24 KB w2)
+    "mmaq_n32s1xl_w2n128s4": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                              "scan": "loop", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 128,
+                              "num_warps2": 4, "num_stages": 4},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {

@@ -23,7 +23,8 @@ from ds4lab_kernels import moe_w4a16 as K
 
 pytestmark = pytest.mark.interp
 
-ROWS = ("mmaq_n64s2xl", "mmaq_n64s2xl_w2n128", "mmaq_n64s1xl_w2n128", "mmaq_n32s1xl_w2n128")
+ROWS = ("mmaq_n64s2xl", "mmaq_n64s2xl_w2n128", "mmaq_n64s1xl_w2n128", "mmaq_n32s1xl_w2n128",
+        "mmaq_n32s1xl_w2n128s4")
 _T = K.CONFIGS["sm_89"]
 # the twin of each row: the same arithmetic with other tiles or the one-hot id scan (D=256 here: a 128-wide
 # w2 tile covers 2 of the 4 64-column blocks, 2 programs per pair instead of 4)

@@ -21,12 +21,12 @@
 #   MOE_SET=moe16 OUT=$OUT bash scripts/gpu/moe.sh
 set -uo pipefail
 if [ "${MOE_SET:-}" = moe16 ]; then
-  MOE_LABELS=${MOE_LABELS-mmaq_n64s4x mmaq_n64s2x mmaq_n64s2xl mmaq_n64s2xl_w2n128 mmaq_n64s1xl_w2n128 mmaq_n32s1xl_w2n128}
+  MOE_LABELS=${MOE_LABELS-mmaq_n64s4x mmaq_n64s2x mmaq_n64s2xl mmaq_n64s2xl_w2n128 mmaq_n64s1xl_w2n128 mmaq_n32s1xl_w2n128 mmaq_n32s1xl_w2n128s4}
   MOE_BUILDS=${MOE_BUILDS:-sm89}
   MOE_T=${MOE_T:-1 4 16 32}
   MOE_PEER=${MOE_PEER:-0}
   MOE_ROUTING=${MOE_ROUTING:-distinct uniform}
-  MOE_BITEQ=${MOE_BITEQ-mmaq_n64s2x mmaq_n64s4x=- mmaq_n64s1xl_w2n128=- mmaq_n32s1xl_w2n128=mmaq_n64s1xl_w2n128}
+  MOE_BITEQ=${MOE_BITEQ-mmaq_n64s2x mmaq_n64s4x=- mmaq_n64s1xl_w2n128=- mmaq_n32s1xl_w2n128=mmaq_n64s1xl_w2n128 mmaq_n32s1xl_w2n128s4=mmaq_n64s1xl_w2n128}
   MOE_BUILD_TIMEOUT=${MOE_BUILD_TIMEOUT:-170}
 fi
 OUT=${OUT:-${1:-results/local/moe}}
