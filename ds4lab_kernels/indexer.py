@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as check
+from . import _arch
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import quant_rows_e4m3
 from .o_proj import _mul_once
@@ -964,13 +965,22 @@ def pick_paged_config(B: int, max_context_len: int, device: torch.device) -> dic
     return t["t16"] if B * n_tiles >= 16 * 4 * num_sms(device) else t["t4"]
 
 
-# PROVISIONAL, not yet timed (NOTES.md "idx6"): the H200 run (scripts/gpu/idx_topk.sh) times every row
-PAGED_TOPK_DEFAULT = {"sm_89": "p2s512", "sm_90": "p2s512"}
+#: the one-launch logits + top-k row ``pick_paged_topk_config`` returns, by config table, and by compile target
+#: where a target's pick differs from its table's (``"sm_120"`` reads the sm_89 table).
+#: sm_89: ``p2r2048h11b6cw`` (idx10w, the code-warming register select). H200, sm_89 build, TP=4 rank, ctx 8k,
+#: ABBA (session 12 call 1, ``ds4lab step --ab "indexer.PAGED_TOPK_DEFAULT=..." --abba``, NOTES "idx10w"): batch 1
+#: 4,732 -> 4,700 us (-32), batch 16 10,262 -> 10,140 (-122); with ``INDEXER_FUSED_MAX_NEXT_N = 2`` MTP 5,962 ->
+#: 5,923 (-38); on the step's own inputs with code and data cold (``scripts/gpu/idx_in_step.py --cold``) 15.4 us a
+#: call vs ``p2s512`` 16.8 at next_n 1, 23.1 vs 39.2 at next_n 2.
+#: sm_120: ``p2s512`` (the warm row spills 28 B there at next_n 2; no sm_120 card timed).
+#: sm_90 (the H200's native build): ``p2s512`` until that build is timed with the warm row.
+PAGED_TOPK_DEFAULT = {"sm_89": "p2r2048h11b6cw", "sm_90": "p2s512", "sm_120": "p2s512"}
 #: the rows each table's pick functions can return on a GPU (``pick_q_config``, ``CONFIGS["insert"]``,
-#: ``pick_mqa_config``, ``pick_paged_config``, ``pick_paged_topk_config``): what the compile report builds for
-#: sm_120, which reads the sm_89 table (its candidate rows are built for sm_89 and sm_90 only)
+#: ``pick_mqa_config``, ``pick_paged_config``, ``pick_paged_topk_config``), and sm_120's own list (its table is
+#: sm_89's, its top-k pick is not): what the compile report builds for sm_120 (candidate rows are built for sm_89
+#: and sm_90 only)
 GPU_DEFAULTS = {a: ("r4", "r16", "default", "n128_q16", "n256_q32", "t4", "t16", PAGED_TOPK_DEFAULT[a])
-                for a in ("sm_89", "sm_90")}
+                for a in ("sm_89", "sm_90", "sm_120")}
 
 
 def paged_topk_tiles(cfg: dict, B: int, n_tiles: int, device: torch.device) -> int:
@@ -982,6 +992,9 @@ def paged_topk_tiles(cfg: dict, B: int, n_tiles: int, device: torch.device) -> i
 
 
 def pick_paged_topk_config(B: int, max_context_len: int, device: torch.device) -> dict:
-    """The ``PAGED_TOPK_DEFAULT`` row of ``device``'s build."""
+    """The ``PAGED_TOPK_DEFAULT`` row of ``device``'s build: its compile target's entry if it has one (sm_120),
+    else its config table's."""
     arch = arch_of(device)
-    return CONFIGS["paged_topk"][arch][PAGED_TOPK_DEFAULT[arch]]
+    t = _arch.target(device)
+    key = f"sm_{t[0]}" if t is not None and f"sm_{t[0]}" in PAGED_TOPK_DEFAULT else arch
+    return CONFIGS["paged_topk"][arch][PAGED_TOPK_DEFAULT[key]]

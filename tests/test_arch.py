@@ -138,13 +138,15 @@ def test_sm86_fp8_refused_others_fall_back(monkeypatch, spec):
     assert reports and all(reports), [r.summary() for r in reports if not r]
 
 
-@pytest.mark.parametrize("arch,cap", [("sm_89", (8, 9)), ("sm_90", (9, 0))])
-def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, arch, cap):
+@pytest.mark.parametrize("target,cap", [("sm_89", (8, 9)), ("sm_90", (9, 0)), ("sm_120", (12, 0))])
+def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, target, cap):
     """GPU_DEFAULTS (the rows the compile report builds for sm_120) == the rows each pick function
-    returns on a GPU over sizes that cross every threshold (no drift between the two)."""
+    returns on a GPU over sizes that cross every threshold (no drift between the two); a family's entry for a
+    compile target (sm_120) where it has one, else its table's."""
+    arch = table_for(10 * cap[0] + cap[1])
     from ds4lab_kernels import fp8_quant, mhc, moe_gate, moe_routing, moe_w4a16, sparse_mla, topk
     monkeypatch.setattr(_arch, "target", lambda device: None if device.type != "cuda" else (10 * cap[0] + cap[1],
-                                                                                           SMEM_LIMIT[arch]))
+                                                                                           SMEM_LIMIT[target]))
     monkeypatch.setitem(_arch._SMS, 0, 128)
     dev = CUDA0
     sweeps = {
@@ -159,7 +161,7 @@ def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, arch, cap):
     for mod, cfgs in sweeps.items():
         table = mod.CONFIGS[arch]
         got = {next(lb for lb, c in table.items() if c is cfg) for cfg in cfgs}
-        assert got == set(mod.GPU_DEFAULTS[arch]), (mod.__name__, arch, got)
+        assert got == set(mod.GPU_DEFAULTS.get(target, mod.GPU_DEFAULTS[arch])), (mod.__name__, target, got)
     # the indexer: one family, five tables (q / insert / mqa / paged / paged top-k)
     from ds4lab_kernels import indexer as ix
     picks = {"q": [ix.pick_q_config(n, dev) for n in (64, 8192, 8193)], "insert": [ix.CONFIGS["insert"][arch]["default"]],
@@ -167,4 +169,4 @@ def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, arch, cap):
              "paged": [ix.pick_paged_config(b, c, dev) for b, c in ((1, 64), (64, 1 << 17))],
              "paged_topk": [ix.pick_paged_topk_config(b, c, dev) for b, c in ((1, 64), (16, 1 << 15))]}
     got = {next(lb for lb, c in ix.CONFIGS[t][arch].items() if c is cfg) for t, cfgs in picks.items() for cfg in cfgs}
-    assert got == set(ix.GPU_DEFAULTS[arch]), ("indexer", arch, got)
+    assert got == set(ix.GPU_DEFAULTS[target]), ("indexer", target, got)

@@ -105,8 +105,7 @@ class _BranchAudit:
         return call
 
 
-@pytest.mark.parametrize("main_first", [(), ("attn", "moe"), ("attn2", "moe")], ids=["side_first", "main_first",
-                                                                                    "main_first_norm"])
+@pytest.mark.parametrize("main_first", [False, True], ids=["side_first", "main_first"])
 def test_every_branch_result_is_read_only_after_its_join(main_first):
     """The real composition (tiny checkpoint, reference twin: SWA, C4A and C128A layers, hash and bias
     routing), decoding at compressor boundaries (positions 127 and 131: both requests close a ratio-4
@@ -118,7 +117,7 @@ def test_every_branch_result_is_read_only_after_its_join(main_first):
     from ds4lab.model.weights import load_tiny
     m = build_rank(cfg, 1, 0, load_tiny(), device="cpu", backend="reference")
     if main_first:      # each fork's main-chain head (wqkv_a, the router) issued between the fork and the branch
-        m.ops.branch_main_first = lambda block: block in main_first
+        m.ops.branch_main_first = lambda block: True
     audit = _BranchAudit(m.ops)
     m.ops = audit
     C = m.new_caches(2, 136)
@@ -134,9 +133,8 @@ def test_every_branch_result_is_read_only_after_its_join(main_first):
     # the order of each fork's first side op and the main chain's head (the first layer with a compressor)
     side_attn = next(k for k, n in enumerate(audit.order) if n in ("linear:attn.x_proj", "linear:attn.compressor.wkv_gate"))
     seam = max(k for k in range(side_attn) if audit.order[k].startswith("mhc_"))    # the layer's input
-    assert ("linear:attn.wqkv_a" in audit.order[seam:side_attn]) == bool(main_first)
-    assert ("q_kv_norm_rope" in audit.order[seam:side_attn]) == ("attn2" in main_first)
-    assert (audit.order.index("gate_route") < audit.order.index("linear:moe.shared_w13")) == bool(main_first)
+    assert ("linear:attn.wqkv_a" in audit.order[seam:side_attn]) == main_first
+    assert (audit.order.index("gate_route") < audit.order.index("linear:moe.shared_w13")) == main_first
 
 
 def test_the_audit_catches_an_early_read():
@@ -210,9 +208,8 @@ def test_branch_blocks_picks_the_forks(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the side stream)")
-@pytest.mark.parametrize("main_first, priority", [((), False), (("attn", "moe"), False), (("attn2", "moe"), False),
-                                                 ((), True)], ids=["side_first", "main_first", "main_first_norm",
-                                                                   "priority"])
+@pytest.mark.parametrize("main_first, priority", [((), False), (("attn", "moe"), False), ((), True)],
+                         ids=["side_first", "main_first", "priority"])
 def test_streams_give_bit_identical_logits_eager_and_in_a_graph(monkeypatch, main_first, priority):
     """Real shapes (TP=4 rank 0), the first 4 layers (SWA, SWA, C4A, C128A), random weights and a
     benchmark cache fill to 1,023 tokens, decoding position 1,023: both compressors close a window there

@@ -220,14 +220,17 @@ def _aot_shapes(spec) -> list[dict]:
 
 def labels_for(spec, arch: str, shape: dict, all_configs: bool = False) -> list[str]:
     """Config labels compiled for ``spec`` on ``arch`` at ``shape``: the registry's labels of the table
-    ``arch`` reads, limited to the family's ``GPU_DEFAULTS`` on a ``DEFAULTS_ONLY`` target."""
+    ``arch`` reads, limited to the family's ``GPU_DEFAULTS`` on a ``DEFAULTS_ONLY`` target (its entry for
+    ``arch`` itself if it has one, else for the table)."""
     table = table_of(arch)
     labels = spec.config_labels(table, shape)
     if arch in DEFAULTS_ONLY and not all_configs:
         try:
-            defaults = importlib.import_module(f"ds4lab_kernels.{spec.family}").GPU_DEFAULTS[table]
+            gpu_defaults = importlib.import_module(f"ds4lab_kernels.{spec.family}").GPU_DEFAULTS
         except (ImportError, AttributeError):  # every row of the family's table is a default
             return labels
+        # a family lists a target of its own where that target's picks differ from its table's (the indexer: sm_120)
+        defaults = gpu_defaults.get(arch, gpu_defaults[table])
         labels = [lb for lb in labels if lb in defaults]
     return labels
 

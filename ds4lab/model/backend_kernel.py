@@ -135,10 +135,12 @@ FUSE_SHARED_ACT_MAX_M = 32
 #: keep exercising it.
 INDEXER_FUSED_MAX_N = 2112
 INDEXER_FUSED_MAX_B = 16
-#: the largest ``next_n`` (rows per request) that takes the one-launch path on a GPU: 1 since session 7 (at
-#: next_n 2 the select ran the two rows one after the other and lost to the pair, 27.7 vs 20.9 us); the
-#: register select of idx10 (NOTES "idx10") is timed against it with ``--ab backend_kernel.INDEXER_FUSED_MAX_NEXT_N=2``
-INDEXER_FUSED_MAX_NEXT_N = 1
+#: the largest ``next_n`` (rows per request) that takes the one-launch path on a GPU, by config table (an int: every
+#: table). sm_90: 1 since session 7 (``p2s512``'s select runs the two rows one after the other: 27.7 vs 20.9 us for
+#: the pair). sm_89: 2 with the register select ``p2r2048h11b6cw`` (idx10w): H200 session 12 call 1, sm_89 build,
+#: ABBA, MTP 5,962 -> 5,923 us with both (-7 with the row alone), on the step's own inputs with code and data cold
+#: 23.1 us a call vs 39.2 for ``p2s512`` (NOTES "idx10w")
+INDEXER_FUSED_MAX_NEXT_N = {"sm_89": 2, "sm_90": 1}
 INDEXER_FUSED_MAX_N_INTERP = 8192
 
 #: decode ``compressor`` / ``compressor_insert`` in ONE launch (``compress_decode``'s ``<name>_1l`` rows: each
@@ -232,8 +234,7 @@ BRANCH_BLOCKS = ("attn", "moe")
 #: "order11"): batch 1 4,755 -> 4,716 us (-39), MTP 6,145 -> 5,941 (-204), batch 16 10,304 -> 10,287 (-17), batch 16
 #: MTP 14,625 -> 14,543 (-82); op groups: wqkv_a -201 / -241, gate_route -63 / -243 at batch 1 / MTP, the side
 #: chain's kernels (hidden) slower. Bit-identical (tests/test_branch_streams.py on the H200).
-#: ``"attn2"`` (instead of ``"attn"``): the q/kv norm too (``wqkv_a`` -> ``q_kv_norm_rope`` before the side chain):
-#: session 11's main-first rows ran it at ~5.2 us a call beside ``x_proj`` (3.8 side first). Candidate (session 12).
+#: Also issuing the q/kv norm before the side chain (session 12 call 1, ABBA) measured equal: +10 / 0 / -7 / -8 us.
 BRANCH_MAIN_FIRST = ("attn", "moe")
 #: with :data:`BRANCH_STREAMS`: the step's main chain runs on a stream of the device's greatest priority (forked
 #: from, and joined back into, the caller's stream around the layers: ``Backend.step_scope``) and the side chains
@@ -301,6 +302,15 @@ def _rope_f32(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -
     y[..., -R::2] = ev * cos - od * sin
     y[..., -R + 1::2] = od * cos + ev * sin
     return y
+
+
+def _per_table(setting, x: torch.Tensor):
+    """A switch given per config table (``{"sm_89": ..., "sm_90": ...}``) -> its value for ``x``'s device; any
+    other value is every table's."""
+    if isinstance(setting, dict):
+        from ds4lab_kernels._arch import arch_of
+        return setting[arch_of(x.device)]
+    return setting
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -585,7 +595,7 @@ class KernelBackend(Backend):
         top-k in one launch (``fp8_paged_mqa_topk``, the same indices; on a GPU up to
         ``INDEXER_FUSED_MAX_NEXT_N`` rows per request and ``INDEXER_FUSED_MAX_B`` rows in all)."""
         T, H, D = q_fp8.shape
-        if next_n and (int(max_len) <= INDEXER_FUSED_MAX_N and next_n <= INDEXER_FUSED_MAX_NEXT_N
+        if next_n and (int(max_len) <= INDEXER_FUSED_MAX_N and next_n <= _per_table(INDEXER_FUSED_MAX_NEXT_N, q_fp8)
                        and T <= INDEXER_FUSED_MAX_B
                        if q_fp8.is_cuda else int(max_len) <= INDEXER_FUSED_MAX_N_INTERP):
             with op_group(name, K_INDEXER_TOPK_FUSED):

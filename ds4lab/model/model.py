@@ -95,20 +95,18 @@ class RankModel:
         T = x.shape[0]
         ratio = L["ratio"]
         cs = self.cos_sin[ratio]
-        hd = cfg.head_dim
+        hd, ql = cfg.head_dim, cfg.q_lora_rank
         idx = ratio == 4
         comp_cache = comp_slots = comp_lens = iks = iw = None
-        br = qkv = qr = None
+        br = qkv = None
         if ratio:
             # the side chain (Backend.branch): the compressors' GEMM on x and the compressors, which write
             # their boundary entries into the compressed / indexer K caches; forked before the q chain so the
             # two overlap, joined before the first reader of those caches (the indexer, the attention)
             cm = maps["comp"][(ratio, C.n_comp)]
             fork = o.branch(x.device, "attn")
-            if o.branch_main_first("attn") or o.branch_main_first("attn2"):
+            if o.branch_main_first("attn"):
                 qkv = o.linear(x, L["wqkv_a"], "attn.wqkv_a")
-            if o.branch_main_first("attn2"):     # the q/kv norm as well (its CTAs ahead of the side chain's GEMM)
-                qr = self._q_kv_norm(L, qkv, pos, cs, C, maps)
             with fork as br:
                 if idx and "x_cat" in L:            # compressor | indexer compressor | weights_proj: one GEMM on x
                     y = o.linear(x, L["x_cat"], "attn.x_proj")
@@ -127,8 +125,9 @@ class RankModel:
                                    cs, "indexer.compressor", C.idx, cm["comp_w"], None, "indexer.k_insert")
         if qkv is None:
             qkv = o.linear(x, L["wqkv_a"], "attn.wqkv_a")
-        if qr is None:
-            qr = self._q_kv_norm(L, qkv, pos, cs, C, maps)
+        # the kv's only use is its SWA entry: written by the norm/rope op itself (no insert launch)
+        qr = o.q_kv_norm_rope(qkv, ql, L["q_norm"], L["kv_norm"], cfg.rms_norm_eps, pos, cs, swa_cache=C.swa,
+                              swa_slots=maps["swa_slots"], swa_block=64)
         if idx and "wq_b_cat" in L:             # wq_b | indexer wq_b: one GEMM on qr (weights.fuse_layer)
             qq = o.linear(qr, L["wq_b_cat"], "attn.wq_b")     # its bytes: harness.step.GROUP_OPS
             nq = L["wq_b_cat_n"][0]
@@ -155,13 +154,6 @@ class RankModel:
         return o.sparse_mla_o_proj(q, C.swa, maps["swa_idx"], maps["swa_lens"], L["attn_sink"], comp_cache,
                                    comp_slots, comp_lens, 64, C.comp_block, hd ** -0.5, pos, cs, L["wo_a"], L["wo_b"],
                                    self.G)
-
-    def _q_kv_norm(self, L, qkv, pos, cs, C, maps):
-        """``wqkv_a``'s output -> the normed q latent ``qr``; the kv's only use is its SWA entry, written by the
-        norm/rope op itself (no insert launch)."""
-        cfg = self.cfg
-        return self.ops.q_kv_norm_rope(qkv, cfg.q_lora_rank, L["q_norm"], L["kv_norm"], cfg.rms_norm_eps, pos, cs,
-                                       swa_cache=C.swa, swa_slots=maps["swa_slots"], swa_block=64)
 
     def _compress(self, P, ks, pos, win, state, ratio, cs, name, cache, slots, block, insert_name):
         """``ks (T, 2*coff*hd)`` bf16: the ``wkv_gate`` GEMM output (may be a column slice of a
