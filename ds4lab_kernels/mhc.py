@@ -1118,8 +1118,9 @@ def _mhc_seam_tok_kernel(
     CHUNK: tl.constexpr, PART_W: tl.constexpr, STEP: tl.constexpr, PRECISION: tl.constexpr,
     HAS_X2: tl.constexpr, HAS_NORM: tl.constexpr, PHASE: tl.constexpr, QUANT: tl.constexpr = False,
 ):
-    """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``; ``P = cdiv(T, BLOCK_M) * S`` programs, ONE counter
-    sync for the whole grid (issue 20, mhc16, ``seamt_*`` rows: 1 to ``SEAMT_MAX_T`` tokens).
+    """Grid ``(cdiv(T, BLOCK_M), S)``; ``S = cdiv(D, BLOCK_D)``; ``P = cdiv(T, BLOCK_M) * S`` programs.
+    One program owns a (token block, column chunk) tile in phase A and a share of the (token, chunk) tasks in phase
+    B; ONE counter sync for the whole grid (issue 20, mhc16, ``seamt_*`` rows: 1 to ``SEAMT_MAX_T`` tokens).
 
     Phase A, program (m, s): tokens ``[m*BLOCK_M, +BLOCK_M)`` x columns ``[s*BLOCK_D, +BLOCK_D)`` of the 4 streams,
     every global load first (the 4 ``fn^T`` tiles ``[BLOCK_D, 32]``, x, x2, the residual, the coefficients, the
