@@ -240,7 +240,7 @@ def _paged_topk_warm(q_ptr, kv8_ptr, kv32_ptr, w_ptr, lim_ptr, bt_ptr, ws_ptr, c
             out_row = tl.where(warm, h0_ptr, idx_ptr + row * stride_ir)
             h0_row = tl.where(warm, h0_ptr + WZ, h0r_ptr + row * (1 << W0))
             select_topk(ws_ptr + row * stride_wsr, out_row, L, off, h0_row, K, KP2, SEL_BLOCK, SEL_ROW, W0,
-                        SEL_BITS, H0_BITS > 0, True)
+                        SEL_BITS, H0_BITS > 0)
         if warm:
             tl.debug_barrier()  # the select's stores land before the scratch is re-zeroed (same CTA)
             tl.store(h0_ptr + tl.arange(0, WZ), tl.zeros((WZ,), tl.int32))
@@ -255,7 +255,7 @@ def _fp8_paged_mqa_topk_kernel(
     stride_btb, stride_wsr, stride_ir,
     NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
     KP2: tl.constexpr, HAS_OFF: tl.constexpr, SEL_BLOCK: tl.constexpr, SEL_ROW: tl.constexpr,
-    SEL_BITS: tl.constexpr, H0_BITS: tl.constexpr, SEL_LOOP: tl.constexpr, WARM: tl.constexpr = False,
+    SEL_BITS: tl.constexpr, H0_BITS: tl.constexpr, WARM: tl.constexpr = False,
 ):
     """Grid ``(batch, P)``, ``P = cdiv(cdiv(max_context_len, block_size), tiles)`` (at least 1).
     One program: ``tiles`` consecutive cache blocks of request ``b``, all its next_n rows, logits into
@@ -267,12 +267,12 @@ def _fp8_paged_mqa_topk_kernel(
     step; else rows of up to ``SEL_ROW`` entries in registers, ``SEL_BITS``-bit radix digits after a
     first level of ``H0_BITS`` bits read from ``h0`` (or ``SEL_BITS`` counted in-program); same tie
     rule and order either way), adds ``offsets[row]``, re-zeroes the rows' histograms and the
-    counter for the next launch / CUDA-graph replay. ``SEL_LOOP`` (NOTES.md "idx10c"): the register
-    select's radix levels as one runtime loop (``topk.select_topk_regs_loop``) and the request's next_n
-    rows in a runtime loop too, so the tail executes one copy of the select code, not NEXT_N unrolled
-    ones. No program waits on another.
+    counter for the next launch / CUDA-graph replay. No program waits on another. The launcher runs
+    ``SEL_ROW`` (the register select, radix levels as one runtime loop: ``topk.select_topk_regs_loop``,
+    NOTES.md "idx10c") only with ``WARM``, whose request rows are a runtime loop too (one copy of the
+    select code, not NEXT_N unrolled ones); without ``WARM`` the rows are unrolled (the streaming select).
 
-    ``WARM`` (NOTES.md "idx10w"; needs ``SEL_LOOP`` and ``SEL_ROW``): the grid is 1-D, ``(1 + batch * P,)``;
+    ``WARM`` (NOTES.md "idx10w"; needs ``SEL_ROW``): the grid is 1-D, ``(1 + batch * P,)``;
     program ``1 + b * P + p`` is program ``(b, p)`` above and program 0 is a code warmer: it takes no part
     in the logits or the tickets, and at launch runs the SAME select call site (one copy of the select
     code, so the lines it executes are in L2 when the request's last arrival needs them) on row 0 of the
@@ -299,30 +299,17 @@ def _fp8_paged_mqa_topk_kernel(
     ticket = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
     if ticket == tl.num_programs(1) - 1:
         W0: tl.constexpr = H0_BITS if H0_BITS > 0 else SEL_BITS
-        if SEL_LOOP:
-            # the rows of the request one after the other in a RUNTIME loop (the bound is a runtime
-            # value, so neither LLVM nor ptxas unrolls the select body NEXT_N times)
-            nrows = tl.where(lim1 >= -1, NEXT_N, 0)          # == NEXT_N (limits are clamped >= 0)
-            for i in range(nrows):
-                row = (b * NEXT_N + i).to(tl.int64)
-                off = 0
-                if HAS_OFF:
-                    off = tl.load(off_ptr + row)
-                L = tl.where(i == 1, lim1, lim0)
-                select_topk(ws_ptr + row * stride_wsr, idx_ptr + row * stride_ir, L, off, h0_ptr + row * (1 << W0),
-                            K, KP2, SEL_BLOCK, SEL_ROW, W0, SEL_BITS, H0_BITS > 0, True)
-        else:
-            for i in tl.static_range(NEXT_N):
-                row = (b * NEXT_N + i).to(tl.int64)
-                off = 0
-                if HAS_OFF:
-                    off = tl.load(off_ptr + row)
-                L = lim0
-                if i == 1:
-                    L = lim1
-                # entries past the row's limit are -inf in the workspace: the select stops at the limit
-                select_topk(ws_ptr + row * stride_wsr, idx_ptr + row * stride_ir, L, off, h0_ptr + row * (1 << W0),
-                            K, KP2, SEL_BLOCK, SEL_ROW, W0, SEL_BITS, H0_BITS > 0, False)
+        for i in tl.static_range(NEXT_N):
+            row = (b * NEXT_N + i).to(tl.int64)
+            off = 0
+            if HAS_OFF:
+                off = tl.load(off_ptr + row)
+            L = lim0
+            if i == 1:
+                L = lim1
+            # entries past the row's limit are -inf in the workspace: the select stops at the limit
+            select_topk(ws_ptr + row * stride_wsr, idx_ptr + row * stride_ir, L, off, h0_ptr + row * (1 << W0),
+                        K, KP2, SEL_BLOCK, SEL_ROW, W0, SEL_BITS, H0_BITS > 0)
         tl.atomic_xchg(cnt_ptr + b, 0, sem="relaxed", scope="gpu")
 
 
@@ -848,6 +835,9 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
     warm = bool(cfg.get("SEL_WARM", False))
     if warm and not (sel_row and cfg.get("SEL_LOOP")):
         raise ValueError("config SEL_WARM: needs SEL_ROW and SEL_LOOP (the warmer runs the loop select's call site)")
+    if (sel_row or h0_bits or cfg.get("SEL_LOOP")) and not warm:
+        raise ValueError("config SEL_ROW/SEL_LOOP/H0_BITS: need SEL_WARM (the register select runs only in the "
+                         "code-warming layout; the unrolled and non-warm loop rows were removed, NOTES.md \"idx10w\")")
     h0_base = paged_topk_h0_base(B)
     n_arr, what = paged_topk_arrivals_need(B, nn, k, cfg)
     if arrivals is None:
@@ -873,7 +863,7 @@ def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.T
         weights.stride(0), block_table.stride(0), logits.stride(0), out.stride(0),
         NEXT_N=nn, H=H, D=D, BS=bs, K=k, KP2=triton.next_power_of_2(k), HAS_OFF=offsets is not None,
         SEL_BLOCK=cfg["SEL_BLOCK"], SEL_ROW=sel_row, SEL_BITS=sel_bits, H0_BITS=h0_bits,
-        SEL_LOOP=bool(cfg.get("SEL_LOOP", False)), **({"WARM": True} if warm else {}),
+        **({"WARM": True} if warm else {}),
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
     return out
 
@@ -892,29 +882,15 @@ _PAGED_TOPK = {
     "p4s512": {"PROGS_PER_SM": 4, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
     "t1s512": {"TILES": 1, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
     "t4s512": {"TILES": 4, "SEL_BLOCK": 512, "num_warps": 4, "num_stages": 3},
-    # idx10 (NOTES.md): the select on registers for rows of up to SEL_ROW = 2,048 entries (longer rows:
-    # the s512 streaming select above), radix digits of SEL_BITS bits; H0_BITS: the first level's
-    # 2^H0_BITS-bin histogram is counted by the logits programs (global atomics into the arrivals
-    # buffer, re-zeroed by the select). sm_89 at next_n 1 / 2: 117-126 / 154-158 regs, 0 spills.
-    # PROVISIONAL: not timed yet (the lead's H200 run).
-    "p2r2048b6": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "num_warps": 4,
-                  "num_stages": 3},
-    "p2r2048h11b6": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "H0_BITS": 11,
-                     "num_warps": 4, "num_stages": 3},
-    # idx10c (NOTES.md): the same selects with SEL_LOOP: the radix levels one runtime loop body
-    # (topk.select_topk_regs_loop) and the next_n rows a runtime loop, so the select tail executes a
-    # few hundred SASS instructions of looping code instead of 7-16 K straight-line ones (cold
-    # instruction cache in the decode step). Same results. PROVISIONAL: not timed yet.
-    "p2r2048b6c": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "SEL_LOOP": True,
-                   "num_warps": 4, "num_stages": 3},
-    "p2r2048h11b6c": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "H0_BITS": 11,
-                      "SEL_LOOP": True, "num_warps": 4, "num_stages": 3},
-    # idx10w (NOTES.md): the loop rows + SEL_WARM: one extra program (program 0) runs the select's one
-    # call site at launch on throw-away data, so its code is in L2 (not DRAM) when the last arrival runs
-    # it (the step evicts it between two calls: +7-10 us a call measured cold). Same results.
-    # PROVISIONAL: not timed yet.
-    "p2r2048b6cw": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "SEL_LOOP": True,
-                    "SEL_WARM": True, "num_warps": 4, "num_stages": 3},
+    # idx10w (NOTES.md "idx10", "idx10c", "idx10w"): the select on registers for rows of up to SEL_ROW = 2,048
+    # entries (longer rows: the s512 streaming select above), radix digits of SEL_BITS bits as one runtime loop
+    # (SEL_LOOP, topk.select_topk_regs_loop) after a first level whose 2^H0_BITS-bin histogram the logits
+    # programs count (global atomics into the arrivals buffer, re-zeroed by the select); SEL_WARM: one extra
+    # program (program 0) runs the select's one call site at launch on throw-away data, so its code is in L2
+    # (not DRAM) when the last arrival runs it (the step evicts it between two calls). The sm_89 default (H200
+    # session 12, NOTES "idx10w"). The register select runs only in this layout (SEL_ROW, SEL_LOOP, H0_BITS
+    # need SEL_WARM); the superseded rows (unrolled p2r2048b6 / p2r2048h11b6, loop p2r2048b6c / p2r2048h11b6c,
+    # warm p2r2048b6cw: measured losing) were removed, their code is in git history.
     "p2r2048h11b6cw": {"PROGS_PER_SM": 2, "SEL_BLOCK": 512, "SEL_ROW": 2048, "SEL_BITS": 6, "H0_BITS": 11,
                        "SEL_LOOP": True, "SEL_WARM": True, "num_warps": 4, "num_stages": 3},
 }

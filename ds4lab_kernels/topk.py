@@ -6,7 +6,7 @@ passes (``tl.histogram``), one per key byte from the top, find the exact k-th la
 and how many entries equal to ``T`` must be taken; a last pass writes the indices with a running
 prefix sum. A pass is skipped as soon as the k-th entry's bin is taken whole. Every pass streams
 the row once (2 to 5 reads of the row; rows up to 2^31 - 2 entries). Rows of up to a config's ``ROW``
-entries can instead be selected on registers (``select_topk_regs``: one read of the row, narrower
+entries can instead be selected on registers (``select_topk_regs_loop``: one read of the row, narrower
 radix digits, the same result); ``select_topk`` picks between the two per row.
 
 Tie rule (deterministic): among entries with equal score, the LOWER index wins. Output order:
@@ -86,7 +86,7 @@ def _select_start(k_eff):
 @triton.jit
 def _descend(h, need, prefix, T, need_eq, done, LVL: tl.constexpr):
     """One 8-bit radix level ``LVL`` of the streaming select (``_descend_bits`` with key byte ``3 - LVL``)."""
-    return _descend_bits(h, need, prefix, T, need_eq, done, 24 - 8 * LVL, 8, LVL == 0, False)
+    return _descend_bits(h, need, prefix, T, need_eq, done, 24 - 8 * LVL, 8, LVL == 0)
 
 
 @triton.jit
@@ -108,21 +108,17 @@ def _pick_bin(hr, need, NB: tl.constexpr):
 
 @triton.jit
 def _descend_bits(h, need, prefix, T, need_eq, done, SHIFT: tl.constexpr, BITS: tl.constexpr,
-                  FIRST: tl.constexpr, PACKED: tl.constexpr):
-    """One radix level from its ``2^BITS``-bin histogram ``h`` of key bits ``[SHIFT, SHIFT + BITS)``:
-    the k-th entry's bin extends ``prefix`` by ``BITS`` bits (``FIRST``: the top bits, signed, bins
-    biased by ``2^(BITS-1)``). ``PACKED``: ``h`` is reversed (bin ``2^BITS - 1 - d`` counts digit ``d``)
-    and read by ``_pick_bin`` (one scan, one reduction), else ``_select_bin``.
+                  FIRST: tl.constexpr):
+    """One radix level from its ``2^BITS``-bin histogram ``h`` of key bits ``[SHIFT, SHIFT + BITS)``
+    (read by ``_select_bin``): the k-th entry's bin extends ``prefix`` by ``BITS`` bits (``FIRST``: the
+    top bits, signed, bins biased by ``2^(BITS-1)``).
 
     When that bin is taken whole, every key >= its lowest key is selected (``T = prefix << SHIFT``,
     ``need_eq`` unbounded); at the last level (``SHIFT == 0``) ``T`` is the exact k-th key and
     ``need_eq`` entries equal to it are taken. Either way ``done`` becomes true, in the caller's dtype
     (int1 in the one-program kernels, the int32 state flag in the split select kernel)."""
-    if PACKED:
-        b, above, whole = _pick_bin(h, need, 1 << BITS)
-    else:
-        b, cnt, above = _select_bin(h, need, 1 << BITS)
-        whole = need - above == cnt
+    b, cnt, above = _select_bin(h, need, 1 << BITS)
+    whole = need - above == cnt
     if FIRST:
         prefix = b - (1 << (BITS - 1))        # signed top bits
     else:
@@ -210,51 +206,11 @@ def _reg_write(key, valid, offs, out_row, T, need_eq, off):
     tl.store(out_row + slot, offs + off, mask=slot >= 0)
 
 
-@triton.jit
-def _reg_level(key, valid, need, prefix, T, need_eq, done, TOP: tl.constexpr, W: tl.constexpr):
-    """The radix level below the top ``TOP`` key bits (``prefix``): the histogram of the next ``W``
-    bits (fewer at the bottom) of the keys with that prefix, then ``_descend_bits``."""
-    SH: tl.constexpr = 32 - TOP - W if 32 - TOP - W > 0 else 0
-    BITS: tl.constexpr = 32 - TOP - SH
-    sel = valid & ((key >> (32 - TOP)) == prefix)
-    h = tl.histogram((~key >> SH) & ((1 << BITS) - 1), 1 << BITS, mask=sel)     # reversed digits
-    return _descend_bits(h, need, prefix, T, need_eq, done, SH, BITS, False, True)
-
-
-@triton.jit
-def select_topk_regs(row_ptr, out_row, L, off, h0, K: tl.constexpr, KP2: tl.constexpr, ROW: tl.constexpr,
-                     W0: tl.constexpr, W: tl.constexpr, HAS_H0: tl.constexpr):
-    """``select_topk_row``'s result (same indices, order, tie rule and ``-1`` padding) for a row of
-    ``L <= ROW`` entries, reading the row once: ``ROW`` (a power of two <= 16,384) keys in registers,
-    a first radix level of ``W0`` bits, then levels of ``W`` bits (the last one what is left of 32),
-    each one ``tl.histogram`` + one scan + one reduction on the registers, stopping as soon as the
-    k-th entry's bin is taken whole; then one packed scan writes the indices.
-
-    ``h0``: with ``HAS_H0``, the ``(2^W0,)`` int32 histogram of the first level, already counted
-    over the row's selectable entries (``hist0_add``); else ignored (the first level is counted
-    here)."""
-    offs = tl.arange(0, ROW)
-    key, valid = _load_keys(row_ptr, offs, L)
-    k_eff = tl.minimum(tl.sum(valid.to(tl.int32), 0), K)
-    if HAS_H0:
-        h = h0
-    else:
-        h = tl.histogram((1 << (W0 - 1)) - 1 - (key >> (32 - W0)), 1 << W0, mask=valid)   # reversed digits
-    prefix, need, T, need_eq, done = _select_start(k_eff)
-    if not done:
-        prefix, need, T, need_eq, done = _descend_bits(h, need, prefix, T, need_eq, done, 32 - W0, W0, True, True)
-    for i in tl.static_range((32 - W0 + W - 1) // W):
-        if not done:
-            prefix, need, T, need_eq, done = _reg_level(key, valid, need, prefix, T, need_eq, done, W0 + W * i, W)
-    _reg_write(key, valid, offs, out_row, T, need_eq, off)
-    _pad_tail(out_row, k_eff, K, KP2)
-
-
 # ---- the compact register select (config key "LOOP" / the indexer's "SEL_LOOP", NOTES.md "idx10c") ----
-# ``select_topk_regs`` unrolls its radix levels (``tl.static_range``, each level's shift and width constexpr):
-# 7-8 K SASS instructions at next_n 1 for ONE program, fetched cold from L2 in the decode step where ~40
-# other kernels run between two indexer calls. Here the levels are one runtime loop body (``while not
-# done``) on the keys with the sign bit flipped (``ukey``: unsigned order = the float order), so every
+# idx10's first register select unrolled its radix levels (``tl.static_range``, each level's shift and width
+# constexpr): 7-8 K SASS instructions at next_n 1 for ONE program, fetched cold in the decode step where ~40
+# other kernels run between two indexer calls (removed after idx10w; it is in git history, NOTES.md "idx10").
+# Here the levels are one runtime loop body (``while not done``) on the keys with the sign bit flipped (``ukey``: unsigned order = the float order), so every
 # level, the first included, is the same code: fixed ``2^W`` reversed bins, a runtime shift ``lo`` and
 # digit width ``sh - lo`` (the bottom level just uses fewer bins: its digits ``d < 2^(sh-lo)`` land in
 # reversed bins ``2^W - 1 - d``, the bins before them stay empty, so ``_pick_bin`` returns ``d`` itself).
@@ -286,10 +242,16 @@ def _regc_levels(ukey, valid, need, pfx, hi, sh, T, need_eq, done, W: tl.constex
 @triton.jit
 def select_topk_regs_loop(row_ptr, out_row, L, off, h0, K: tl.constexpr, KP2: tl.constexpr, ROW: tl.constexpr,
                           W0: tl.constexpr, W: tl.constexpr, HAS_H0: tl.constexpr):
-    """``select_topk_regs`` (same arguments, same result) with its radix levels in ONE runtime loop
-    (``_regc_levels``): the code a call executes is the load, at most one ``2^W0``-bin pick (``HAS_H0``:
-    the first level from ``h0``; without it the first level is a loop level of ``W`` bits, ``W0``
-    ignored), one level body and the output pass."""
+    """``select_topk_row``'s result (same indices, order, tie rule and ``-1`` padding) for a row of
+    ``L <= ROW`` entries, reading the row once: ``ROW`` (a power of two <= 16,384) keys in registers,
+    radix levels of ``W`` bits (the last one what is left of 32) in ONE runtime loop (``_regc_levels``),
+    each one ``tl.histogram`` + one scan + one reduction on the registers, stopping as soon as the k-th
+    entry's bin is taken whole; then one packed scan writes the indices. The code a call executes is the
+    load, at most one ``2^W0``-bin pick, one level body and the output pass.
+
+    ``h0``: with ``HAS_H0``, the ``(2^W0,)`` int32 reversed histogram of the first level of ``W0`` bits,
+    already counted over the row's selectable entries (``hist0_add``); else ignored (the first level is
+    a loop level of ``W`` bits, ``W0`` ignored)."""
     offs = tl.arange(0, ROW)
     key, valid = _load_keys(row_ptr, offs, L)
     ukey = key ^ (-2147483647 - 1)                      # unsigned order of the keys (sign bit flipped)
@@ -317,12 +279,10 @@ def select_topk_regs_loop(row_ptr, out_row, L, off, h0, K: tl.constexpr, KP2: tl
 
 @triton.jit
 def select_topk(row_ptr, out_row, L, off, h0_row, K: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
-                ROW: tl.constexpr, W0: tl.constexpr, W: tl.constexpr, HAS_H0: tl.constexpr,
-                LOOP: tl.constexpr):
+                ROW: tl.constexpr, W0: tl.constexpr, W: tl.constexpr, HAS_H0: tl.constexpr):
     """The one-program select of one row, by config: ``ROW == 0`` the streaming ``select_topk_row``
-    (``BLOCK`` entries a step); else ``select_topk_regs`` (``LOOP``: ``select_topk_regs_loop``, the
-    same result from a runtime loop of levels) when ``L <= ROW`` and the streaming select for longer
-    rows (same result either way). ``HAS_H0``: ``h0_row`` holds the row's first-level histogram
+    (``BLOCK`` entries a step); else ``select_topk_regs_loop`` (registers, a runtime loop of radix
+    levels) when ``L <= ROW`` and the streaming select for longer rows (same result either way). ``HAS_H0``: ``h0_row`` holds the row's first-level histogram
     (``hist0_add``, ``2^W0`` int32); it is read, then re-zeroed here (for the next launch)."""
     if ROW == 0:
         select_topk_row(row_ptr, out_row, L, off, K, KP2, BLOCK)
@@ -333,10 +293,7 @@ def select_topk(row_ptr, out_row, L, off, h0_row, K: tl.constexpr, KP2: tl.const
             h0 = tl.load(h0_row + bins)
             tl.store(h0_row + bins, tl.zeros((1 << W0,), tl.int32))   # same threads, same addresses
         if L <= ROW:
-            if LOOP:
-                select_topk_regs_loop(row_ptr, out_row, L, off, h0, K, KP2, ROW, W0, W, HAS_H0)
-            else:
-                select_topk_regs(row_ptr, out_row, L, off, h0, K, KP2, ROW, W0, W, HAS_H0)
+            select_topk_regs_loop(row_ptr, out_row, L, off, h0, K, KP2, ROW, W0, W, HAS_H0)
         else:
             select_topk_row(row_ptr, out_row, L, off, K, KP2, BLOCK)
 
@@ -344,17 +301,17 @@ def select_topk(row_ptr, out_row, L, off, h0_row, K: tl.constexpr, KP2: tl.const
 @triton.jit
 def _topk_kernel(x_ptr, len_ptr, off_ptr, out_ptr, N, stride_xr, stride_or,
                  K: tl.constexpr, KP2: tl.constexpr, HAS_LEN: tl.constexpr, HAS_OFF: tl.constexpr,
-                 BLOCK: tl.constexpr, ROW: tl.constexpr, W: tl.constexpr, LOOP: tl.constexpr):
+                 BLOCK: tl.constexpr, ROW: tl.constexpr, W: tl.constexpr):
     """Grid ``(num_rows,)``.
     One program: one whole row (``select_topk``: ``ROW == 0`` the streaming select, up to 4 radix passes
-    then the output pass; else rows of up to ``ROW`` entries in registers, ``W``-bit digits, ``LOOP``:
-    the levels as one runtime loop)."""
+    then the output pass; else rows of up to ``ROW`` entries in registers, ``W``-bit digits, the levels
+    as one runtime loop)."""
     r = tl.program_id(0).to(tl.int64)
     L = _row_len(len_ptr, r, N, HAS_LEN)
     off = 0
     if HAS_OFF:
         off = tl.load(off_ptr + r)
-    select_topk(x_ptr + r * stride_xr, out_ptr + r * stride_or, L, off, x_ptr, K, KP2, BLOCK, ROW, W, W, False, LOOP)
+    select_topk(x_ptr + r * stride_xr, out_ptr + r * stride_or, L, off, x_ptr, K, KP2, BLOCK, ROW, W, W, False)
 
 
 # ---- three-launch variant (config key "VARIANT": "r3"): P programs per row ---------------------
@@ -666,11 +623,14 @@ def topk_indices(logits: torch.Tensor, k: int = 512, lengths: torch.Tensor | Non
     if cfg.get("VARIANT") == "r3":
         return _launch_r3(logits, lengths, offsets, out, k, cfg)
     check_select_config(cfg.get("ROW", 0), cfg.get("BITS", 7), cfg.get("BITS", 7), "config ROW/BITS")
+    if cfg.get("ROW") and not cfg.get("LOOP"):
+        raise ValueError("config ROW: needs LOOP (the register select is the runtime-loop one; the unrolled "
+                         "select was removed, NOTES.md \"idx10c\")")
     _topk_kernel[(R,)](
         logits, lengths if lengths is not None else logits, offsets if offsets is not None else logits, out, N,
         logits.stride(0), out.stride(0), K=k, KP2=triton.next_power_of_2(k), HAS_LEN=lengths is not None,
         HAS_OFF=offsets is not None, BLOCK=cfg["BLOCK"], ROW=cfg.get("ROW", 0), W=cfg.get("BITS", 7),
-        LOOP=bool(cfg.get("LOOP", False)), num_warps=cfg["num_warps"])
+        num_warps=cfg["num_warps"])
     return out
 
 
@@ -684,12 +644,11 @@ _R3 = {"r3_1024": {"BLOCK": 1024, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM
        "r3_2048p8": {"BLOCK": 2048, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 8, "CAP": 8192},
        "r3_1024p8": {"BLOCK": 1024, "num_warps": 4, "VARIANT": "r3", "PROGS_PER_SM": 8, "CAP": 8192}}
 # (BLOCK 4096 / 8 warps: the select kernel spills 16 B on sm_90, ds4lab aot on triton 3.7.1)
-# b1024r2048 (NOTES.md "idx10"): rows of up to ROW = 2,048 entries selected on registers (one read of the
-# row, BITS-bit radix digits; 119 / 126 / 108 regs on sm_89 / sm_90 / sm_120, 0 spills), longer rows as b1024.
-# b1024r2048c (NOTES.md "idx10c"): the same select with its radix levels as one runtime loop
-# (select_topk_regs_loop: a few hundred SASS instructions executed instead of ~6 K straight-line).
-_REGS = {"b1024r2048": {"BLOCK": 1024, "num_warps": 4, "ROW": 2048, "BITS": 6},
-         "b1024r2048c": {"BLOCK": 1024, "num_warps": 4, "ROW": 2048, "BITS": 6, "LOOP": True}}
+# b1024r2048c (NOTES.md "idx10c"): rows of up to ROW = 2,048 entries selected on registers (one read of the
+# row, BITS-bit radix digits, the levels one runtime loop: select_topk_regs_loop), longer rows as b1024;
+# the two-launch baselines of the one-launch indexer bench time it. (Its unrolled twin b1024r2048, NOTES.md
+# "idx10", was removed with the unrolled select: git history.) LOOP is required with ROW.
+_REGS = {"b1024r2048c": {"BLOCK": 1024, "num_warps": 4, "ROW": 2048, "BITS": 6, "LOOP": True}}
 CONFIGS = {
     "sm_89": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_REGS, **_R3},
     "sm_90": {"b1024": {"BLOCK": 1024, "num_warps": 4}, "b4096": {"BLOCK": 4096, "num_warps": 8}, **_REGS, **_R3},

@@ -1,16 +1,15 @@
-"""The top-k select on registers (NOTES.md "idx10"): ``topk.select_topk_regs`` behind the one-launch
-indexer rows ``CONFIGS["paged_topk"]`` with ``SEL_ROW`` (the first radix level from the logits
-programs' histograms with ``H0_BITS``) and behind ``topk_indices``' ``ROW`` row. Every row returns
-the two-launch path's indices (``fp8_paged_mqa_logits`` + the streaming ``topk_indices``) element
-for element, and the fp64 reference's where the logits are exact: ties (the lower index wins),
-all-equal rows, NaN / +-inf, fewer valid entries than k, limit 0, next_n 2, rows longer than
-``SEL_ROW`` (the streaming fallback in the same launch); counters and histograms are zero after
-every call and a second call is equal. The ``SEL_LOOP`` / ``LOOP`` rows (NOTES.md "idx10c": the same select
-with its radix levels and the next_n rows as runtime loops, ``topk.select_topk_regs_loop``) pass every
-case the unrolled rows pass. The ``SEL_WARM`` rows (NOTES.md "idx10w": one extra program runs the select's one
-call site at launch on throw-away data, a code warmer) pass every case the loop rows pass; the warmer alone
-touches neither the outputs nor the real histograms, leaves its scratch zero, survives a garbage scratch
-histogram, and a short arrivals buffer is refused by name."""
+"""The top-k select on registers (NOTES.md "idx10", "idx10c", "idx10w"): ``topk.select_topk_regs_loop`` (the
+radix levels one runtime loop) behind the one-launch indexer rows ``CONFIGS["paged_topk"]`` with ``SEL_ROW``
+(the sm_89 default ``p2r2048h11b6cw``: the first radix level from the logits programs' histograms,
+``H0_BITS``, and ``SEL_WARM``: one extra program runs the select's one call site at launch on throw-away data,
+a code warmer) and behind ``topk_indices``' ``ROW`` row. Every row returns the two-launch path's indices
+(``fp8_paged_mqa_logits`` + the streaming ``topk_indices``) element for element, and the fp64 reference's
+where the logits are exact: ties (the lower index wins), all-equal rows, NaN / +-inf, fewer valid entries
+than k, limit 0, next_n 2, rows longer than ``SEL_ROW`` (the streaming fallback in the same launch);
+counters, histograms and the warmer's scratch are zero after every call and a second call is equal. The
+warmer alone touches neither the outputs nor the real histograms, leaves its scratch zero, survives a
+garbage scratch histogram, and a short arrivals buffer is refused by name. (The unrolled and non-warm loop
+rows were removed after idx10w was measured; their tests went with them: git history.)"""
 import pytest
 import torch
 
@@ -28,27 +27,18 @@ pytestmark = pytest.mark.interp
 ROWS = {lb: c for lb, c in K.CONFIGS["paged_topk"]["sm_89"].items() if c.get("SEL_ROW")}
 # the table rows as they are (2,048 entries on registers: every test row takes the register path), and
 # shrunk to 256 entries with 2 blocks per program (the rows longer than that take the streaming select)
-# (the loop row without H0 only as it is: the shrunk loop rows' fallback is the H0 loop row's, to keep CPU time)
-CASES = [(lb, c) for lb, c in ROWS.items()] + [(lb + "-row256", dict(c, SEL_ROW=256, TILES=2)) for lb, c in ROWS.items()
-                                               if not (c.get("SEL_LOOP") and not c.get("H0_BITS"))]
+CASES = [(lb, c) for lb, c in ROWS.items()] + [(lb + "-row256", dict(c, SEL_ROW=256, TILES=2)) for lb, c in ROWS.items()]
 IDS = [lb for lb, _ in CASES]
 WARM = {lb: c for lb, c in ROWS.items() if c.get("SEL_WARM")}
 
 
-def test_the_table_has_register_rows_with_and_without_the_logits_histogram():
-    assert {bool(c.get("H0_BITS")) for c in ROWS.values()} == {True, False}
+def test_the_table_register_rows_are_the_warm_loop_select_with_the_logits_histogram():
+    assert ROWS and WARM == ROWS
     for c in ROWS.values():
         assert c["num_warps"] == 4 and c["SEL_ROW"] == 2048   # the logits' bits need the paged rows' 4 warps
-    # every loop row is an unrolled row plus SEL_LOOP (so the A/B in the step compares the code shape only)
-    loops = {lb: c for lb, c in ROWS.items() if c.get("SEL_LOOP") and not c.get("SEL_WARM")}
-    assert {bool(c.get("H0_BITS")) for c in loops.values()} == {True, False}
-    for lb, c in loops.items():
-        assert {k: v for k, v in c.items() if k != "SEL_LOOP"} == ROWS[lb[:-1]]
-    # every warm row is a loop row plus SEL_WARM (idx10w)
-    assert set(WARM) == {lb + "w" for lb in loops}
-    for lb, c in WARM.items():
-        assert {k: v for k, v in c.items() if k != "SEL_WARM"} == ROWS[lb[:-1]]
-    assert {k: v for k, v in TK.CONFIGS["sm_89"]["b1024r2048c"].items() if k != "LOOP"} == REG_TOPK
+        assert c.get("SEL_LOOP") and c.get("H0_BITS") and c.get("SEL_WARM")
+        assert {k: c[k] for k in ("SEL_ROW", "SEL_BITS")} == {"SEL_ROW": REG_TOPK["ROW"], "SEL_BITS": REG_TOPK["BITS"]}
+    assert K.PAGED_TOPK_DEFAULT["sm_89"] in ROWS
 
 
 @pytest.mark.parametrize("lb,cfg", CASES, ids=IDS)
@@ -128,12 +118,14 @@ def test_nan_and_inf_logits(lb, cfg):
 
 
 def test_histograms_live_in_the_arrivals_buffer_after_the_counters():
-    """H0 rows need ``paged_topk_h0_base(B) + B * next_n * 2^H0_BITS`` int32 of ``arrivals``: a shorter
+    """H0 rows (warm) need ``paged_topk_h0_base(B)``, the warmer's ``max(next_pow2(k), SEL_ROW)`` output
+    scratch and ``2^H0_BITS``-bin histogram, then ``B * next_n * 2^H0_BITS`` int32 of ``arrivals``: a shorter
     buffer is refused by name, one of that size is used and left zero; N = 0 and B = 0 work."""
     lb, cfg = next((lb, c) for lb, c in ROWS.items() if c.get("H0_BITS"))
     B, nn = 3, 2
     inp = make_paged_inputs({"B": B, "next_n": nn, "ctx": 500}, "decode", 2, DEVICE)
-    need = K.paged_topk_h0_base(B) + B * nn * (1 << cfg["H0_BITS"])
+    need = K.paged_topk_h0_base(B) + max(128, cfg["SEL_ROW"]) + (1 + B * nn) * (1 << cfg["H0_BITS"])
+    assert K.paged_topk_arrivals_need(B, nn, 128, cfg)[0] == need
     assert K.paged_topk_h0_base(B) == 32 and K.paged_topk_h0_base(33) == 64 and K.paged_topk_h0_base(0) == 0
     with pytest.raises(ValueError, match=rf"arrivals: {need - 1} contiguous int32, need >= {need}"):
         K.fp8_paged_mqa_topk(**inp, k=128, arrivals=torch.zeros(need - 1, dtype=torch.int32, device=DEVICE),
@@ -218,20 +210,22 @@ def test_warm_rows_refuse_a_short_arrivals_buffer_and_leave_it_zero(lb):
     assert torch.equal(got.cpu(), _two_launch(inp, k, None)[0].cpu())
     with pytest.raises(ValueError, match="config SEL_WARM: needs SEL_ROW and SEL_LOOP"):
         K.fp8_paged_mqa_topk(**inp, k=k, config=dict(cfg, SEL_LOOP=False))
+    for patch in ({"SEL_WARM": False}, {"SEL_WARM": False, "SEL_ROW": 0, "H0_BITS": 0}):   # the removed layouts
+        with pytest.raises(ValueError, match="config SEL_ROW/SEL_LOOP/H0_BITS: need SEL_WARM"):
+            K.fp8_paged_mqa_topk(**inp, k=k, config=dict(cfg, **patch))
 
 
 # ---- topk_indices' register row and the select's digit widths ----------------------------------------
-REG_TOPK = TK.CONFIGS["sm_89"]["b1024r2048"]
+REG_TOPK = TK.CONFIGS["sm_89"]["b1024r2048c"]
 
 
-@pytest.mark.parametrize("row", ["b1024r2048", "b1024r2048c"])
 @pytest.mark.parametrize("case", topk_spec.CASES)
-def test_topk_register_row_equals_reference_on_every_case(case, row):
-    """The registry sweep times b1024r2048(c) on its random case only: every adversarial case here, index
+def test_topk_register_row_equals_reference_on_every_case(case):
+    """The registry sweep runs b1024r2048c on its random case only: every adversarial case here, index
     for index against the reference (N 2,000 on registers; 300 as well)."""
     for shape in ({"R": 4, "N": 2000, "k": 512}, {"R": 3, "N": 300, "k": 64}):
         inp = topk_spec.make_inputs(shape, case, 11, DEVICE)
-        got = topk_indices(inp["logits"], inp["k"], lengths=inp.get("lengths"), config=TK.CONFIGS["sm_89"][row])
+        got = topk_indices(inp["logits"], inp["k"], lengths=inp.get("lengths"), config=REG_TOPK)
         assert torch.equal(got.cpu(), rtopk(inp["logits"].cpu(), inp["k"], inp["lengths"].cpu() if
                                             inp.get("lengths") is not None else None)), case
 
@@ -255,10 +249,9 @@ def _rows(N):
     return x
 
 
-@pytest.mark.parametrize("loop", [False, True], ids=["unrolled", "loop"])
 @pytest.mark.parametrize("bits", [5, 6, 7, 8])
 @pytest.mark.parametrize("N,k,row", [(300, 64, 512), (1000, 512, 1024), (2048, 512, 2048), (700, 100, 256)])
-def test_select_on_registers_every_digit_width(bits, N, k, row, loop):
+def test_select_on_registers_every_digit_width(bits, N, k, row):
     """The first level and the levels below it at 5-8 bits (the last level what is left of 32: 2, 2, 4, 8
     bits, fewer bins of the loop's fixed 2^bits): equal to the reference for every row kind; row < N: the
     streaming select for the long rows, same result."""
@@ -266,7 +259,7 @@ def test_select_on_registers_every_digit_width(bits, N, k, row, loop):
     lens = torch.tensor([N, N - 1, N, N // 2, N, N, N, 1], dtype=torch.int32, device=DEVICE)
     guard = torch.full((8, k + 8), -7, dtype=torch.int32, device=DEVICE)       # a slot written past k shows
     got = topk_indices(x, k, lengths=lens, out=guard[:, :k],
-                       config={"BLOCK": 256, "num_warps": 4, "ROW": row, "BITS": bits, "LOOP": loop})
+                       config={"BLOCK": 256, "num_warps": 4, "ROW": row, "BITS": bits, "LOOP": True})
     assert torch.equal(got.cpu(), rtopk(x.cpu(), k, lens.cpu()))
     assert (guard[:, k:].cpu() == -7).all()
 
@@ -282,3 +275,9 @@ def test_bad_select_configs_are_refused(patch, match):
     if "SEL_ROW" in patch:
         with pytest.raises(ValueError, match=rf"config ROW/BITS: {match}"):
             topk_indices(torch.zeros(1, 10), 4, config=dict(REG_TOPK, ROW=patch["SEL_ROW"]))
+
+
+def test_a_register_row_without_the_loop_is_refused():
+    """The unrolled register select was removed: ``ROW`` without ``LOOP`` is refused by name."""
+    with pytest.raises(ValueError, match="config ROW: needs LOOP"):
+        topk_indices(torch.zeros(1, 10), 4, config=dict(REG_TOPK, LOOP=False))

@@ -18,8 +18,9 @@ subtracted. Per row: the sums over the layers per mode, and code - warm (instruc
 warm), cold - l2 (with L2 cold). Prediction: ~0 for p2s512 (3 K instructions, a loop), +5-10 us a call
 for the unrolled register rows (7-16 K), ~+1-2 for the *c rows (the select executes ~1.7-2 K of looping code).
 ``--rows`` picks config rows (comma-separated); ``--out DIR`` writes DIR/idx_in_step.csv.
-idx10w (NOTES.md): the default rows include the code-warming rows ``*cw``; the summary's local no longer shadows
-the model (session 11 call 2 crashed at next_n 2: ``m.decode`` on the dict).
+idx10w (NOTES.md): the default rows are p2s512 and the code-warming ``p2r2048h11b6cw`` (the sm_89 default; the
+unrolled, ``*c`` and ``p2r2048b6cw`` rows were removed); the summary's local no longer shadows the model (session
+11 call 2 crashed at next_n 2: ``m.decode`` on the dict).
   python3 scripts/gpu/idx_in_step.py --arch sm89 --cold --out $OUT
 """
 import argparse
@@ -36,7 +37,7 @@ def main() -> int:
     ap.add_argument("--arch", default="sm89", choices=["native", "sm89"])
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--cold", action="store_true", help="also time with a cold L2 / cold code / both")
-    ap.add_argument("--rows", default="p2s512,p2r2048h11b6,p2r2048b6c,p2r2048h11b6c,p2r2048b6cw,p2r2048h11b6cw")
+    ap.add_argument("--rows", default="p2s512,p2r2048h11b6cw")
     ap.add_argument("--out", default=None, help="folder for idx_in_step.csv")
     args = ap.parse_args()
     bench._setup_build(args.arch)

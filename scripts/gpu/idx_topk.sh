@@ -9,19 +9,17 @@
 # ds4lab bench (check, then time: CUDA graph, cold L2 rotation) of fp8_paged_mqa_topk: every config
 # row of the build's table plus the baselines two_launch / paged+torch_topk / torch_topk_only /
 # topk_indices_only / two_launch_r2048 / topk_r2048_only (the last two: topk's register-select row
-# b1024r2048, NOTES.md "idx10"), at the same 14 shapes.
+# b1024r2048c, NOTES.md "idx10c"; it was the unrolled b1024r2048 until that row was removed), at the same 14 shapes.
 # Rows: $OUT/bench.csv, $OUT/idx_topk_check_<build>.csv; logs $OUT/*_<build>.log; the table prints last.
 # Run from a plain copy of the tree with the image's python3:  OUT=/some/dir bash scripts/gpu/idx_topk.sh
 # Expected: ~60-80 s (numerics of both builds in parallel ~15-25 s, then a bench per build ~20-25 s;
 # session 10 added 2 config rows and 2 baselines, so the timeouts are 60 + 2 x 60 s, ~180 s at most).
-# idx10c (NOTES.md) added the loop rows p2r2048b6c / p2r2048h11b6c (checked and timed like every row; the
-# last table compares them with the unrolled rows and p2s512): sm89 alone ~80 s (call 2 of session 10 took
-# 57 s with 7 rows), timeouts 90 + 90 s.
+# The register-select row is p2r2048h11b6cw (idx10w, the sm_89 default; the graph check replays it too: its
+# warmer's scratch lives in the arrivals buffer); the superseded register rows of idx10 / idx10c / idx10w
+# (p2r2048b6, p2r2048h11b6, p2r2048b6c, p2r2048h11b6c, p2r2048b6cw) were removed (git history). Timeouts 90 + 90 s.
 #   BUILDS="sm89" to time one build only.
-# idx10w (NOTES.md) added the code-warming rows p2r2048b6cw / p2r2048h11b6cw (SEL_WARM; the graph check replays
-# them too: their warmer's scratch lives in the arrivals buffer).
-#   ROWS="p2s512,p2r2048h11b6c,p2r2048b6cw,p2r2048h11b6cw": check and time these config rows only (no
-#   baselines; one bench process per row, ~15 s each): sm89 ~70 s.
+#   ROWS="p2s512,p2r2048h11b6cw": check and time these config rows only (no baselines; one bench process
+#   per row, ~15 s each).
 # Fail-soft: a failing check or build is reported, the rest still runs; exit 1 if anything failed.
 set -u
 : "${OUT:?set OUT to an output folder}"
@@ -87,9 +85,8 @@ for (b, B, nn, N), d in best.items():
     two = d.get("two_launch", float("nan"))
     others = ", ".join(f"{n} {q:.2f}" for n, q in sorted(d.items()) if n != lb)
     print(f"{b:<7} {B * nn:>3} {B:>3} {nn:>2} {N:>5}  {lb + ' ' + format(p, '.2f'):<16} {two:>10.2f} {two / p:>6.2f}x  {others}")
-# idx10c: the register rows, unrolled against their runtime-loop twins (*c), and the streaming p2s512
-# idx10w: and the code-warming rows (*cw); a row not run shows nan
-cols = ["p2s512", "p2r2048b6", "p2r2048b6c", "p2r2048b6cw", "p2r2048h11b6", "p2r2048h11b6c", "p2r2048h11b6cw"]
+# the streaming p2s512 against the code-warming register row (the sm_89 default); a row not run shows nan
+cols = ["p2s512", "p2r2048h11b6cw"]
 print(f"\n{'build':<7} {'B':>3} {'nn':>2} {'N':>5}  " + " ".join(f"{c:>14}" for c in cols) + "   (us, p50)")
 for (b, B, nn, N), d in best.items():
     print(f"{b:<7} {B:>3} {nn:>2} {N:>5}  " + " ".join(f"{d.get(c, float('nan')):14.2f}" for c in cols))

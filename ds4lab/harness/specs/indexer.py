@@ -453,7 +453,7 @@ def _paged_topk_baselines():
         cfg = _topk_row(label, lg.device)
         return lambda: topk_indices(lg, inputs["k"], lengths=lim, offsets=inputs["offsets"], config=cfg)
 
-    def two_regs(inputs):          # the pair with the register select (idx10) for rows up to 2,048 entries
+    def two_regs(inputs):          # the pair with the register (loop) select for rows up to 2,048 entries
         from ds4lab_kernels.indexer import fp8_paged_mqa_logits
         from ds4lab_kernels.topk import topk_indices
         part, lim, cfg = _paged_part(inputs), paged_topk_lengths(inputs), _topk_row(REGS_TOPK, inputs["q"].device)
@@ -464,8 +464,9 @@ def _paged_topk_baselines():
             "topk_r2048_only": lambda inputs: topk_only(inputs, REGS_TOPK)}
 
 
-# the topk table row of the register select (idx10) the baselines above time beside the default
-REGS_TOPK = "b1024r2048"
+# the topk table row of the register select (idx10c: the runtime-loop select; the unrolled b1024r2048 of idx10
+# was removed) the baselines above time beside the default
+REGS_TOPK = "b1024r2048c"
 
 
 def _topk_row(label, device):
