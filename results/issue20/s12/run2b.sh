@@ -14,7 +14,7 @@ echo "mhc seamt: rc=$? ($((SECONDS - T0)) s)"; cp /tmp/s12/mhc/mhc_seamt_sm89.cs
 grep -E "numerics|FAIL" "$OUT/mhc.log" | head -8; tail -14 "$OUT/mhc.log"
 MOE_SET=moe16 MOE_T="16 32" MOE_ROUTING=distinct OUT=/tmp/s12/moe timeout 100 bash scripts/gpu/moe.sh > "$OUT/moe.log" 2>&1
 echo "moe16: rc=$? ($((SECONDS - T0)) s)"; cp /tmp/s12/moe/moe_bench.csv "$OUT/" 2>/dev/null
-grep -E "biteq|numerics|FAIL" "$OUT/moe.log" | head -6; grep -A12 -E "^T=(16|32)" "$OUT/moe.log" | head -40
+grep -E "biteq|numerics|FAIL" "$OUT/moe.log" | head -6; tail -40 "$OUT/moe.log"
 ST="mhc.SEAM_DEFAULTS=((1,'seamr_d64'),(4,'seam1_d64'),(32,'seamt_d32'))"
 MW="moe_w4a16.DECODE_ROW_WIDE='mmaq_n32s1xl_w2n128'"
 ML="moe_w4a16.DECODE_ROW='mmaq_n64s2xl'"
