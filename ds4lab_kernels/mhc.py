@@ -1521,14 +1521,27 @@ def seam_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dict
     return {"BLOCK_M": BM, "BLOCK_D": BD, "S": S, "m_tiles": m_tiles, "launches": launches, "BLOCK_S": BS}
 
 
+def _seam_outputs(residual):
+    """The fused seams' outputs for ``residual (T, HC, D)``: ``(res_cur (T, HC, D) like residual, post (T, HC, 1)
+    fp32, comb (T, HC, HC) fp32, out (T, D) bf16)``, uninitialised."""
+    T, _, D = residual.shape
+    dev = residual.device
+    return (torch.empty_like(residual), torch.empty((T, HC, 1), dtype=torch.float32, device=dev),
+            torch.empty((T, HC, HC), dtype=torch.float32, device=dev),
+            torch.empty((T, D), dtype=torch.bfloat16, device=dev))
+
+
+def _seam_strides(x, x2, residual, post_mix, comb_mix, res_cur, fn, out) -> tuple:
+    """The row strides every fused seam kernel takes, in its argument order (x2 None: 0)."""
+    return (x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
+            post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0), out.stride(0))
+
+
 def _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, rms_eps, pre_eps, sk_eps,
           post_mult, n_iters, norm_eps, precision, cfg):
     T, _, D = residual.shape
     dev = residual.device
-    res_cur = torch.empty_like(residual)
-    out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
-    post = torch.empty((T, HC, 1), dtype=torch.float32, device=dev)
-    comb = torch.empty((T, HC, HC), dtype=torch.float32, device=dev)
+    res_cur, post, comb, out = _seam_outputs(residual)
     if T == 0:
         return res_cur, post, comb, out
     plan = seam_plan(T, D, dev, cfg)
@@ -1542,9 +1555,7 @@ def _seam(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weigh
             post, comb, out,
             T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
             float(norm_eps),
-            x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
-            post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
-            out.stride(0))
+            *_seam_strides(x, x2, residual, post_mix, comb_mix, res_cur, fn, out))
     meta = dict(HC_=HC, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"],
                 HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None, PRECISION=precision, USE_DOT=BM >= 16,
                 num_warps=cfg["SEAM_WARPS"], num_stages=1)
@@ -1602,10 +1613,7 @@ def _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weig
            post_mult, n_iters, norm_eps, cfg, quant=None, pf=()):
     T, _, D = residual.shape
     dev = residual.device
-    res_cur = torch.empty_like(residual)
-    out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
-    post = torch.empty((T, HC, 1), dtype=torch.float32, device=dev)
-    comb = torch.empty((T, HC, HC), dtype=torch.float32, device=dev)
+    res_cur, post, comb, out = _seam_outputs(residual)
     plan = seam1_plan(T, D, dev, cfg)
     BM, S = plan["BLOCK_M"], plan["S"]
     part_w = 64  # pre 0-3, post 4-7, comb 8-23, Gram 24-39 (fp32; 256-byte rows)
@@ -1617,9 +1625,7 @@ def _seam1(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weig
             post, comb, out, q, qs,
             T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
             float(norm_eps), ACT_QUANT_EPS,
-            x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
-            post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
-            out.stride(0), q.stride(0), qs.stride(0))
+            *_seam_strides(x, x2, residual, post_mix, comb_mix, res_cur, fn, out), q.stride(0), qs.stride(0))
     meta = dict(HC_=HC, BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_W=part_w,
                 STEP=SEAM1_STEP, HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None,
                 num_warps=cfg["SEAM1_WARPS"], num_stages=1)
@@ -1672,10 +1678,7 @@ def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_
                post_mult, n_iters, norm_eps, cfg, quant=None, pf=()):
     T, _, D = residual.shape
     dev = residual.device
-    res_cur = torch.empty_like(residual)
-    out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
-    post = torch.empty((T, HC, 1), dtype=torch.float32, device=dev)
-    comb = torch.empty((T, HC, HC), dtype=torch.float32, device=dev)
+    res_cur, post, comb, out = _seam_outputs(residual)
     plan = seamr_plan(T, D, dev, cfg)
     BM, S, mt = plan["BLOCK_M"], plan["S"], plan["m_tiles"]
     part = torch.empty((mt * S * BM, SEAMR_PART_W), dtype=torch.float32, device=dev)
@@ -1686,9 +1689,7 @@ def _seam_rows(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_
             post, comb, out, q, qs,
             T, D, S, float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps), float(post_mult), int(n_iters),
             float(norm_eps), ACT_QUANT_EPS,
-            x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
-            post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
-            out.stride(0), q.stride(0), qs.stride(0))
+            *_seam_strides(x, x2, residual, post_mix, comb_mix, res_cur, fn, out), q.stride(0), qs.stride(0))
     meta = dict(BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_W=SEAMR_PART_W,
                 STEP=SEAM1_STEP, HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None,
                 num_warps=cfg["SEAMR_WARPS"], num_stages=1)
@@ -1738,10 +1739,7 @@ def _seam_tok(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_w
               post_mult, n_iters, norm_eps, precision, cfg, quant=None):
     T, _, D = residual.shape
     dev = residual.device
-    res_cur = torch.empty_like(residual)
-    out = torch.empty((T, D), dtype=torch.bfloat16, device=dev)
-    post = torch.empty((T, HC, 1), dtype=torch.float32, device=dev)
-    comb = torch.empty((T, HC, HC), dtype=torch.float32, device=dev)
+    res_cur, post, comb, out = _seam_outputs(residual)
     plan = seamt_plan(T, D, dev, cfg)
     BM, S, mt = plan["BLOCK_M"], plan["S"], plan["m_tiles"]
     part = torch.empty((mt * BM * S, SEAMT_PART_W), dtype=torch.float32, device=dev)
@@ -1752,9 +1750,7 @@ def _seam_tok(x, x2, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_w
             post, comb, out, q, qs,
             T, D, S, plan["n_tasks"], plan["n_chunks"], float(HC * D), float(rms_eps), float(pre_eps), float(sk_eps),
             float(post_mult), int(n_iters), float(norm_eps), ACT_QUANT_EPS,
-            x.stride(0), x2.stride(0) if x2 is not None else 0, residual.stride(0), residual.stride(1),
-            post_mix.stride(0), comb_mix.stride(0), res_cur.stride(0), res_cur.stride(1), fn.stride(0),
-            out.stride(0), q.stride(0), qs.stride(0))
+            *_seam_strides(x, x2, residual, post_mix, comb_mix, res_cur, fn, out), q.stride(0), qs.stride(0))
     meta = dict(BLOCK_M=BM, BLOCK_D=plan["BLOCK_D"], BLOCK_S=plan["BLOCK_S"], PART_ROWS=plan["PART_ROWS"],
                 CHUNK=plan["CHUNK"], PART_W=SEAMT_PART_W, STEP=SEAM1_STEP, PRECISION=precision,
                 HAS_X2=x2 is not None, HAS_NORM=norm_weight is not None, num_warps=cfg["SEAMT_WARPS"], num_stages=1)
