@@ -374,6 +374,21 @@ def _topk_sum_kernel(y_ptr, ids_ptr, out_ptr, T, N, E, stride_yp, stride_ot,
 
 # ---- decode variant "mma": expert-grouped tensor-core dequant (issue 20) --------------------------
 @triton.jit
+def _expert_lead(ids_ptr, pair0, P, E, PB: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Pair ``pair0``'s expert ``e``, the ``[PB]`` pair indices ``q``, where they hold ``e`` (``match`` and as int32
+    ``mi``), how many come before ``pair0`` (``before``), and whether ``pair0`` leads a tile (``lead``: a valid
+    ``e`` and ``before`` a multiple of ``BLOCK_M``); shared by :func:`_expert_rows` and :func:`_expert_rows_loop`."""
+    e = tl.load(ids_ptr + pair0)
+    q = tl.arange(0, PB)
+    idq = tl.load(ids_ptr + q, mask=q < P, other=-1)
+    match = (idq == e) & (q < P)
+    mi = match.to(tl.int32)
+    before = tl.sum(tl.where(q < pair0, mi, 0), axis=0)
+    lead = (e >= 0) & (e < E) & (before % BLOCK_M == 0)
+    return e, q, match, mi, before, lead
+
+
+@triton.jit
 def _expert_rows(ids_ptr, pair0, P, E, TOPK: tl.constexpr, PB: tl.constexpr, BLOCK_M: tl.constexpr):
     """The (token, expert) pairs a decode program owns, found in-kernel without a sort.
 
@@ -382,13 +397,7 @@ def _expert_rows(ids_ptr, pair0, P, E, TOPK: tl.constexpr, PB: tl.constexpr, BLO
     occurrences ``c*BLOCK_M .. c*BLOCK_M + BLOCK_M - 1`` of ``e`` (ascending pair order).
     Returns ``(lead, e, prow [BLOCK_M] pair index, mvalid [BLOCK_M])``; every valid pair is owned by
     exactly one leader, so each expert's weights are read once per ``BLOCK_M`` of its pairs."""
-    e = tl.load(ids_ptr + pair0)
-    q = tl.arange(0, PB)
-    idq = tl.load(ids_ptr + q, mask=q < P, other=-1)
-    match = (idq == e) & (q < P)
-    mi = match.to(tl.int32)
-    before = tl.sum(tl.where(q < pair0, mi, 0), axis=0)
-    lead = (e >= 0) & (e < E) & (before % BLOCK_M == 0)
+    e, q, match, mi, before, lead = _expert_lead(ids_ptr, pair0, P, E, PB, BLOCK_M)
     occ = tl.cumsum(mi, axis=0) - mi
     m = tl.arange(0, BLOCK_M)
     sel = match[None, :] & (occ[None, :] == (before + m)[:, None])
@@ -405,13 +414,7 @@ def _expert_rows_loop(ids_ptr, pair0, P, E, PB: tl.constexpr, BLOCK_M: tl.conste
     ``min(BLOCK_M, total - before) - 1`` matches after it, each one ``[PB]`` min-reduction (at decode sizes
     an expert has ~1-2 pairs: 0-1 steps). Non-leaders get ``mvalid`` all false (the kernels read nothing of
     a non-leader but ``lead``). ``prow`` is 0 where ``mvalid`` is false, as in :func:`_expert_rows`."""
-    e = tl.load(ids_ptr + pair0)
-    q = tl.arange(0, PB)
-    idq = tl.load(ids_ptr + q, mask=q < P, other=-1)
-    match = (idq == e) & (q < P)
-    mi = match.to(tl.int32)
-    before = tl.sum(tl.where(q < pair0, mi, 0), axis=0)
-    lead = (e >= 0) & (e < E) & (before % BLOCK_M == 0)
+    e, q, match, mi, before, lead = _expert_lead(ids_ptr, pair0, P, E, PB, BLOCK_M)
     nrows = tl.where(lead, tl.minimum(tl.sum(mi, axis=0) - before, BLOCK_M), 0)
     m = tl.arange(0, BLOCK_M)
     prow = tl.where(m == 0, pair0, 0)
