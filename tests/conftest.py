@@ -127,3 +127,18 @@ def op_kinds(fn, *args, **kwargs):
     finally:
         set_hook(old)
     return out, seen
+
+
+def fused_seam_inputs(T, D=256, case="random", seed=None):
+    """The registry's fused mHC seam inputs (``ds4lab.harness.specs.mhc.make_inputs(kind="fused")``) for ``T``
+    tokens of hidden ``D``, input case ``case``, on the test device: ``(inputs, seed)`` (a fresh seed when None,
+    returned so a failure can name it)."""
+    from ds4lab.harness.specs import mhc as S
+    seed = int(torch.randint(0, 2**31, (1,)).item()) if seed is None else seed
+    return S.make_inputs({"T": T, "D": D}, case, seed, DEVICE, kind="fused"), seed
+
+
+def assert_reports(reports, seed):
+    """Every numerics report passes; else one assertion naming ``seed`` and each failing report's summary."""
+    bad = [r.summary() for r in reports if not r]
+    assert not bad, f"seed={seed}: " + " | ".join(bad)

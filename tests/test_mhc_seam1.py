@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE
+from conftest import assert_reports as _assert_all
+from conftest import fused_seam_inputs as _inputs
 from ds4lab.harness.numerics import compare
 from ds4lab.harness.specs import mhc as S
 from ds4lab.reference import mhc as R
@@ -21,20 +23,6 @@ from ds4lab_kernels import mhc as K
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEAM1 = list(K.SEAM1_ROWS)
-
-
-def _seed():
-    return int(torch.randint(0, 2**31, (1,)).item())
-
-
-def _inputs(T, D=256, case="random", seed=None):
-    seed = _seed() if seed is None else seed
-    return S.make_inputs({"T": T, "D": D}, case, seed, DEVICE, kind="fused"), seed
-
-
-def _assert_all(reports, seed):
-    bad = [r.summary() for r in reports if not r]
-    assert not bad, f"seed={seed}: " + " | ".join(bad)
 
 
 @pytest.mark.interp
