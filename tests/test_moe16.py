@@ -20,6 +20,7 @@ from conftest import DEVICE
 from ds4lab.harness.numerics import compare
 from ds4lab.reference import moe as R
 from ds4lab_kernels import moe_w4a16 as K
+from test_moe import _weights
 
 pytestmark = pytest.mark.interp
 
@@ -35,16 +36,6 @@ TWIN = {"mmaq_n64s2xl": "mmaq_n64s2x",
 
 def _cfg(label):
     return label if isinstance(label, dict) else K.CONFIGS["sm_89"][label]
-
-
-def _weights(E, D, I, seed):
-    g = torch.Generator().manual_seed(seed)
-    q13 = torch.randint(-8, 8, (E, 2 * I, D), generator=g)
-    q2 = torch.randint(-8, 8, (E, D, I), generator=g)
-    s13 = (torch.rand(E, 2 * I, D // 128, generator=g) + 0.5) / (4.6 * D ** 0.5)
-    s2 = (torch.rand(E, D, I // 128, generator=g) + 0.5) / (4.6 * I ** 0.5)
-    return {"w13_packed": R.pack_int4(q13), "w13_scale": s13.bfloat16(),
-            "w2_packed": R.pack_int4(q2), "w2_scale": s2.bfloat16()}
 
 
 def _ragged(D=256, I=128, seed=5):
