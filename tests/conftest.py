@@ -142,3 +142,47 @@ def assert_reports(reports, seed):
     """Every numerics report passes; else one assertion naming ``seed`` and each failing report's summary."""
     bad = [r.summary() for r in reports if not r]
     assert not bad, f"seed={seed}: " + " | ".join(bad)
+
+
+def run_notebook_child(nb, out, parameters=(), *, cell_timeout, timeout, attempts=2):
+    """Execute notebook ``nb`` into ``out`` with papermill in a child process (a kernel started under pytest's output
+    capture hangs) and return the finished ``subprocess.CompletedProcess``.
+
+    ``parameters``: ``(name, value)`` pairs passed as ``-p name value``. ``cell_timeout`` (s) bounds each cell
+    (papermill ``--execution-timeout``), ``timeout`` (s) the whole run. On a timeout the child's whole process tree
+    (papermill and its kernel) is killed, so no kernel outlives the test. A run that hung (whole-run timeout, or a cell
+    over ``cell_timeout``) is tried again up to ``attempts`` times in all, each hang printed with its stderr tail: CI
+    once saw papermill stall after "Executing notebook with kernel" on a notebook that runs in ~10 s (a kernel
+    transport stall, not the notebook); a notebook that hangs every time still fails. Other failures return at once.
+    """
+    import subprocess
+    import sys
+
+    import psutil
+
+    cmd = [sys.executable, "-m", "papermill", "-k", "python3", "--cwd", str(nb.parent), "--no-progress-bar",
+           "--start-timeout", "120", "--execution-timeout", str(int(cell_timeout))]
+    for name, value in parameters:
+        cmd += ["-p", name, str(value)]
+    cmd += [str(nb), str(out)]
+    for attempt in range(1, attempts + 1):
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            hung = proc.returncode != 0 and "CellTimeoutError" in stderr
+        except subprocess.TimeoutExpired:
+            tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+            for p in tree:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            stdout, stderr = proc.communicate()
+            hung = True
+            stderr += f"\n(run killed after {timeout} s)"
+        done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+        if not hung or attempt == attempts:
+            return done
+        print(f"{nb.name}: attempt {attempt} hung; trying again. Its stderr ends:\n{stderr[-2000:]}")
+    return done

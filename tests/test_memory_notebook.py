@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from conftest import run_notebook_child
 
 NB = Path(__file__).resolve().parent.parent / "notebooks" / "07_memory.ipynb"
 
@@ -22,10 +22,7 @@ def test_memory_notebook_runs(tmp_path):
     assert sum("parameters" in c.metadata.get("tags", []) for c in src.cells) == 1
     t = time.time()
     out = tmp_path / "07_memory.out.ipynb"
-    # papermill in a child: a kernel started under pytest's output capture hangs
-    proc = subprocess.run([sys.executable, "-m", "papermill", "-k", "python3", "--cwd", str(NB.parent),
-                           "--no-progress-bar", "-p", "widgets", "True", str(NB), str(out)],
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    proc = run_notebook_child(NB, out, [("widgets", True)], cell_timeout=120, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     print(f"notebook wall {time.time() - t:.0f} s")   # ~8-16 s on the 2-core box; not a pass criterion
     nb = nbformat.read(out, as_version=4)

@@ -3,12 +3,12 @@ the tiny checkpoint, starts the server with and without MTP, and prints the tabl
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from conftest import run_notebook_child
 
 NB = Path(__file__).resolve().parent.parent / "notebooks" / "08_serve_mtp.ipynb"
 
@@ -25,11 +25,8 @@ def test_serve_notebook_runs(tmp_path):
     assert not any("def " in c.source for c in src.cells if c.cell_type == "code"), "no helpers in cells"
     out = tmp_path / "08.out.ipynb"
     t = time.time()
-    # papermill in a child: a kernel started under pytest's output capture hangs
-    proc = subprocess.run([sys.executable, "-m", "papermill", "-k", "python3", "--cwd", str(NB.parent),
-                           "--no-progress-bar", "-p", "artifacts_dir", str(tmp_path / "art"),
-                           str(NB), str(out)],
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+    proc = run_notebook_child(NB, out, [("artifacts_dir", tmp_path / "art")], cell_timeout=600, timeout=900,
+                              attempts=1)
     assert proc.returncode == 0, proc.stderr[-4000:]
     wall = time.time() - t
     nb = nbformat.read(out, as_version=4)
