@@ -1350,16 +1350,21 @@ def _check_residual(name, residual):
 # ---- config plumbing -----------------------------------------------------------------------------
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
-GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seamr_d64", "seam1_d64"),
+GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seamr_d64", "seam1_d64", "seamt_d32"),
                 "sm_90": ("decode", "prefill", "fused_m64k16", "seamr_d64", "seam1_d64")}
-#: the one-launch seam rows pick_config(fused=True) returns: ``(max tokens, label)``, first match wins; above the
-#: last bound the two-pass ``decode`` row. H200, session 6 (results/issue20/s6/mhc_table.csv), TP4 p50 us, sm_89
-#: build / native: seamr_d64 T=1 9.93 / 9.77 vs seam1_d64 10.61 / 10.53 (seamr loses from T=2: 14.42 vs 11.89,
-#: and from T=4 it loses to ``decode``: 25.87 vs 17.48), so the row-tile seam only at one token.
-#: pick_config reads it on every call, so ``ds4lab step --ab "mhc.SEAM_DEFAULTS=((1,'seamr_d64'),(32,'seamt_d32'))"``
-#: switches the seam rows of the step (issue 20, mhc16: the token-parallel ``seamt_*`` rows, off by default).
-SEAM_DEFAULTS = ((1, "seamr_d64"), (4, "seam1_d64"))
-SEAM_DEFAULT_MAX_T = SEAM_DEFAULTS[-1][0]  # the import-time bound (documentation; pick_config reads SEAM_DEFAULTS)
+#: the one-launch seam rows pick_config(fused=True) returns, per table: ``(max tokens, label)``, first match wins;
+#: above the last bound the two-pass ``decode`` row. Both tables: seamr_d64 at one token, seam1_d64 at 2-4 (H200,
+#: session 6, results/issue20/s6/mhc_table.csv, TP4 p50 us, sm_89 build / native: seamr_d64 T=1 9.93 / 9.77 vs
+#: seam1_d64 10.61 / 10.53; seamr loses from T=2, 14.42 vs 11.89, and to ``decode`` from T=4, 25.87 vs 17.48).
+#: sm_89 only (issue 20, mhc16; session 13, H100 80GB HBM3, sm_89 build, results/issue20/s13/call1): the
+#: token-parallel seamt_d32 at 5-16 tokens: kernel T=8 14.68 us vs ``decode`` 18.84 (T=4 14.29 vs seam1_d64 18.91,
+#: T=2 14.23 vs 13.87); the batch-16 step (ABBA) 10,326 -> 10,040 us, 24.1 -> 22.1 launches a layer, the two mHC
+#: groups 769 + 746 -> 606 + 583 us. Not set above 16 tokens (T=17-32, the batch-16 MTP verify: numerics pass, no
+#: timing yet) nor on sm_90 (the native build of seamt is untimed). pick_config reads it on every call, so
+#: ``ds4lab step --ab "mhc.SEAM_DEFAULTS={'sm_89': ((1,'seamr_d64'),(4,'seam1_d64'),(32,'seamt_d32')), 'sm_90':
+#: ((1,'seamr_d64'),(4,'seam1_d64'))}"`` times another split inside the step.
+SEAM_DEFAULTS = {"sm_89": ((1, "seamr_d64"), (4, "seam1_d64"), (16, "seamt_d32")),
+                 "sm_90": ((1, "seamr_d64"), (4, "seam1_d64"))}
 
 
 def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> dict:
@@ -1368,11 +1373,12 @@ def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> d
     ``config=`` (the registry sweep and tests/test_mhc.py do)."""
     table = CONFIGS[arch_of(device)]
     cfg = table["decode"] if num_tokens <= 64 else table["prefill"]
-    if fused and num_tokens <= max(top for top, _ in SEAM_DEFAULTS) and device.type == "cuda":
+    seams = SEAM_DEFAULTS[arch_of(device)]
+    if fused and num_tokens <= max(top for top, _ in seams) and device.type == "cuda":
         # H200 (issue 20, session 5; results/issue20/s5/mhc_bench.csv): mhc_fused_post_pre TP4, sm_89 build /
         # native, us: seam1_d64 T=1 10.62 / 10.67, T=2 11.89 / 11.92, T=4 16.19 / 16.20 vs decode 17.65 /
         # 17.7, 18.08 / 17.87, 17.87 / 18.1 and seam_d64 13.36 / 13.38, 17.03 / 17.05, 20.9 / 20.84
-        cfg = table[next(label for top, label in SEAM_DEFAULTS if num_tokens <= top)]
+        cfg = table[next(label for top, label in seams if num_tokens <= top)]
     if fused and num_tokens > 64 and device.type == "cuda" and arch_of(device) == "sm_90":
         # H200 run 4: fused_m64k16 63.4 us at T=512 and 247.6 us at T=2048 vs prefill 83.4 / 312.7 us
         cfg = table["fused_m64k16"]
@@ -2200,7 +2206,7 @@ SEAMR_ROWS = {
 # SEAMT_*: the token-parallel seam (_mhc_seam_tok_kernel, 1-SEAMT_MAX_T tokens; issue 20, mhc16): phase A in
 #   SEAMT_BLOCK_M-token (tl.dot) x SEAMT_BLOCK_D-column programs, one counter sync for the grid, phase B as
 #   (token, column chunk) tasks over every program (Sinkhorn per token in parallel); SEAMT_PART_ROWS bounds the
-#   partial rows one phase-B load brings in. Candidates, off by default (SEAM_DEFAULTS).
+#   partial rows one phase-B load brings in. seamt_d32 is the sm_89 table's default at 5-16 tokens (SEAM_DEFAULTS).
 _SEAMT = {"SEAMT_BLOCK_M": 16, "SEAMT_BLOCK_D": 64, "SEAMT_WARPS": 4, "SEAMT_LAUNCHES": 1, "SEAMT_PART_ROWS": 64}
 SEAMT_ROWS = {
     # 128 programs a 16-token block: T=32 is 256 (2 a SM); sm_89 168-220 registers, 0 spills

@@ -1157,14 +1157,19 @@ DECODE_MAX_PAIRS = 256
 DECODE_ROW = "mmaq_n64s2x"
 DECODE_ROW_NARROW = "mmaq_n64s4x"
 DECODE_NARROW_MAX_PAIRS = 12
-#: the decode row from :data:`DECODE_WIDE_MIN_PAIRS` pairs up (batch 16 = 96 pairs, batch 16 MTP = 192), or None
-#: (off: :data:`DECODE_ROW` serves every size above the narrow bound). Issue 20 moe16 candidates
-#: (``mmaq_n32s1xl_w2n128``, ``mmaq_n64s1xl_w2n128``, ...): time one in the step with
-#: ``ds4lab step --ab "moe_w4a16.DECODE_ROW_WIDE='mmaq_n32s1xl_w2n128'"`` (read per call by :func:`pick_config`)
-DECODE_ROW_WIDE = None
-DECODE_WIDE_MIN_PAIRS = 48
-GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW, *((DECODE_ROW_WIDE,) if DECODE_ROW_WIDE else ()),
-                                        "prefill"))) for a in ("sm_89", "sm_90")}
+#: the decode row from :data:`DECODE_WIDE_MIN_PAIRS` pairs up (batch 16 = 96 pairs, batch 16 MTP = 192), per table
+#: (None: :data:`DECODE_ROW` serves every size above the narrow bound). Issue 20, moe16; session 13, H100 80GB HBM3,
+#: sm_89 build (results/issue20/s13/call1): ``mmaq_n64s2xl_w2n128`` (bit-equal to ``mmaq_n64s2x``: the loop id scan
+#: and 128-wide w2 programs) 185.2 us vs 206.0 at T=16 and 342.5 vs 392.4 at T=32 (kernel bench, distinct experts,
+#: cold L2); in the batch-16 step (ABBA, ``--ab moe_w4a16.DECODE_ROW=...``) ``moe.experts`` 4,100 -> 3,395 us and the
+#: step 10,354 -> 9,703 us. From 96 pairs, the smallest count timed; sm_90 stays off (its native build is untimed).
+#: Time another with ``ds4lab step --ab "moe_w4a16.DECODE_ROW_WIDE={'sm_89': 'mmaq_n32s1xl_w2n128', 'sm_90': None}"``
+#: (read per call by :func:`pick_config`)
+DECODE_ROW_WIDE = {"sm_89": "mmaq_n64s2xl_w2n128", "sm_90": None}
+DECODE_WIDE_MIN_PAIRS = 96
+GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW,
+                                        *((DECODE_ROW_WIDE[a],) if DECODE_ROW_WIDE[a] else ()), "prefill")))
+                for a in ("sm_89", "sm_90")}
 
 
 def pick_config(pairs: int, device: torch.device) -> dict:
@@ -1182,8 +1187,9 @@ def pick_config(pairs: int, device: torch.device) -> dict:
         # Session 9 (moe9): up to DECODE_NARROW_MAX_PAIRS pairs, mmaq_n64s4x (T=1 22.9 us vs 25.1, sm89 build)
         if pairs <= DECODE_NARROW_MAX_PAIRS:
             return CONFIGS[arch][DECODE_ROW_NARROW]
-        # moe16 (off unless set): the wide row for 16-32 tokens (module globals read here, per call)
-        if DECODE_ROW_WIDE and pairs >= DECODE_WIDE_MIN_PAIRS:
-            return CONFIGS[arch][DECODE_ROW_WIDE]
+        # moe16: the wide row for 16-32 tokens where its table has one (module globals read here, per call)
+        wide = DECODE_ROW_WIDE.get(arch)
+        if wide and pairs >= DECODE_WIDE_MIN_PAIRS:
+            return CONFIGS[arch][wide]
         return CONFIGS[arch][DECODE_ROW]
     return CONFIGS[arch][path]

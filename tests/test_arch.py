@@ -151,10 +151,10 @@ def test_gpu_defaults_are_what_pick_config_returns(monkeypatch, target, cap):
     dev = CUDA0
     sweeps = {
         fp8_quant: [fp8_quant.pick_config(n, dev) for n in (1, 1024, 1025, 16384, 16385, 10**6)],
-        mhc: [mhc.pick_config(t, dev, f) for t in (1, 2, 4, 5, 64, 65, 4096) for f in (False, True)],
+        mhc: [mhc.pick_config(t, dev, f) for t in (1, 2, 4, 5, 16, 17, 64, 65, 4096) for f in (False, True)],
         moe_routing: [moe_routing.pick_config(t, dev) for t in (1, 512, 513, 10**5)],
         moe_gate: [moe_gate.pick_config(t, dev) for t in (1, 2, 3, 4, 16, 17, 64, 65, 4096)],
-        moe_w4a16: [moe_w4a16.pick_config(p, dev) for p in (1, 256, 257, 10**5)],
+        moe_w4a16: [moe_w4a16.pick_config(p, dev) for p in (1, 12, 13, 95, 96, 256, 257, 10**5)],
         sparse_mla: [sparse_mla.pick_config(h, dev, num_tokens=t) for h in (8, 16, 32, 64) for t in (1, 64)],
         topk: [topk.pick_config(n, dev) for n in (100, 16383, 16384, 10**6)],
     }

@@ -113,14 +113,27 @@ def test_seamt_plan(monkeypatch):
 
 
 def test_pick_config_reads_seam_defaults_per_call(monkeypatch):
-    """`ds4lab step --ab "mhc.SEAM_DEFAULTS=((1,'seamr_d64'),(32,'seamt_d32'))"` rebinds the module global: the
-    next pick_config sees it (the bound is not frozen at import)."""
+    """`ds4lab step --ab "mhc.SEAM_DEFAULTS={'sm_89': ((1,'seamr_d64'),(32,'seamt_d32')), ...}"` rebinds the module
+    global: the next pick_config sees it (the bound is not frozen at import)."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_89")
-    monkeypatch.setattr(K, "SEAM_DEFAULTS", ((1, "seamr_d64"), (32, "seamt_d32")))
+    monkeypatch.setattr(K, "SEAM_DEFAULTS", {**K.SEAM_DEFAULTS, "sm_89": ((1, "seamr_d64"), (32, "seamt_d32"))})
     assert K.pick_config(1, cuda, fused=True) is TABLE["seamr_d64"]
     assert K.pick_config(2, cuda, fused=True) is TABLE["seamt_d32"]
     assert K.pick_config(32, cuda, fused=True) is TABLE["seamt_d32"]
     assert K.pick_config(33, cuda, fused=True) is TABLE["decode"]
-    monkeypatch.setattr(K, "SEAM_DEFAULTS", ((1, "seamr_d64"),))
+    monkeypatch.setattr(K, "SEAM_DEFAULTS", {**K.SEAM_DEFAULTS, "sm_89": ((1, "seamr_d64"),)})
     assert K.pick_config(2, cuda, fused=True) is TABLE["decode"]
+
+
+def test_shipped_seam_defaults(monkeypatch):
+    """The timed split (session 13, sm_89 build): seamr_d64 at 1 token, seam1_d64 at 2-4, seamt_d32 at 5-16, the
+    two-pass ``decode`` from 17; the sm_90 table keeps seam1_d64 up to 4 and ``decode`` above (seamt untimed there)."""
+    cuda = torch.device("cuda")
+    for arch, want in (("sm_89", {1: "seamr_d64", 2: "seam1_d64", 4: "seam1_d64", 5: "seamt_d32", 16: "seamt_d32",
+                                  17: "decode", 32: "decode"}),
+                       ("sm_90", {1: "seamr_d64", 4: "seam1_d64", 5: "decode", 16: "decode"})):
+        monkeypatch.setattr(K, "arch_of", lambda d, a=arch: a)
+        table = K.CONFIGS[arch]
+        got = {T: next(lb for lb, c in table.items() if c is K.pick_config(T, cuda, fused=True)) for T in want}
+        assert got == want, arch

@@ -73,3 +73,16 @@ def test_step_cli_takes_repeated_set():
 def test_split_settings_keeps_a_literal_s_commas(text, parts):
     """``--ab`` splits only at a comma that starts a new ``MODULE.NAME=``; each part then applies."""
     assert S.split_settings(text) == parts
+
+
+def test_optional_switch_takes_a_value_and_none(monkeypatch):
+    """A switch that is None (off) takes a value, and a value switch takes None (session 13: the step's
+    ``--ab "moe_w4a16.DECODE_ROW_WIDE='...'"`` was refused while the row was None); restore puts None back."""
+    monkeypatch.setattr(BK, "OPTIONAL_ROW", None, raising=False)
+    applied = S.apply_settings(["backend_kernel.OPTIONAL_ROW='mmaq_n64s2xl_w2n128'"])
+    assert BK.OPTIONAL_ROW == "mmaq_n64s2xl_w2n128"
+    S.restore(applied)
+    assert BK.OPTIONAL_ROW is None
+    monkeypatch.setattr(BK, "OPTIONAL_ROW", "mmaq_n64s2x")
+    S.apply_settings(["backend_kernel.OPTIONAL_ROW=None"])
+    assert BK.OPTIONAL_ROW is None

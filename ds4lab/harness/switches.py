@@ -56,6 +56,8 @@ def parse_setting(text: str) -> tuple[str, str, object]:
 
 
 def _compatible(old, new) -> bool:
+    if old is None or new is None:  # an optional switch: None means off (e.g. a row name or None)
+        return True
     if isinstance(old, bool) or isinstance(new, bool):
         return isinstance(old, bool) and isinstance(new, bool)
     if isinstance(old, (int, float)) and isinstance(new, (int, float)):
@@ -74,7 +76,8 @@ def apply_settings(settings: list[str] | None) -> list[tuple[str, str, object, o
 
     Raises:
         ValueError: a malformed setting (see :func:`parse_setting`), a module that does not import,
-            a NAME the module does not define, or a VALUE of another type than the current one.
+            a NAME the module does not define, or a VALUE of another type than the current one (None
+            may replace, or be replaced by, any value: an optional switch).
             Nothing is rebound when any setting is bad.
     """
     plan = []

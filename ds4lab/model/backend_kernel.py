@@ -33,7 +33,8 @@ sparse_mla_o_proj           ``FUSE_O_QUANT`` (GPU: T <= ``FUSE_O_QUANT_MAX_T``):
                             ``kernel:o_proj.o_proj_fp8_input`` (wo_a, wo_b); else sparse_mla + o_proj
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x: the MoE's fp32   2 / 1
                             sum after the MoE)
-mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (T=1 seamr_d64, T<=4 seam1_d64) 1 / 2
+mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (``mhc.SEAM_DEFAULTS``: T=1       1 / 2
+                            seamr_d64, T<=4 seam1_d64, sm_89 T 5-16 seamt_d32)
                             (``SEAM_QUANT``: ``(+layer input fp8)``, the copy ``wqkv_a`` /
                             ``shared_w13`` read; ``SEAM_PREFETCH``: ``(+L2 prefetch)``, the next
                             ops' weights prefetched into L2 by the seam launch)
@@ -200,7 +201,7 @@ SEAM_QUANT_INTERP = True
 #: (``RankModel._block``): after the attention, the router gate + bias, the shared expert's w13 + scale and the next
 #: seam's fn / scale / base / norm weight; after the MoE, the next layer's ``wqkv_a`` + scale, q / kv norm
 #: weights and its first seam's fn / scale / base / norm weight. The waiters of the seam's grid sync issue them
-#: (T = 1 seamr_d64, T = 2-4 seam1_d64; ignored by the two-pass kernels above). Bit-identical (a prefetch writes
+#: (T = 1 seamr_d64, T = 2-4 seam1_d64; ignored by seamt_d32 and the two-pass kernels above). Bit-identical (a prefetch writes
 #: nothing). The bound (H200 session 10, scripts/gpu/l2warm.py, NOTES "l2warm"): the seam 9.8 -> 7.7 us with a
 #: warm L2, wq_a_wkv 8.15 -> 6.90, shared_gate_up 3.8 -> 2.9, the gate 5.65 -> 4.77. OFF until the step A/B
 #: (``ds4lab step --ab backend_kernel.SEAM_PREFETCH=True``) says so (NOTES "l2pf"). Read per call; the CPU

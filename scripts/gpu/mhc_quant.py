@@ -30,7 +30,7 @@ def main() -> int:
     bad = 0
     print(f"build {args.arch}, table {arch_of(dev)}; p50 us: off / on / on-off / standalone quant; kernels off/on")
     for T in args.T:
-        label = S.step_row(T)
+        label = S.step_row(T, arch_of(dev))
         cfg = table[label]
         sets = []
         first = S.make_inputs({"T": T, "D": 4096}, "x2", 0, dev, kind="fused")

@@ -2,7 +2,8 @@
 # W4A16 MoE decode on the H200 (issue 20, moe5), from a plain copy of the tree with the image's python3
 # (torch 2.11, triton 3.6.0; no vLLM). For each build (sm_89 first: the step's build; then native; one
 # process each): numerics first (every timed ds4lab row, every adversarial case of MOE_CASES, the real
-# TP=4 shape at T=16), then the rows of MOE_LABELS (default: the two default decode rows, mmaq_n64s4x up to 12 pairs, mmaq_n64s2x above),
+# TP=4 shape at T=16), then the rows of MOE_LABELS (default: the decode rows pick_config returns: mmaq_n64s4x up to
+# 12 pairs, mmaq_n64s2x above, sm_89's mmaq_n64s2xl_w2n128 from 96 pairs),
 # and vLLM's Triton fused_moe_kernel_gptq_awq at its two best configs of the last run (m16n32k128w4s4:
 # T=1; m16n32k64w2s4: T=4/16; loaded from PEER_SRC, a copy of vLLM's source: `make peer-src` writes
 # .peer/), timed with the bench's timer (CUDA graph, cold L2 by rotating weight sets) at TP=4,
@@ -40,10 +41,10 @@ PEER_SRC=${PEER_SRC:-}
 peer_arg=()
 [ -n "$PEER_SRC" ] && peer_arg=(--peer-src "$PEER_SRC")
 [ -z "$PEER_SRC" ] && echo "moe.sh: no PEER_SRC and no .peer/: the vLLM peer rows will be missing (installed vllm if any)"
-# the rows timed: today's two defaults (the narrow row up to 12 pairs, the decode row above) against the peer;
+# the rows timed: today's defaults (the narrow row up to 12 pairs, the decode row above, the wide row from 96) against the peer;
 # the other mmaq_* rows were timed in sessions 5 and 9 (NOTES moe5, moe9). MOE_LABELS="" times every default +
 # mmaq_* row (session 5: over the 80 s build limit).
-MOE_LABELS=${MOE_LABELS-mmaq_n64s4x mmaq_n64s2x}
+MOE_LABELS=${MOE_LABELS-mmaq_n64s4x mmaq_n64s2x mmaq_n64s2xl_w2n128}
 MOE_BUILDS=${MOE_BUILDS:-sm89 native}
 MOE_T=${MOE_T:-1 16 4}
 extra=(--numerics-t "${MOE_NUMERICS_T:-16}")

@@ -272,7 +272,7 @@ def _config_for_kernel(name):
         # the seam rows change only mhc_fused_post_pre: every other launcher would run them as `decode`
         labels = [c for c in table if name == "mhc_fused_post_pre" or c not in seam]
         if shape.get("aot") == "quant":
-            return [step_row(shape["T"])]
+            return [step_row(shape["T"], arch)]
         if shape.get("aot") == "seamt":  # mhc16: the seamt rows with quant_out at their phase-B chunk sizes
             return [c for c in labels if "SEAMT_BLOCK_D" in table[c]]
         if shape.get("aot"):
@@ -310,8 +310,10 @@ AOT_SHAPE = {"T": 8, "D": 4096, "hc": 4, "N": 24, "aot": 1}  # "aot": every conf
 # seam1 rows compile only here (64 / 128 programs: one launch; seam1x2_d64: its two launches)
 AOT_SHAPE_SEAM = {"T": 1, "D": 4096, "hc": 4, "N": 24, "aot": "seam", "x2": 1}  # with the x2 addend
 # quant_out=True (pq-mhc, issue 20): only the row the decode step picks at each token count's kernel
-# (mhc.SEAM_DEFAULTS, then `decode`): T=1 seamr_d64, T=4 seam1_d64 (its 4-token block), T=8 the two-pass apply
-AOT_SHAPES_QUANT = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "x2": 1, "quant_out": 1} for t in (1, 4, 8)]
+# (mhc.SEAM_DEFAULTS, then `decode`): T=1 seamr_d64, T=4 seam1_d64 (its 4-token block), T=8 seamt_d32 on sm_89 and
+# the two-pass apply on sm_90, T=32 the two-pass apply
+AOT_SHAPES_QUANT = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "x2": 1, "quant_out": 1}
+                    for t in (1, 4, 8, 32)]
 # prefetch=... (l2pf, issue 20): the decode step's seam (quant_out, no x2) with its 8 prefetch regions, at the
 # token counts where the step's row issues it: T=1 seamr_d64, T=2 / 4 seam1_d64
 # the seamt rows (mhc16) as the step would run them (quant_out) at 2 tokens (128-column phase-B chunks) and at
@@ -322,10 +324,11 @@ AOT_SHAPES_PREFETCH = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "qu
                        for t in (1, 2, 4)]
 
 
-def step_row(T: int) -> str:
-    """The mhc row the decode step's ``mhc_fused_post_pre`` runs at ``T`` tokens on a GPU (pick_config)."""
+def step_row(T: int, arch: str = "sm_89") -> str:
+    """The mhc row the decode step's ``mhc_fused_post_pre`` runs at ``T`` tokens on a GPU whose table is ``arch``
+    (``"sm_89"`` or ``"sm_90"``; pick_config's choice)."""
     from ds4lab_kernels import mhc as K
-    return next((label for top, label in K.SEAM_DEFAULTS if T <= top), "decode" if T <= 64 else "prefill")
+    return next((label for top, label in K.SEAM_DEFAULTS[arch] if T <= top), "decode" if T <= 64 else "prefill")
 
 _KINDS = [
     # name, kind, check, cases, bench (tp=1, tp=4), bound
