@@ -373,3 +373,45 @@ def test_waterfall_totals_the_p50_when_streams_overlap():
     assert len(fig.data[1].x) == len(fig.data[1].y) == 3
     assert list(waterfall_figure(groups, step_us=1090.0).data[0].x) == ["a", "b", "step"]
     assert list(waterfall_figure(groups).data[0].x) == ["a", "b", "step"]
+
+
+def test_routed_experts_counts_the_real_routing_and_restores_the_method():
+    """routed_experts over the real composition (tiny checkpoint, reference twin, batch 2 MTP: 4 tokens): one
+    count a MoE layer, equal to a direct count of the ids the real ``experts`` received; the backend's method is
+    the class's again afterwards (also when the step raises); the note names the numbers."""
+    missing = S.model_missing("reference")
+    if missing:
+        pytest.skip(missing)
+    import torch
+    from ds4lab.checkpoint.tiny import TINY_CONFIG, ensure_tiny_checkpoint
+    cfg = TINY_CONFIG
+    m = S._build(cfg, 1, 0, torch.device("cpu"), str(ensure_tiny_checkpoint()), "reference")
+    caches = m.new_caches(2, 8 + 8)
+    S._fill(m, caches, 2, 8, cfg)
+    fn, _ = S._point_call(m, caches, cfg, 1, 2, "mtp", 8, torch.device("cpu"))
+    seen = []
+    real = type(m.ops).experts
+
+    def spy(self, x, ex, weights, ids, *a, **k):
+        seen.append(ids.clone())
+        return real(self, x, ex, weights, ids, *a, **k)
+
+    type(m.ops).experts = spy
+    try:
+        got = S.routed_experts(m, fn)
+    finally:
+        type(m.ops).experts = real
+    assert "experts" not in vars(m.ops)
+    assert got["layers"] == len(seen) >= cfg.num_hidden_layers
+    want = [int(torch.unique(i[i >= 0]).numel()) for i in seen]
+    assert (got["min"], got["max"]) == (min(want), max(want)) and got["mean"] == pytest.approx(sum(want) / len(want))
+    assert got["pairs"] == 4 * cfg.num_experts_per_tok and 1 <= got["min"] <= got["max"] <= cfg.n_routed_experts
+    note = S.experts_note(got)
+    assert note.startswith("routed experts a MoE layer: mean") and f"for {got['pairs']} pairs" in note
+    assert S.experts_note({}) == ""
+
+    def boom():
+        raise RuntimeError("step failed")
+    with pytest.raises(RuntimeError):
+        S.routed_experts(m, boom)
+    assert "experts" not in vars(m.ops)

@@ -576,6 +576,50 @@ def _point_call(m, caches, cfg, tp, batch, mode, ctx, device):
     return (lambda: m.decode(tokens, positions, caches)), rec
 
 
+def routed_experts(m, fn) -> dict:
+    """Run ``fn`` (one eager step of model ``m``; outside every timed region) and count, at each
+    ``m.ops.experts`` call (one a MoE layer), the distinct routed experts its ``ids`` (``(T, top_k)`` int32,
+    -1 = no expert) name and its valid (token, slot) pairs.
+
+    Returns ``{"layers": n, "mean": float, "min": int, "max": int, "pairs": int}`` (``{}`` when the step made no
+    experts call). Why: the routed MoE's time follows the distinct experts a call touches (issue 20, moe16:
+    the kernel bench's ~14.5 + 1.8 us an expert at TP=4), and a random-weight model need not route like a
+    trained checkpoint, so the step records what its own routing did (NOTES "moe16", "A discrepancy")."""
+    import torch
+    ops = m.ops
+    own = vars(ops).get("experts")   # an instance attribute already there (restored below), else the method
+    orig = ops.experts
+    counts, pairs = [], []
+
+    def counting(x, ex, weights, ids, *a, **k):
+        valid = ids[ids >= 0]
+        counts.append(int(torch.unique(valid).numel()))
+        pairs.append(int(valid.numel()))
+        return orig(x, ex, weights, ids, *a, **k)
+
+    ops.experts = counting
+    try:
+        fn()
+    finally:
+        if own is None:
+            del ops.experts
+        else:
+            ops.experts = own
+    if not counts:
+        return {}
+    return {"layers": len(counts), "mean": sum(counts) / len(counts), "min": min(counts), "max": max(counts),
+            "pairs": max(pairs)}
+
+
+def experts_note(stats: dict) -> str:
+    """:func:`routed_experts`'s count as a row note: ``"routed experts a MoE layer: mean 44.2 (30-61) for 96
+    pairs, 43 layers"`` ('' for ``{}``)."""
+    if not stats:
+        return ""
+    return (f"routed experts a MoE layer: mean {stats['mean']:.1f} ({stats['min']}-{stats['max']}) for "
+            f"{stats['pairs']} pairs, {stats['layers']} layers")
+
+
 def _time_point(m, caches, fill_err, p, cfg, tp, batch, mode, ctx, device):
     """:func:`schedule`'s "time" phase for one point: ``((p20, p50, p80), timing)`` of its graph replays,
     or the exception that stopped it (the "profile" phase reports it as the point's ERROR row)."""
@@ -610,6 +654,7 @@ def _point(m, caches, fill_err, p, base, cfg, tp, batch, mode, ctx, roofs, gpu, 
         fn, rec = _point_call(m, caches, cfg, tp, batch, mode, ctx, device)
         if gpu:
             q, timing, stats, note, ar = _time_gpu(fn, rec, p.replays, p.profiled_replays, timed)
+            note = "; ".join(x for x in (note, experts_note(routed_experts(m, fn))) if x)
         else:
             q, timing, stats, note, ar = _time_cpu(fn, rec, p.replays, "wall (interpreter)" if p.backend == "kernel"
                                                    else "wall (CPU, torch eager)")
