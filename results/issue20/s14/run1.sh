@@ -7,7 +7,9 @@
 #   2. batch-16 MTP (32 tokens) A/B: seamt_d32 for 17-32 tokens too (ABBA);
 #   3. the native build's step (batch 1 and 16, plain and MTP): untimed since session 10;
 #   4. seamt_d32 numerics + kernel times in both builds (T 1-32; session 13's table was cut after T=8);
-#   5. the moe16 rows in the native build at T 16 / 32 (to decide DECODE_ROW_WIDE["sm_90"]).
+#   5. the moe16 rows in the native build at T 16 / 32 (to decide DECODE_ROW_WIDE["sm_90"]);
+#   6. batch 4 and 8 (24 / 48 pairs, DECODE_ROW's range) A/B of the loop id scan (mmaq_n64s2xl, bit-equal to
+#      mmaq_n64s2x: 190.8 vs 206.0 us at 96 pairs on the H100; predicted 54-58 vs 58.6 at 24 pairs, NOTES "moe16").
 # Every GPU step row now notes the routed experts a MoE layer touched (step.routed_experts): compare with the
 # kernel bench's distinct / uniform routing (NOTES "moe16", "A discrepancy").
 # Usage (device): OUT=DIR DS4LAB_GIT_SHA=<sha> bash results/issue20/s14/run1.sh
@@ -29,4 +31,5 @@ echo "mhc seamt: rc=$? ($((SECONDS - T0)) s)"; grep -E "numerics|FAIL|^T=" "$OUT
 MOE_BUILDS=native MOE_BUILD_TIMEOUT=100 MOE_SET=moe16 MOE_T="16 32" MOE_ROUTING=distinct OUT="$OUT/moe" \
   bash scripts/gpu/moe.sh > "$OUT/moe.log" 2>&1
 echo "moe16 native: rc=$? ($((SECONDS - T0)) s)"; grep -E "biteq|FAIL" "$OUT/moe.log" | head -4; tail -20 "$OUT/moe.log"
+step sm89_moe_loop 120 --arch sm89 --batch 4 --batch 8 --mode plain --ab "moe_w4a16.DECODE_ROW='mmaq_n64s2xl'" --abba
 echo "done ($((SECONDS - T0)) s)"
