@@ -17,19 +17,21 @@ set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../../.."
 T0=$SECONDS
+PARTS=${PARTS:-"1 2 3 4 5 6"}   # which numbered parts run (one call's 600 s fits about four)
+on() { [[ " $PARTS " == *" $1 "* ]]; }
 step() {  # NAME TIMEOUT ARGS...: rows straight to $OUT/NAME/decode_step.csv (kept when the timeout cuts it)
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m ds4lab.harness.step --tp 4 --ctx 8192 --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: rc=$? ($((SECONDS - T0)) s)"; grep -E "^TP=" "$OUT/$name.log" | cut -c1-190
 }
-step sm89_defaults 150 --arch sm89 --batch 1 --batch 16 --mode plain --mode mtp
+on 1 && step sm89_defaults 150 --arch sm89 --batch 1 --batch 16 --mode plain --mode mtp
 ST32="mhc.SEAM_DEFAULTS={'sm_89': ((1,'seamr_d64'),(4,'seam1_d64'),(32,'seamt_d32')), 'sm_90': ((1,'seamr_d64'),(4,'seam1_d64'))}"
-step sm89_seamt32 120 --arch sm89 --batch 16 --mode mtp --ab "$ST32" --abba
-step native_defaults 150 --arch native --batch 1 --batch 16 --mode plain --mode mtp
-SEAMT_TIMEOUT=110 MODE=seamt BUILDS="sm89 native" OUT="$OUT/mhc" bash scripts/gpu/mhc.sh > "$OUT/mhc.log" 2>&1
-echo "mhc seamt: rc=$? ($((SECONDS - T0)) s)"; grep -E "numerics|FAIL|^T=" "$OUT/mhc.log" | head -60
-MOE_BUILDS=native MOE_BUILD_TIMEOUT=100 MOE_SET=moe16 MOE_T="16 32" MOE_ROUTING=distinct OUT="$OUT/moe" \
+on 2 && step sm89_seamt32 120 --arch sm89 --batch 16 --mode mtp --ab "$ST32" --abba
+on 3 && step native_defaults 150 --arch native --batch 1 --batch 16 --mode plain --mode mtp
+on 4 && { SEAMT_TIMEOUT=110 MODE=seamt BUILDS="sm89 native" OUT="$OUT/mhc" bash scripts/gpu/mhc.sh > "$OUT/mhc.log" 2>&1
+echo "mhc seamt: rc=$? ($((SECONDS - T0)) s)"; grep -E "numerics|FAIL|^T=" "$OUT/mhc.log" | head -60; }
+on 5 && { MOE_BUILDS=native MOE_BUILD_TIMEOUT=100 MOE_SET=moe16 MOE_T="16 32" MOE_ROUTING=distinct OUT="$OUT/moe" \
   bash scripts/gpu/moe.sh > "$OUT/moe.log" 2>&1
-echo "moe16 native: rc=$? ($((SECONDS - T0)) s)"; grep -E "biteq|FAIL" "$OUT/moe.log" | head -4; tail -20 "$OUT/moe.log"
-step sm89_moe_loop 120 --arch sm89 --batch 4 --batch 8 --mode plain --ab "moe_w4a16.DECODE_ROW='mmaq_n64s2xl'" --abba
+echo "moe16 native: rc=$? ($((SECONDS - T0)) s)"; grep -E "biteq|FAIL" "$OUT/moe.log" | head -4; tail -20 "$OUT/moe.log"; }
+on 6 && step sm89_moe_loop 120 --arch sm89 --batch 4 --batch 8 --mode plain --ab "moe_w4a16.DECODE_ROW='mmaq_n64s2xl'" --abba
 echo "done ($((SECONDS - T0)) s)"
