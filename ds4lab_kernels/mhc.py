@@ -1359,11 +1359,12 @@ GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seamr_d64", "seam1_d64", "seamt_
 #: sm_89 only (issue 20, mhc16; session 13, H100 80GB HBM3, sm_89 build, results/issue20/s13/call1): the
 #: token-parallel seamt_d32 at 5-16 tokens: kernel T=8 14.68 us vs ``decode`` 18.84 (T=4 14.29 vs seam1_d64 18.91,
 #: T=2 14.23 vs 13.87); the batch-16 step (ABBA) 10,326 -> 10,040 us, 24.1 -> 22.1 launches a layer, the two mHC
-#: groups 769 + 746 -> 606 + 583 us. Not set above 16 tokens (T=17-32, the batch-16 MTP verify: numerics pass, no
-#: timing yet) nor on sm_90 (the native build of seamt is untimed). pick_config reads it on every call, so
+#: groups 769 + 746 -> 606 + 583 us. Session 14 (H100 80GB HBM3, sm_89 build, results/issue20/s14/call1): up to 32
+#: tokens too, the batch-16 MTP verify step (ABBA) 12,934 -> 12,494 us, 26.6 -> 24.6 launches a layer. Not on sm_90
+#: (the native build of seamt is untimed). pick_config reads it on every call, so
 #: ``ds4lab step --ab "mhc.SEAM_DEFAULTS={'sm_89': ((1,'seamr_d64'),(4,'seam1_d64'),(32,'seamt_d32')), 'sm_90':
 #: ((1,'seamr_d64'),(4,'seam1_d64'))}"`` times another split inside the step.
-SEAM_DEFAULTS = {"sm_89": ((1, "seamr_d64"), (4, "seam1_d64"), (16, "seamt_d32")),
+SEAM_DEFAULTS = {"sm_89": ((1, "seamr_d64"), (4, "seam1_d64"), (32, "seamt_d32")),
                  "sm_90": ((1, "seamr_d64"), (4, "seam1_d64"))}
 
 

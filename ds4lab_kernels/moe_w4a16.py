@@ -1151,10 +1151,12 @@ DECODE_MAX_PAIRS = 256
 
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
-#: the decode row on a GPU (both builds), and the row up to :data:`DECODE_NARROW_MAX_PAIRS` pairs (T <= 2 at
+#: the decode row on a GPU per table, and the row up to :data:`DECODE_NARROW_MAX_PAIRS` pairs (T <= 2 at
 #: top-6: batch 1, plain and MTP); module constants so that ``ds4lab step --ab moe_w4a16.DECODE_ROW_NARROW=...``
-#: can time a candidate inside the step
-DECODE_ROW = "mmaq_n64s2x"
+#: can time a candidate inside the step. sm_89 (issue 20; session 14, H100 80GB HBM3, sm_89 build,
+#: results/issue20/s14/call1): ``mmaq_n64s2xl`` (the loop id scan; bit-equal to ``mmaq_n64s2x``), step ABBA batch 4
+#: 8,299 -> 8,060 us, batch 8 8,495 -> 8,188; sm_90 keeps ``mmaq_n64s2x`` (the native build of the row is untimed)
+DECODE_ROW = {"sm_89": "mmaq_n64s2xl", "sm_90": "mmaq_n64s2x"}
 DECODE_ROW_NARROW = "mmaq_n64s4x"
 DECODE_NARROW_MAX_PAIRS = 12
 #: the decode row from :data:`DECODE_WIDE_MIN_PAIRS` pairs up (batch 16 = 96 pairs, batch 16 MTP = 192), per table
@@ -1167,7 +1169,7 @@ DECODE_NARROW_MAX_PAIRS = 12
 #: (read per call by :func:`pick_config`)
 DECODE_ROW_WIDE = {"sm_89": "mmaq_n64s2xl_w2n128", "sm_90": None}
 DECODE_WIDE_MIN_PAIRS = 96
-GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW,
+GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW[a],
                                         *((DECODE_ROW_WIDE[a],) if DECODE_ROW_WIDE[a] else ()), "prefill")))
                 for a in ("sm_89", "sm_90")}
 
@@ -1191,5 +1193,5 @@ def pick_config(pairs: int, device: torch.device) -> dict:
         wide = DECODE_ROW_WIDE.get(arch)
         if wide and pairs >= DECODE_WIDE_MIN_PAIRS:
             return CONFIGS[arch][wide]
-        return CONFIGS[arch][DECODE_ROW]
+        return CONFIGS[arch][DECODE_ROW[arch]]
     return CONFIGS[arch][path]

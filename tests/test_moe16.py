@@ -158,20 +158,21 @@ def test_pick_config_wide_row_per_table_and_read_per_call(monkeypatch):
         type = "cuda"
     t = K.CONFIGS["sm_89"]
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_89")
-    # shipped: the timed wide row on the sm_89 table from 96 pairs (batch 16); DECODE_ROW below it
+    # shipped: the timed wide row on the sm_89 table from 96 pairs (batch 16); the loop-scan DECODE_ROW below it
     assert K.DECODE_ROW_WIDE == {"sm_89": "mmaq_n64s2xl_w2n128", "sm_90": None} and K.DECODE_WIDE_MIN_PAIRS == 96
     assert K.pick_config(96, Dev()) is t["mmaq_n64s2xl_w2n128"] and K.pick_config(192, Dev()) is t["mmaq_n64s2xl_w2n128"]
-    assert K.pick_config(95, Dev()) is t[K.DECODE_ROW] and K.pick_config(13, Dev()) is t[K.DECODE_ROW]
+    assert K.pick_config(95, Dev()) is t["mmaq_n64s2xl"] and K.pick_config(13, Dev()) is t["mmaq_n64s2xl"]
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_90")
-    assert K.pick_config(96, Dev()) is K.CONFIGS["sm_90"][K.DECODE_ROW]
+    assert K.pick_config(96, Dev()) is K.CONFIGS["sm_90"]["mmaq_n64s2x"]
+    assert K.DECODE_ROW == {"sm_89": "mmaq_n64s2xl", "sm_90": "mmaq_n64s2x"}
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_89")
     monkeypatch.setattr(K, "DECODE_ROW_WIDE", {"sm_89": "mmaq_n32s1xl_w2n128", "sm_90": None})
     assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS, Dev()) is t["mmaq_n32s1xl_w2n128"]
     assert K.pick_config(192, Dev()) is t["mmaq_n32s1xl_w2n128"]
-    assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS - 1, Dev()) is t[K.DECODE_ROW]
+    assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS - 1, Dev()) is t[K.DECODE_ROW["sm_89"]]
     assert K.pick_config(6, Dev()) is t[K.DECODE_ROW_NARROW]
     assert K.pick_config(K.DECODE_MAX_PAIRS + 1, Dev()) is t["prefill"]
     monkeypatch.setattr(K, "DECODE_ROW_WIDE", {"sm_89": None, "sm_90": None})
-    assert K.pick_config(192, Dev()) is t[K.DECODE_ROW]
+    assert K.pick_config(192, Dev()) is t[K.DECODE_ROW["sm_89"]]
     for label in ROWS:
         assert t[label]["path"] == "decode" and K.CONFIGS["sm_90"][label] == t[label]

@@ -34,7 +34,7 @@ sparse_mla_o_proj           ``FUSE_O_QUANT`` (GPU: T <= ``FUSE_O_QUANT_MAX_T``):
 mhc_pre / mhc_post          ``kernel:mhc.mhc_pre`` / ``kernel:mhc.mhc_post`` (x: the MoE's fp32   2 / 1
                             sum after the MoE)
 mhc_post_pre (seam)         ``kernel:mhc.mhc_fused_post_pre`` (``mhc.SEAM_DEFAULTS``: T=1       1 / 2
-                            seamr_d64, T<=4 seam1_d64, sm_89 T 5-16 seamt_d32)
+                            seamr_d64, T<=4 seam1_d64, sm_89 T 5-32 seamt_d32)
                             (``SEAM_QUANT``: ``(+layer input fp8)``, the copy ``wqkv_a`` /
                             ``shared_w13`` read; ``SEAM_PREFETCH``: ``(+L2 prefetch)``, the next
                             ops' weights prefetched into L2 by the seam launch)

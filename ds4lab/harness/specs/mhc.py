@@ -310,8 +310,8 @@ AOT_SHAPE = {"T": 8, "D": 4096, "hc": 4, "N": 24, "aot": 1}  # "aot": every conf
 # seam1 rows compile only here (64 / 128 programs: one launch; seam1x2_d64: its two launches)
 AOT_SHAPE_SEAM = {"T": 1, "D": 4096, "hc": 4, "N": 24, "aot": "seam", "x2": 1}  # with the x2 addend
 # quant_out=True (pq-mhc, issue 20): only the row the decode step picks at each token count's kernel
-# (mhc.SEAM_DEFAULTS, then `decode`): T=1 seamr_d64, T=4 seam1_d64 (its 4-token block), T=8 seamt_d32 on sm_89 and
-# the two-pass apply on sm_90, T=32 the two-pass apply
+# (mhc.SEAM_DEFAULTS, then `decode`): T=1 seamr_d64, T=4 seam1_d64 (its 4-token block), T=8 and T=32 seamt_d32 on sm_89,
+# the two-pass apply on sm_90
 AOT_SHAPES_QUANT = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "x2": 1, "quant_out": 1}
                     for t in (1, 4, 8, 32)]
 # prefetch=... (l2pf, issue 20): the decode step's seam (quant_out, no x2) with its 8 prefetch regions, at the
