@@ -1116,6 +1116,16 @@ _DECODE = {
     "mmaq_n32s1xl_w2n128s4": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                               "scan": "loop", "BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "BLOCK_N2": 128,
                               "num_warps2": 4, "num_stages": 4},
+    # candidates (issue 20, session 14): 4 K splits with the loop scan. The step's random-weight routing puts 96
+    # pairs on ~18.5 experts a layer (11-82; results/issue20/s14/call1), not the bench's 96 distinct ones, so at
+    # batch 16 the 2-split rows run ~300 w13 programs (~2 an SM) of 16 serial 128-groups each: twice the splits
+    # halve each program's chain. Bit-equal to mmaq_n64s4x (the loop scan and the w2 tile width change no bits).
+    "mmaq_n64s4xl": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                     "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4,
+                     "num_stages": 3},
+    "mmaq_n64s4xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                            "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 128,
+                            "num_warps2": 4, "num_stages": 3},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {

@@ -25,13 +25,15 @@ from test_moe import _weights
 pytestmark = pytest.mark.interp
 
 ROWS = ("mmaq_n64s2xl", "mmaq_n64s2xl_w2n128", "mmaq_n64s1xl_w2n128", "mmaq_n32s1xl_w2n128",
-        "mmaq_n32s1xl_w2n128s4")
+        "mmaq_n32s1xl_w2n128s4", "mmaq_n64s4xl", "mmaq_n64s4xl_w2n128")
 _T = K.CONFIGS["sm_89"]
 # the twin of each row: the same arithmetic with other tiles or the one-hot id scan (D=256 here: a 128-wide
 # w2 tile covers 2 of the 4 64-column blocks, 2 programs per pair instead of 4)
 TWIN = {"mmaq_n64s2xl": "mmaq_n64s2x",
         "mmaq_n64s2xl_w2n128": dict(_T["mmaq_n64s2xl_w2n128"], BLOCK_N2=64, scan="onehot"),
-        "mmaq_n32s1xl_w2n128": dict(_T["mmaq_n32s1xl_w2n128"], BLOCK_N2=64, scan="onehot")}
+        "mmaq_n32s1xl_w2n128": dict(_T["mmaq_n32s1xl_w2n128"], BLOCK_N2=64, scan="onehot"),
+        # session 14: 4 K splits with the loop scan (D=512 below: 4 splits of 128, not narrowed to 2)
+        "mmaq_n64s4xl": "mmaq_n64s4x", "mmaq_n64s4xl_w2n128": "mmaq_n64s4x"}
 
 
 def _cfg(label):
@@ -71,7 +73,7 @@ def _dev(d):
 
 @pytest.mark.parametrize("label", sorted(TWIN))
 def test_wide_w2_tiles_bit_equal_to_twin(label):
-    inp = _dev(_ragged())
+    inp = _dev(_ragged(D=512) if _cfg(label)["SPLIT_K"] == 4 else _ragged())
     T, D = inp["x"].shape
     I, P = inp["w13_packed"].shape[1] // 2, inp["topk_ids"].numel()
     cfg, twin = _cfg(label), _cfg(TWIN[label])
