@@ -96,3 +96,24 @@ def test_uniform_routing_ids_and_table_rows():
             dict(base, config_label="a", p50_us=8.0, shape=json.dumps({"T": 16, "routing": "uniform", "experts": 80.5}))]
     t = moe_bench.table(rows)
     assert "T=16  peer" in t and "T=16 routing=uniform (80.5 experts)" in t
+
+
+def test_pool_routing_ids_and_errors():
+    """``--routing poolN`` (the step's concentrated routing): every token's top-k distinct and inside one seeded
+    pool of N experts; a pool below top-k or above E, and a malformed name, raise naming the argument."""
+    a = moe_bench.pool_ids(16, 256, 6, 19, 3, "cpu")
+    assert a.dtype == torch.int32 and a.shape == (16, 6) and a.is_contiguous()
+    assert all(len(set(r.tolist())) == 6 for r in a) and int(a.min()) >= 0 and int(a.max()) < 256
+    assert 6 < int(a.unique().numel()) <= 19
+    assert torch.equal(a, moe_bench.pool_ids(16, 256, 6, 19, 3, "cpu"))
+    assert not torch.equal(a, moe_bench.pool_ids(16, 256, 6, 19, 4, "cpu"))
+    assert moe_bench.routing_pool("pool19") == 19 and moe_bench.routing_pool("uniform") is None
+    for bad in ("pool", "pool0", "poolx", "distinct", "zipf"):
+        with pytest.raises(ValueError, match="routing="):
+            moe_bench.routing_pool(bad)
+    with pytest.raises(ValueError, match="pool=5"):
+        moe_bench.pool_ids(16, 256, 6, 5, 0, "cpu")
+    with pytest.raises(ValueError, match="pool=300"):
+        moe_bench.pool_ids(16, 256, 6, 300, 0, "cpu")
+    with pytest.raises(SystemExit):
+        moe_bench.main(["--routing", "zipf"])

@@ -24,6 +24,9 @@ ROW=REF ROW2=-``: ROW must match REF instead, ROW2 is not bit-checked (other ari
 ``--routing uniform`` (issue 20, moe16) also times each T with every token's top-k drawn independently
 (experts shared between tokens, as random routing: T=16 ~80.6 distinct experts, T=32 ~136; the table and
 ``min_bytes`` use the sets' mean distinct count); the default ``distinct`` is the bytes' worst case.
+``--routing poolN`` (issue 20, session 14) draws every token's top-k from one seeded pool of N experts: the
+decode step's random-weight model routes batch 16's 96 pairs onto ~18.5 experts a layer and batch-16 MTP's 192
+onto ~49 (``ds4lab step``'s GPU note), so ``pool19`` / ``pool49`` time the rows under the step's routing.
 
 Rows: ``OUT/moe_bench.csv`` (the bench's columns, appended as measured). The table printed last
 gives per T: us, TB/s (``costs.moe_min_bytes`` over p50), % of the same-run copy roof, and the
@@ -170,17 +173,17 @@ def run(arch_build: str, tp: int, Ts: list[int], out_dir: str, log=print, straw_
         shape = shape_of(tp, T)
         sets = bench._input_sets(spec, shape, dev, runinfo["l2"])
         min_bytes = spec.min_bytes(shape)
-        if routing == "uniform":   # moe16: every token's top-k drawn independently (experts shared by tokens)
+        if routing != "distinct":   # moe16: experts shared by tokens (uniform: independent; poolN: one pool)
+            pool = routing_pool(routing)
             n_e = []
             for i, st in enumerate(sets):
-                st["topk_ids"] = uniform_ids(T, shape["E"], shape["topk"], 1000 + i, dev)
+                st["topk_ids"] = (uniform_ids(T, shape["E"], shape["topk"], 1000 + i, dev) if pool is None else
+                                  pool_ids(T, shape["E"], shape["topk"], pool, 1000 + i, dev))
                 n_e.append(int(st["topk_ids"].unique().numel()))
             from ds4lab.harness.costs import moe_expert_bytes
             min_bytes += (sum(n_e) / len(n_e) - costs_touched(shape)) * moe_expert_bytes(shape)
-            shape = {**shape, "routing": "uniform", "experts": round(sum(n_e) / len(n_e), 1)}
-            log(f"T={T} routing uniform: distinct experts per set {n_e}")
-        elif routing != "distinct":
-            raise ValueError(f"routing={routing!r}: expected 'distinct' or 'uniform'")
+            shape = {**shape, "routing": routing, "experts": round(sum(n_e) / len(n_e), 1)}
+            log(f"T={T} routing {routing}: distinct experts per set {n_e}")
         want = ref_fn(**sets[0])
         common = {**base, "kernel": spec.name, "tp": tp, "shape": json.dumps(shape), "flops": spec.flops(shape),
                   "min_bytes": min_bytes, "n_sets": len(sets)}
@@ -300,9 +303,10 @@ def main(argv=None) -> int:
                    help="every other ds4lab row must give the same bits as this row (numerics cases, both "
                         "output modes, and each T's set 0); a mismatch FAILs the row. ROW=REF: ROW against REF "
                         "instead; ROW=-: ROW not bit-checked (other arithmetic)")
-    p.add_argument("--routing", nargs="+", default=["distinct"], choices=["distinct", "uniform"],
+    p.add_argument("--routing", nargs="+", default=["distinct"], type=_routing_arg, metavar="ROUTING",
                    help="timed routings: distinct (every pair its own expert while T*topk <= E: the bytes' worst "
-                        "case) and/or uniform (tokens' top-k independent: experts shared, as random routing)")
+                        "case), uniform (tokens' top-k independent: experts shared, as random routing) and/or "
+                        "poolN (every token's top-k from one pool of N experts: pool19 ~ the step at batch 16)")
     p.add_argument("--numerics-t", type=int, default=16, help="T of the adversarial numerics pass (default 16)")
     p.add_argument("--no-peer", action="store_true", help="time no peer rows")
     p.add_argument("--peer-configs", nargs="+", metavar="LABEL",
@@ -356,6 +360,38 @@ def uniform_ids(T: int, E: int, K: int, seed: int, dev):
     import torch
     g = torch.Generator(device=dev).manual_seed(seed)
     return torch.argsort(torch.rand(T, E, generator=g, device=dev), dim=1)[:, :K].to(torch.int32).contiguous()
+
+
+def routing_pool(routing: str):
+    """``"uniform"`` -> None; ``"poolN"`` -> N (>= 1). ValueError naming ``routing`` for anything else."""
+    if routing == "uniform":
+        return None
+    if routing.startswith("pool") and routing[4:].isdigit() and int(routing[4:]) >= 1:
+        return int(routing[4:])
+    raise ValueError(f"routing={routing!r}: expected 'distinct', 'uniform' or 'poolN' (N experts, N >= 1)")
+
+
+def _routing_arg(v: str) -> str:
+    import argparse
+    if v != "distinct":
+        try:
+            routing_pool(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return v
+
+
+def pool_ids(T: int, E: int, K: int, pool: int, seed: int, dev):
+    """``[T, K]`` int32 ids: ``pool`` experts drawn once (seeded), then every token's top-k distinct within that
+    pool (the step's concentrated routing: ``pool19`` at T=16, K=6 touches ~19 experts). ValueError naming
+    ``pool`` when it is below K or above E."""
+    import torch
+    if not K <= pool <= E:
+        raise ValueError(f"pool={pool}: expected topk ({K}) <= pool <= experts ({E})")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    experts = torch.randperm(E, generator=g, device=dev)[:pool]
+    pick = torch.argsort(torch.rand(T, pool, generator=g, device=dev), dim=1)[:, :K]
+    return experts[pick].to(torch.int32).contiguous()
 
 
 def costs_touched(shape: dict) -> int:
