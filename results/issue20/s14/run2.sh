@@ -7,7 +7,8 @@
 #      32 tokens (FUSE_O_QUANT_MAX_T=16: one o_proj launch fewer at batch 16; +50 us at batch 16 in session 10, before seamt);
 #   1b. the kernel bench of the wide rows under the step's routing (--routing pool19 / pool49: every token's top-k
 #      from one pool of 19 / 49 experts, T=16 / 32), sm89: does the bench reproduce the step's ~80 us a layer?
-#   2. batch 4 and 8, sm89, ABBA: DECODE_ROW with 4 splits (mmaq_n64s4xl) and the wide row from 48 pairs;
+#   2. (B4B8=1 only: the call was cut to ~8 min after three failed starts) batch 4 and 8, sm89, ABBA: DECODE_ROW with
+#      4 splits (mmaq_n64s4xl) and the wide row from 48 pairs;
 #   3. the native build's step at batch 4 and 16, ABBA: the sm_89 table's moe16 / seamt defaults on the sm_90 table;
 #   4. the numerics those native rows need: the moe rows' bits in the native build (T=16) and seamt_d32's checks.
 # Usage (device): OUT=DIR DS4LAB_GIT_SHA=<sha> bash results/issue20/s14/run2.sh
@@ -29,7 +30,7 @@ MOE_LABELS="mmaq_n64s2xl_w2n128 mmaq_n64s4xl_w2n128 mmaq_n64s1xl_w2n128 mmaq_n64
   MOE_BITEQ="mmaq_n64s2x mmaq_n64s4xl_w2n128=mmaq_n64s4x mmaq_n64s1xl_w2n128=-" OUT="$OUT/moepool" \
   bash scripts/gpu/moe.sh > "$OUT/moepool.log" 2>&1
 echo "moe pool sm89: rc=$? ($((SECONDS - T0)) s)"; grep -E "biteq|FAIL" "$OUT/moepool.log" | head -4; tail -14 "$OUT/moepool.log"
-step b4b8_sm89 90 --arch sm89 --batch 4 --batch 8 --mode plain --abba \
+[ -n "${B4B8:-}" ] && step b4b8_sm89 90 --arch sm89 --batch 4 --batch 8 --mode plain --abba \
   --ab "moe_w4a16.DECODE_ROW={'sm_89': 'mmaq_n64s4xl', 'sm_90': 'mmaq_n64s2x'}" --ab "moe_w4a16.DECODE_WIDE_MIN_PAIRS=48"
 N90="moe_w4a16.DECODE_ROW={'sm_89': 'mmaq_n64s2xl', 'sm_90': 'mmaq_n64s2xl'},$W={'sm_89': 'mmaq_n64s2xl_w2n128', 'sm_90': 'mmaq_n64s2xl_w2n128'},mhc.SEAM_DEFAULTS={'sm_89': ((1,'seamr_d64'),(4,'seam1_d64'),(32,'seamt_d32')), 'sm_90': ((1,'seamr_d64'),(4,'seam1_d64'),(32,'seamt_d32'))}"
 step b4b16_native 130 --arch native --batch 4 --batch 16 --mode plain --abba --ab "$N90"
