@@ -311,9 +311,9 @@ AOT_SHAPE = {"T": 8, "D": 4096, "hc": 4, "N": 24, "aot": 1}  # "aot": every conf
 AOT_SHAPE_SEAM = {"T": 1, "D": 4096, "hc": 4, "N": 24, "aot": "seam", "x2": 1}  # with the x2 addend
 # quant_out=True (pq-mhc, issue 20): only the row the decode step picks at each token count's kernel
 # (mhc.SEAM_DEFAULTS, then `decode`): T=1 seamr_d64, T=4 seam1_d64 (its 4-token block), T=8 and T=32 seamt_d32 on sm_89,
-# the two-pass apply on sm_90
+# the two-pass apply on sm_90; T=64 the two-pass apply on both (sm_89 runs it from 33 tokens)
 AOT_SHAPES_QUANT = [{"T": t, "D": 4096, "hc": 4, "N": 24, "aot": "quant", "x2": 1, "quant_out": 1}
-                    for t in (1, 4, 8, 32)]
+                    for t in (1, 4, 8, 32, 64)]
 # prefetch=... (l2pf, issue 20): the decode step's seam (quant_out, no x2) with its 8 prefetch regions, at the
 # token counts where the step's row issues it: T=1 seamr_d64, T=2 / 4 seam1_d64
 # the seamt rows (mhc16) as the step would run them (quant_out) at 2 tokens (128-column phase-B chunks) and at
