@@ -548,7 +548,8 @@ def _dec_mma_w13_kernel(
 
     XPERM (needs DEQ): the program first copies its x rows' K split into ``xs [tokens, K]`` in plane
     order (:func:`_plane_col`) and reads the A operand from there (contiguous 32 B rows, pipelined
-    like the weights) instead of 8 stride-8 gathers per group. Every program touching a token
+    like the weights) instead of 8 stride-8 gathers per group; XPERM > 1 copies that many rows a step
+    (one 2-D load: fewer serial L2 trips where an expert has several rows, e.g. ~5 at batch 16). Every program touching a token
     writes the same values (a benign race: identical bytes); each reads only what its own threads
     wrote before its barrier."""
     pair0 = tl.program_id(0)
@@ -576,9 +577,18 @@ def _dec_mma_w13_kernel(
             kq = split * KS + tl.arange(0, KS)
             pc = _plane_col(kq)
             m_ar = tl.arange(0, BLOCK_M)
-            for m in range(tl.sum(mvalid.to(tl.int32), axis=0)):
-                t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
-                tl.store(xs_ptr + t_m * K + pc, tl.load(x_ptr + t_m * stride_xt + kq))
+            nval = tl.sum(mvalid.to(tl.int32), axis=0)
+            if XPERM == 1:
+                for m in range(nval):
+                    t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
+                    tl.store(xs_ptr + t_m * K + pc, tl.load(x_ptr + t_m * stride_xt + kq))
+            else:   # XPERM rows a step: one [XPERM, KS] load in flight instead of one row's
+                r = tl.arange(0, XPERM)
+                for m0 in range(0, nval, XPERM):
+                    t_r = tl.sum(tl.where(m_ar[None, :] == (m0 + r)[:, None], tok[None, :], 0), axis=1)
+                    ok = ((m0 + r) < nval)[:, None]
+                    v = tl.load(x_ptr + t_r[:, None] * stride_xt + kq[None, :], mask=ok)
+                    tl.store(xs_ptr + t_r[:, None] * K + pc[None, :], v, mask=ok)
             tl.debug_barrier()
             a_ptr = xs_ptr
             a_stride = K
@@ -948,7 +958,10 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     # "hperm": 1: h stored in plane order (_plane_col; the w2 A operand contiguous); needs deq
     hperm = 1 if (deq and cfg.get("hperm")) else 0
     # "xperm": 1: x copied per program into xs in plane order (the w13 A operand contiguous); needs deq
-    xperm = 1 if (deq and cfg.get("xperm")) else 0
+    # ("xperm": 4: 4 rows a copy step, one 2-D load; 1: one row a step)
+    xperm = int(cfg.get("xperm") or 0) if deq else 0
+    if xperm not in (0, 1, 2, 4, 8):
+        raise ValueError(f"config['xperm']={cfg.get('xperm')!r}: expected 0, 1, 2, 4 or 8 (x rows a copy step)")
     xs = buf("xs", (T, D), torch.bfloat16) if xperm else x
     # "scan": "loop" (moe16): each program finds its rows by a short loop (_expert_rows_loop), not the
     # [16, PB] one-hot selection; the same rows, so the same bits
@@ -1126,6 +1139,15 @@ _DECODE = {
     "mmaq_n64s4xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                             "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 128,
                             "num_warps2": 4, "num_stages": 3},
+    # candidates (issue 20, session 15): the x copy 4 rows a step ("xperm": 4). At batch 16 under the step's
+    # routing a leader has ~5 rows (96 pairs on ~18.5 experts), each copied by its own serial L2 load before the
+    # first weight group; 4 a step makes that 2 loads. The same xs bytes, so bit-equal to the "xperm": 1 row.
+    "mmaq_n64s2xl_w2n128_xr4": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1,
+                                "xperm": 4, "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4,
+                                "BLOCK_N2": 128, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64s4xl_w2n128_xr4": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1,
+                                "xperm": 4, "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4,
+                                "BLOCK_N2": 128, "num_warps2": 4, "num_stages": 3},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {
