@@ -1351,7 +1351,7 @@ def _check_residual(name, residual):
 # the rows pick_config can return on a GPU (the rest are benchmark candidates or interpreter sizes);
 # the compile report builds these for sm_120, tests/test_arch.py sweeps pick_config against them
 GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seamr_d64", "seam1_d64", "seamt_d32"),
-                "sm_90": ("decode", "prefill", "fused_m64k16", "seamr_d64", "seam1_d64")}
+                "sm_90": ("decode", "prefill", "fused_m64k16", "seamr_d64", "seam1_d64", "seamt_d32")}
 #: the one-launch seam rows pick_config(fused=True) returns, per table: ``(max tokens, label)``, first match wins;
 #: above the last bound the two-pass ``decode`` row. Both tables: seamr_d64 at one token, seam1_d64 at 2-4 (H200,
 #: session 6, results/issue20/s6/mhc_table.csv, TP4 p50 us, sm_89 build / native: seamr_d64 T=1 9.93 / 9.77 vs
@@ -1360,12 +1360,14 @@ GPU_DEFAULTS = {"sm_89": ("decode", "prefill", "seamr_d64", "seam1_d64", "seamt_
 #: token-parallel seamt_d32 at 5-16 tokens: kernel T=8 14.68 us vs ``decode`` 18.84 (T=4 14.29 vs seam1_d64 18.91,
 #: T=2 14.23 vs 13.87); the batch-16 step (ABBA) 10,326 -> 10,040 us, 24.1 -> 22.1 launches a layer, the two mHC
 #: groups 769 + 746 -> 606 + 583 us. Session 14 (H100 80GB HBM3, sm_89 build, results/issue20/s14/call1): up to 32
-#: tokens too, the batch-16 MTP verify step (ABBA) 12,934 -> 12,494 us, 26.6 -> 24.6 launches a layer. Not on sm_90
-#: (the native build of seamt is untimed). pick_config reads it on every call, so
+#: tokens too, the batch-16 MTP verify step (ABBA) 12,934 -> 12,494 us, 26.6 -> 24.6 launches a layer. sm_90 the same
+#: from session 15 (H100 80GB HBM3, native build, results/issue20/s15/call1; seamt numerics native: 24 cases pass):
+#: the native step with the sm_89 table's seam and MoE defaults (ABBA) batch 16 10,417 -> 9,371 us, 24.1 -> 22.1
+#: launches a layer, batch 4 8,428 -> 8,205. pick_config reads it on every call, so
 #: ``ds4lab step --ab "mhc.SEAM_DEFAULTS={'sm_89': ((1,'seamr_d64'),(4,'seam1_d64'),(32,'seamt_d32')), 'sm_90':
 #: ((1,'seamr_d64'),(4,'seam1_d64'))}"`` times another split inside the step.
 SEAM_DEFAULTS = {"sm_89": ((1, "seamr_d64"), (4, "seam1_d64"), (32, "seamt_d32")),
-                 "sm_90": ((1, "seamr_d64"), (4, "seam1_d64"))}
+                 "sm_90": ((1, "seamr_d64"), (4, "seam1_d64"), (32, "seamt_d32"))}
 
 
 def pick_config(num_tokens: int, device: torch.device, fused: bool = False) -> dict:

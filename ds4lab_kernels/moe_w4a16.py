@@ -548,8 +548,7 @@ def _dec_mma_w13_kernel(
 
     XPERM (needs DEQ): the program first copies its x rows' K split into ``xs [tokens, K]`` in plane
     order (:func:`_plane_col`) and reads the A operand from there (contiguous 32 B rows, pipelined
-    like the weights) instead of 8 stride-8 gathers per group; XPERM > 1 copies that many rows a step
-    (one 2-D load: fewer serial L2 trips where an expert has several rows, e.g. ~5 at batch 16). Every program touching a token
+    like the weights) instead of 8 stride-8 gathers per group. Every program touching a token
     writes the same values (a benign race: identical bytes); each reads only what its own threads
     wrote before its barrier."""
     pair0 = tl.program_id(0)
@@ -577,18 +576,9 @@ def _dec_mma_w13_kernel(
             kq = split * KS + tl.arange(0, KS)
             pc = _plane_col(kq)
             m_ar = tl.arange(0, BLOCK_M)
-            nval = tl.sum(mvalid.to(tl.int32), axis=0)
-            if XPERM == 1:
-                for m in range(nval):
-                    t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
-                    tl.store(xs_ptr + t_m * K + pc, tl.load(x_ptr + t_m * stride_xt + kq))
-            else:   # XPERM rows a step: one [XPERM, KS] load in flight instead of one row's
-                r = tl.arange(0, XPERM)
-                for m0 in range(0, nval, XPERM):
-                    t_r = tl.sum(tl.where(m_ar[None, :] == (m0 + r)[:, None], tok[None, :], 0), axis=1)
-                    ok = ((m0 + r) < nval)[:, None]
-                    v = tl.load(x_ptr + t_r[:, None] * stride_xt + kq[None, :], mask=ok)
-                    tl.store(xs_ptr + t_r[:, None] * K + pc[None, :], v, mask=ok)
+            for m in range(tl.sum(mvalid.to(tl.int32), axis=0)):
+                t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
+                tl.store(xs_ptr + t_m * K + pc, tl.load(x_ptr + t_m * stride_xt + kq))
             tl.debug_barrier()
             a_ptr = xs_ptr
             a_stride = K
@@ -958,10 +948,7 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     # "hperm": 1: h stored in plane order (_plane_col; the w2 A operand contiguous); needs deq
     hperm = 1 if (deq and cfg.get("hperm")) else 0
     # "xperm": 1: x copied per program into xs in plane order (the w13 A operand contiguous); needs deq
-    # ("xperm": 4: 4 rows a copy step, one 2-D load; 1: one row a step)
-    xperm = int(cfg.get("xperm") or 0) if deq else 0
-    if xperm not in (0, 1, 2, 4, 8):
-        raise ValueError(f"config['xperm']={cfg.get('xperm')!r}: expected 0, 1, 2, 4 or 8 (x rows a copy step)")
+    xperm = 1 if (deq and cfg.get("xperm")) else 0
     xs = buf("xs", (T, D), torch.bfloat16) if xperm else x
     # "scan": "loop" (moe16): each program finds its rows by a short loop (_expert_rows_loop), not the
     # [16, PB] one-hot selection; the same rows, so the same bits
@@ -1139,15 +1126,11 @@ _DECODE = {
     "mmaq_n64s4xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                             "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 128,
                             "num_warps2": 4, "num_stages": 3},
-    # candidates (issue 20, session 15): the x copy 4 rows a step ("xperm": 4). At batch 16 under the step's
-    # routing a leader has ~5 rows (96 pairs on ~18.5 experts), each copied by its own serial L2 load before the
-    # first weight group; 4 a step makes that 2 loads. The same xs bytes, so bit-equal to the "xperm": 1 row.
-    "mmaq_n64s2xl_w2n128_xr4": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1,
-                                "xperm": 4, "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4,
-                                "BLOCK_N2": 128, "num_warps2": 4, "num_stages": 3},
-    "mmaq_n64s4xl_w2n128_xr4": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1,
-                                "xperm": 4, "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4,
-                                "BLOCK_N2": 128, "num_warps2": 4, "num_stages": 3},
+    # candidate (session 15): the next step of the trend that made mmaq_n64s4xl_w2n128 the wide row (batch-16 step
+    # -510 us against 2 splits): 8 K splits of 512 (4 serial 128-groups a w13 program); bit-equal to mmaq_n64s8x
+    "mmaq_n64s8xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                            "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 128,
+                            "num_warps2": 4, "num_stages": 3},
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {
@@ -1187,8 +1170,10 @@ DECODE_MAX_PAIRS = 256
 #: top-6: batch 1, plain and MTP); module constants so that ``ds4lab step --ab moe_w4a16.DECODE_ROW_NARROW=...``
 #: can time a candidate inside the step. sm_89 (issue 20; session 14, H100 80GB HBM3, sm_89 build,
 #: results/issue20/s14/call1): ``mmaq_n64s2xl`` (the loop id scan; bit-equal to ``mmaq_n64s2x``), step ABBA batch 4
-#: 8,299 -> 8,060 us, batch 8 8,495 -> 8,188; sm_90 keeps ``mmaq_n64s2x`` (the native build of the row is untimed)
-DECODE_ROW = {"sm_89": "mmaq_n64s2xl", "sm_90": "mmaq_n64s2x"}
+#: 8,299 -> 8,060 us, batch 8 8,495 -> 8,188. sm_90 the same from session 15 (H100 80GB HBM3, native build,
+#: results/issue20/s15/call1: bit-equal to ``mmaq_n64s2x`` natively; the native step with the sm_89 table's MoE and
+#: seam defaults, ABBA, batch 4 8,428 -> 8,205 us, batch 16 10,417 -> 9,371)
+DECODE_ROW = {"sm_89": "mmaq_n64s2xl", "sm_90": "mmaq_n64s2xl"}
 DECODE_ROW_NARROW = "mmaq_n64s4x"
 DECODE_NARROW_MAX_PAIRS = 12
 #: the decode row from :data:`DECODE_WIDE_MIN_PAIRS` pairs up (batch 16 = 96 pairs, batch 16 MTP = 192), per table
@@ -1196,10 +1181,14 @@ DECODE_NARROW_MAX_PAIRS = 12
 #: sm_89 build (results/issue20/s13/call1): ``mmaq_n64s2xl_w2n128`` (bit-equal to ``mmaq_n64s2x``: the loop id scan
 #: and 128-wide w2 programs) 185.2 us vs 206.0 at T=16 and 342.5 vs 392.4 at T=32 (kernel bench, distinct experts,
 #: cold L2); in the batch-16 step (ABBA, ``--ab moe_w4a16.DECODE_ROW=...``) ``moe.experts`` 4,100 -> 3,395 us and the
-#: step 10,354 -> 9,703 us. From 96 pairs, the smallest count timed; sm_90 stays off (its native build is untimed).
+#: step 10,354 -> 9,703 us. From 96 pairs, the smallest count timed. Session 15 (H100 80GB HBM3, results/issue20/s15/
+#: call1): sm_89 ``mmaq_n64s4xl_w2n128`` (4 K splits, bit-equal to ``mmaq_n64s4x``): batch-16 step (ABBA) 9,310 ->
+#: 8,801 us, batch-16 MTP 12,489 -> 12,392; kernel bench under the step's routing (pool19, T=16) 70.1 vs 72.1 us, pool49
+#: T=32 127.1 vs 128.7. sm_90: ``mmaq_n64s2xl_w2n128`` (native step, with the sm_89 seam defaults: batch 16 10,417 ->
+#: 9,371; its 4-split row is untimed natively).
 #: Time another with ``ds4lab step --ab "moe_w4a16.DECODE_ROW_WIDE={'sm_89': 'mmaq_n32s1xl_w2n128', 'sm_90': None}"``
 #: (read per call by :func:`pick_config`)
-DECODE_ROW_WIDE = {"sm_89": "mmaq_n64s2xl_w2n128", "sm_90": None}
+DECODE_ROW_WIDE = {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s2xl_w2n128"}
 DECODE_WIDE_MIN_PAIRS = 96
 GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW[a],
                                         *((DECODE_ROW_WIDE[a],) if DECODE_ROW_WIDE[a] else ()), "prefill")))

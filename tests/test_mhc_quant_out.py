@@ -180,13 +180,13 @@ def test_decode_defaults_fuse_the_quant():
 
 
 def test_compile_report_rows():
-    """The flag-on compile rows: only the step's row at T = 1 (seamr_d64), 4 (seam1_d64), 8 and 32 (seamt_d32 on
-    sm_89, decode on sm_90), 64 (decode)."""
+    """The flag-on compile rows: only the step's row at T = 1 (seamr_d64), 4 (seam1_d64), 8 and 32 (seamt_d32; on
+    sm_90 too from session 15), 64 (decode)."""
     cfg_for = S._config_for_kernel("mhc_fused_post_pre")
     got = [(sh["T"], cfg_for("sm_89", sh)) for sh in S.AOT_SHAPES_QUANT]
     assert got == [(1, ["seamr_d64"]), (4, ["seam1_d64"]), (8, ["seamt_d32"]), (32, ["seamt_d32"]), (64, ["decode"])]
     got = [(sh["T"], cfg_for("sm_90", sh)) for sh in S.AOT_SHAPES_QUANT]
-    assert got == [(1, ["seamr_d64"]), (4, ["seam1_d64"]), (8, ["decode"]), (32, ["decode"]), (64, ["decode"])]
+    assert got == [(1, ["seamr_d64"]), (4, ["seam1_d64"]), (8, ["seamt_d32"]), (32, ["seamt_d32"]), (64, ["decode"])]
     assert all(S.make_inputs(sh, "random", 0, "cpu", kind="fused")["quant_out"] is True
                for sh in S.AOT_SHAPES_QUANT[:1])
 

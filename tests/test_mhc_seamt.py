@@ -128,11 +128,11 @@ def test_pick_config_reads_seam_defaults_per_call(monkeypatch):
 
 def test_shipped_seam_defaults(monkeypatch):
     """The timed split (sessions 13-14, sm_89 build): seamr_d64 at 1 token, seam1_d64 at 2-4, seamt_d32 at 5-32, the
-    two-pass ``decode`` from 33; the sm_90 table keeps seam1_d64 up to 4 and ``decode`` above (seamt untimed there)."""
+    two-pass ``decode`` from 33; the sm_90 table the same from session 15 (its native step timed with them)."""
     cuda = torch.device("cuda")
     for arch, want in (("sm_89", {1: "seamr_d64", 2: "seam1_d64", 4: "seam1_d64", 5: "seamt_d32", 16: "seamt_d32",
                                   17: "seamt_d32", 32: "seamt_d32", 33: "decode"}),
-                       ("sm_90", {1: "seamr_d64", 4: "seam1_d64", 5: "decode", 16: "decode"})):
+                       ("sm_90", {1: "seamr_d64", 4: "seam1_d64", 5: "seamt_d32", 32: "seamt_d32", 33: "decode"})):
         monkeypatch.setattr(K, "arch_of", lambda d, a=arch: a)
         table = K.CONFIGS[arch]
         got = {T: next(lb for lb, c in table.items() if c is K.pick_config(T, cuda, fused=True)) for T in want}

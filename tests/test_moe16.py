@@ -3,13 +3,13 @@
 The candidate rows are the ``mmaq`` kernels with the loop id scan (``"scan": "loop"``), wider w2 column tiles
 (``w2n128``), no K split (``s1``: h stored by the w13 program, no partials, no ticket) and 32-wide w13 tiles.
 What is proven here:
-- the loop scan, a wider w2 tile and the x copy 4 rows a step (``xr4``) change only how a program finds its rows / which program computes a
+- the loop scan and a wider w2 tile change only how a program finds its rows / which program computes a
   column: bit-equal to the twin row (both output modes) on ragged experts (19 and 20 tokens on one expert:
   two 16-row leader tiles; 3 / 0 tokens), padding tokens (ids -1, NaN x), an id == E, NaN-filled
   workspaces; every ticket counter back to 0; also at 1 token (the 16-id tight scan);
 - split 1 against the float64 reference on the bf16 budget (an expert twice in a token, id == E, a -1
   slot), a clamp-hitting token bit-equal to the 64-wide split-1 row, a NaN x element kept in its row; a
-  broken output (one pair's term left out) fails; an unknown ``scan`` or ``xperm`` raises naming it;
+  broken output (one pair's term left out) fails; an unknown ``scan`` raises naming it;
 - ``pick_config`` returns ``DECODE_ROW_WIDE`` only from ``DECODE_WIDE_MIN_PAIRS`` pairs up, read per call.
 The table rows run at the test shape (D=256, I=128: the launcher narrows the tiles to the shape).
 """
@@ -25,8 +25,7 @@ from test_moe import _weights
 pytestmark = pytest.mark.interp
 
 ROWS = ("mmaq_n64s2xl", "mmaq_n64s2xl_w2n128", "mmaq_n64s1xl_w2n128", "mmaq_n32s1xl_w2n128",
-        "mmaq_n32s1xl_w2n128s4", "mmaq_n64s4xl", "mmaq_n64s4xl_w2n128", "mmaq_n64s2xl_w2n128_xr4",
-        "mmaq_n64s4xl_w2n128_xr4")
+        "mmaq_n32s1xl_w2n128s4", "mmaq_n64s4xl", "mmaq_n64s4xl_w2n128", "mmaq_n64s8xl_w2n128")
 _T = K.CONFIGS["sm_89"]
 # the twin of each row: the same arithmetic with other tiles or the one-hot id scan (D=256 here: a 128-wide
 # w2 tile covers 2 of the 4 64-column blocks, 2 programs per pair instead of 4)
@@ -35,9 +34,8 @@ TWIN = {"mmaq_n64s2xl": "mmaq_n64s2x",
         "mmaq_n32s1xl_w2n128": dict(_T["mmaq_n32s1xl_w2n128"], BLOCK_N2=64, scan="onehot"),
         # session 14: 4 K splits with the loop scan (D=512 below: 4 splits of 128, not narrowed to 2)
         "mmaq_n64s4xl": "mmaq_n64s4x", "mmaq_n64s4xl_w2n128": "mmaq_n64s4x",
-        # session 15: the x copy 4 rows a step (19 rows on expert 2: a 16-row tile = 4 steps, a 3-row tile = 1
-        # step with one masked row); the same xs bytes as the row-by-row copy
-        "mmaq_n64s2xl_w2n128_xr4": "mmaq_n64s2xl_w2n128", "mmaq_n64s4xl_w2n128_xr4": "mmaq_n64s4x"}
+        # session 15: 8 K splits (D=1024 below: 8 splits of 128)
+        "mmaq_n64s8xl_w2n128": "mmaq_n64s8x"}
 
 
 def _cfg(label):
@@ -77,7 +75,7 @@ def _dev(d):
 
 @pytest.mark.parametrize("label", sorted(TWIN))
 def test_wide_w2_tiles_bit_equal_to_twin(label):
-    inp = _dev(_ragged(D=512) if _cfg(label)["SPLIT_K"] == 4 else _ragged())
+    inp = _dev(_ragged(D=128 * _cfg(label)["SPLIT_K"]) if _cfg(label)["SPLIT_K"] >= 4 else _ragged())
     T, D = inp["x"].shape
     I, P = inp["w13_packed"].shape[1] // 2, inp["topk_ids"].numel()
     cfg, twin = _cfg(label), _cfg(TWIN[label])
@@ -121,8 +119,6 @@ def test_loop_scan_narrow_bit_equal(T):
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     with pytest.raises(ValueError, match="scan"):
         K.fused_moe_w4a16(**inp, config=dict(dict(_cfg("mmaq_n64s4x"), scan="loop"), scan="nope"))
-    with pytest.raises(ValueError, match=r"config\['xperm'\]=3"):
-        K.fused_moe_w4a16(**inp, config=dict(_cfg("mmaq_n64s4x"), xperm=3))
 
 
 def test_split1_row_vs_reference_and_broken_output_fails():
@@ -166,13 +162,16 @@ def test_pick_config_wide_row_per_table_and_read_per_call(monkeypatch):
         type = "cuda"
     t = K.CONFIGS["sm_89"]
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_89")
-    # shipped: the timed wide row on the sm_89 table from 96 pairs (batch 16); the loop-scan DECODE_ROW below it
-    assert K.DECODE_ROW_WIDE == {"sm_89": "mmaq_n64s2xl_w2n128", "sm_90": None} and K.DECODE_WIDE_MIN_PAIRS == 96
-    assert K.pick_config(96, Dev()) is t["mmaq_n64s2xl_w2n128"] and K.pick_config(192, Dev()) is t["mmaq_n64s2xl_w2n128"]
+    # shipped (session 15): the timed wide rows from 96 pairs (batch 16), the 4-split one on sm_89; the loop-scan
+    # DECODE_ROW below them on both tables
+    assert K.DECODE_ROW_WIDE == {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s2xl_w2n128"}
+    assert K.DECODE_WIDE_MIN_PAIRS == 96
+    assert K.pick_config(96, Dev()) is t["mmaq_n64s4xl_w2n128"] and K.pick_config(192, Dev()) is t["mmaq_n64s4xl_w2n128"]
     assert K.pick_config(95, Dev()) is t["mmaq_n64s2xl"] and K.pick_config(13, Dev()) is t["mmaq_n64s2xl"]
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_90")
-    assert K.pick_config(96, Dev()) is K.CONFIGS["sm_90"]["mmaq_n64s2x"]
-    assert K.DECODE_ROW == {"sm_89": "mmaq_n64s2xl", "sm_90": "mmaq_n64s2x"}
+    t90 = K.CONFIGS["sm_90"]
+    assert K.pick_config(96, Dev()) is t90["mmaq_n64s2xl_w2n128"] and K.pick_config(95, Dev()) is t90["mmaq_n64s2xl"]
+    assert K.DECODE_ROW == {"sm_89": "mmaq_n64s2xl", "sm_90": "mmaq_n64s2xl"}
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_89")
     monkeypatch.setattr(K, "DECODE_ROW_WIDE", {"sm_89": "mmaq_n32s1xl_w2n128", "sm_90": None})
     assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS, Dev()) is t["mmaq_n32s1xl_w2n128"]

@@ -3,7 +3,7 @@
 # (torch 2.11, triton 3.6.0; no vLLM). For each build (sm_89 first: the step's build; then native; one
 # process each): numerics first (every timed ds4lab row, every adversarial case of MOE_CASES, the real
 # TP=4 shape at T=16), then the rows of MOE_LABELS (default: the decode rows pick_config returns: mmaq_n64s4x up to
-# 12 pairs, mmaq_n64s2x above, sm_89's mmaq_n64s2xl_w2n128 from 96 pairs),
+# 12 pairs, mmaq_n64s2xl above, the wide rows from 96 pairs: sm_89 mmaq_n64s4xl_w2n128, sm_90 mmaq_n64s2xl_w2n128),
 # and vLLM's Triton fused_moe_kernel_gptq_awq at its two best configs of the last run (m16n32k128w4s4:
 # T=1; m16n32k64w2s4: T=4/16; loaded from PEER_SRC, a copy of vLLM's source: `make peer-src` writes
 # .peer/), timed with the bench's timer (CUDA graph, cold L2 by rotating weight sets) at TP=4,
