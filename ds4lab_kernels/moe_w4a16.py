@@ -1126,11 +1126,8 @@ _DECODE = {
     "mmaq_n64s4xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                             "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 128,
                             "num_warps2": 4, "num_stages": 3},
-    # candidate (session 15): the next step of the trend that made mmaq_n64s4xl_w2n128 the wide row (batch-16 step
-    # -510 us against 2 splits): 8 K splits of 512 (4 serial 128-groups a w13 program); bit-equal to mmaq_n64s8x
-    "mmaq_n64s8xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
-                            "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 8, "num_warps": 4, "BLOCK_N2": 128,
-                            "num_warps2": 4, "num_stages": 3},
+    # (session 15, NOTES "Session 15 (lead)": 8 K splits, mmaq_n64s8xl_w2n128, lost in the batch-16 step, +400 us, and
+    # in the bench, 77.0 vs 68.4 us at pool19 T=16; the x copy 4 rows a step, "xperm": 4, lost 2x: rows removed)
 }
 # one table per architecture; each holds its own copies of the decode rows (editing one leaves the other)
 CONFIGS = {
@@ -1172,8 +1169,10 @@ DECODE_MAX_PAIRS = 256
 #: results/issue20/s14/call1): ``mmaq_n64s2xl`` (the loop id scan; bit-equal to ``mmaq_n64s2x``), step ABBA batch 4
 #: 8,299 -> 8,060 us, batch 8 8,495 -> 8,188. sm_90 the same from session 15 (H100 80GB HBM3, native build,
 #: results/issue20/s15/call1: bit-equal to ``mmaq_n64s2x`` natively; the native step with the sm_89 table's MoE and
-#: seam defaults, ABBA, batch 4 8,428 -> 8,205 us, batch 16 10,417 -> 9,371)
-DECODE_ROW = {"sm_89": "mmaq_n64s2xl", "sm_90": "mmaq_n64s2xl"}
+#: seam defaults, ABBA, batch 4 8,428 -> 8,205 us, batch 16 10,417 -> 9,371). sm_89 ``mmaq_n64s4xl`` from session 15
+#: (4 K splits, bit-equal to ``mmaq_n64s4x``; results/issue20/s15/call2, ABBA): batch 4 8,034 -> 7,949 us, batch 8
+#: 8,203 -> 7,682 (the 128-wide-w2 row from 24 pairs instead: 7,980 / 7,715)
+DECODE_ROW = {"sm_89": "mmaq_n64s4xl", "sm_90": "mmaq_n64s2xl"}
 DECODE_ROW_NARROW = "mmaq_n64s4x"
 DECODE_NARROW_MAX_PAIRS = 12
 #: the decode row from :data:`DECODE_WIDE_MIN_PAIRS` pairs up (batch 16 = 96 pairs, batch 16 MTP = 192), per table
@@ -1184,11 +1183,11 @@ DECODE_NARROW_MAX_PAIRS = 12
 #: step 10,354 -> 9,703 us. From 96 pairs, the smallest count timed. Session 15 (H100 80GB HBM3, results/issue20/s15/
 #: call1): sm_89 ``mmaq_n64s4xl_w2n128`` (4 K splits, bit-equal to ``mmaq_n64s4x``): batch-16 step (ABBA) 9,310 ->
 #: 8,801 us, batch-16 MTP 12,489 -> 12,392; kernel bench under the step's routing (pool19, T=16) 70.1 vs 72.1 us, pool49
-#: T=32 127.1 vs 128.7. sm_90: ``mmaq_n64s2xl_w2n128`` (native step, with the sm_89 seam defaults: batch 16 10,417 ->
-#: 9,371; its 4-split row is untimed natively).
+#: T=32 127.1 vs 128.7; 8 splits lost (step +400 us). sm_90 the same (native, results/issue20/s15/call2, ABBA against
+#: ``mmaq_n64s2xl_w2n128``, bit-equal to ``mmaq_n64s4x`` natively): batch 16 9,369 -> 8,983 us, MTP 12,527 -> 12,483.
 #: Time another with ``ds4lab step --ab "moe_w4a16.DECODE_ROW_WIDE={'sm_89': 'mmaq_n32s1xl_w2n128', 'sm_90': None}"``
 #: (read per call by :func:`pick_config`)
-DECODE_ROW_WIDE = {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s2xl_w2n128"}
+DECODE_ROW_WIDE = {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s4xl_w2n128"}
 DECODE_WIDE_MIN_PAIRS = 96
 GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW[a],
                                         *((DECODE_ROW_WIDE[a],) if DECODE_ROW_WIDE[a] else ()), "prefill")))

@@ -25,7 +25,7 @@ from test_moe import _weights
 pytestmark = pytest.mark.interp
 
 ROWS = ("mmaq_n64s2xl", "mmaq_n64s2xl_w2n128", "mmaq_n64s1xl_w2n128", "mmaq_n32s1xl_w2n128",
-        "mmaq_n32s1xl_w2n128s4", "mmaq_n64s4xl", "mmaq_n64s4xl_w2n128", "mmaq_n64s8xl_w2n128")
+        "mmaq_n32s1xl_w2n128s4", "mmaq_n64s4xl", "mmaq_n64s4xl_w2n128")
 _T = K.CONFIGS["sm_89"]
 # the twin of each row: the same arithmetic with other tiles or the one-hot id scan (D=256 here: a 128-wide
 # w2 tile covers 2 of the 4 64-column blocks, 2 programs per pair instead of 4)
@@ -33,9 +33,7 @@ TWIN = {"mmaq_n64s2xl": "mmaq_n64s2x",
         "mmaq_n64s2xl_w2n128": dict(_T["mmaq_n64s2xl_w2n128"], BLOCK_N2=64, scan="onehot"),
         "mmaq_n32s1xl_w2n128": dict(_T["mmaq_n32s1xl_w2n128"], BLOCK_N2=64, scan="onehot"),
         # session 14: 4 K splits with the loop scan (D=512 below: 4 splits of 128, not narrowed to 2)
-        "mmaq_n64s4xl": "mmaq_n64s4x", "mmaq_n64s4xl_w2n128": "mmaq_n64s4x",
-        # session 15: 8 K splits (D=1024 below: 8 splits of 128)
-        "mmaq_n64s8xl_w2n128": "mmaq_n64s8x"}
+        "mmaq_n64s4xl": "mmaq_n64s4x", "mmaq_n64s4xl_w2n128": "mmaq_n64s4x"}
 
 
 def _cfg(label):
@@ -162,16 +160,16 @@ def test_pick_config_wide_row_per_table_and_read_per_call(monkeypatch):
         type = "cuda"
     t = K.CONFIGS["sm_89"]
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_89")
-    # shipped (session 15): the timed wide rows from 96 pairs (batch 16), the 4-split one on sm_89; the loop-scan
-    # DECODE_ROW below them on both tables
-    assert K.DECODE_ROW_WIDE == {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s2xl_w2n128"}
+    # shipped (session 15): the 4-split rows on sm_89 from 13 pairs (DECODE_ROW, the loop scan) and from 96 (the wide
+    # row, 128-wide w2 tiles); sm_90 the 2-split loop-scan DECODE_ROW and the same wide row
+    assert K.DECODE_ROW_WIDE == {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s4xl_w2n128"}
     assert K.DECODE_WIDE_MIN_PAIRS == 96
     assert K.pick_config(96, Dev()) is t["mmaq_n64s4xl_w2n128"] and K.pick_config(192, Dev()) is t["mmaq_n64s4xl_w2n128"]
-    assert K.pick_config(95, Dev()) is t["mmaq_n64s2xl"] and K.pick_config(13, Dev()) is t["mmaq_n64s2xl"]
+    assert K.pick_config(95, Dev()) is t["mmaq_n64s4xl"] and K.pick_config(13, Dev()) is t["mmaq_n64s4xl"]
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_90")
     t90 = K.CONFIGS["sm_90"]
-    assert K.pick_config(96, Dev()) is t90["mmaq_n64s2xl_w2n128"] and K.pick_config(95, Dev()) is t90["mmaq_n64s2xl"]
-    assert K.DECODE_ROW == {"sm_89": "mmaq_n64s2xl", "sm_90": "mmaq_n64s2xl"}
+    assert K.pick_config(96, Dev()) is t90["mmaq_n64s4xl_w2n128"] and K.pick_config(95, Dev()) is t90["mmaq_n64s2xl"]
+    assert K.DECODE_ROW == {"sm_89": "mmaq_n64s4xl", "sm_90": "mmaq_n64s2xl"}
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_89")
     monkeypatch.setattr(K, "DECODE_ROW_WIDE", {"sm_89": "mmaq_n32s1xl_w2n128", "sm_90": None})
     assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS, Dev()) is t["mmaq_n32s1xl_w2n128"]
