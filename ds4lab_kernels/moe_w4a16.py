@@ -1171,9 +1171,12 @@ DECODE_MAX_PAIRS = 256
 #: results/issue20/s15/call1: bit-equal to ``mmaq_n64s2x`` natively; the native step with the sm_89 table's MoE and
 #: seam defaults, ABBA, batch 4 8,428 -> 8,205 us, batch 16 10,417 -> 9,371). sm_89 ``mmaq_n64s4xl`` from session 15
 #: (4 K splits, bit-equal to ``mmaq_n64s4x``; results/issue20/s15/call2, ABBA): batch 4 8,034 -> 7,949 us, batch 8
-#: 8,203 -> 7,682 (the 128-wide-w2 row from 24 pairs instead: 7,980 / 7,715)
-DECODE_ROW = {"sm_89": "mmaq_n64s4xl", "sm_90": "mmaq_n64s2xl"}
-DECODE_ROW_NARROW = "mmaq_n64s4x"
+#: 8,203 -> 7,682 (the 128-wide-w2 row from 24 pairs instead: 7,980 / 7,715); sm_90 too (native, call3, ABBA):
+#: batch 4 8,236 -> 8,199, batch 8 8,336 -> 7,912. The narrow row with the loop scan (``mmaq_n64s4xl``, bit-equal
+#: to ``mmaq_n64s4x``; sm_89 build, call3, ABBA): batch 1 4,965 -> 4,931 us, batch-1 MTP 6,174 -> 6,141 (one A/B pair:
+#: the run was cut there)
+DECODE_ROW = {"sm_89": "mmaq_n64s4xl", "sm_90": "mmaq_n64s4xl"}
+DECODE_ROW_NARROW = "mmaq_n64s4xl"
 DECODE_NARROW_MAX_PAIRS = 12
 #: the decode row from :data:`DECODE_WIDE_MIN_PAIRS` pairs up (batch 16 = 96 pairs, batch 16 MTP = 192), per table
 #: (None: :data:`DECODE_ROW` serves every size above the narrow bound). Issue 20, moe16; session 13, H100 80GB HBM3,

@@ -2,8 +2,8 @@
 # W4A16 MoE decode on the H200 (issue 20, moe5), from a plain copy of the tree with the image's python3
 # (torch 2.11, triton 3.6.0; no vLLM). For each build (sm_89 first: the step's build; then native; one
 # process each): numerics first (every timed ds4lab row, every adversarial case of MOE_CASES, the real
-# TP=4 shape at T=16), then the rows of MOE_LABELS (default: the decode rows pick_config returns: mmaq_n64s4x up to
-# 12 pairs, mmaq_n64s2xl above, the wide rows from 96 pairs: sm_89 mmaq_n64s4xl_w2n128, sm_90 mmaq_n64s2xl_w2n128),
+# TP=4 shape at T=16), then the rows of MOE_LABELS (default: the decode rows pick_config returns (session 15): mmaq_n64s4xl up to
+# 95 pairs, mmaq_n64s4xl_w2n128 from 96; with mmaq_n64s2x, the old row),
 # and vLLM's Triton fused_moe_kernel_gptq_awq at its two best configs of the last run (m16n32k128w4s4:
 # T=1; m16n32k64w2s4: T=4/16; loaded from PEER_SRC, a copy of vLLM's source: `make peer-src` writes
 # .peer/), timed with the bench's timer (CUDA graph, cold L2 by rotating weight sets) at TP=4,
@@ -44,7 +44,7 @@ peer_arg=()
 # the rows timed: today's defaults (the narrow row up to 12 pairs, the decode row above, the wide row from 96) against the peer;
 # the other mmaq_* rows were timed in sessions 5 and 9 (NOTES moe5, moe9). MOE_LABELS="" times every default +
 # mmaq_* row (session 5: over the 80 s build limit).
-MOE_LABELS=${MOE_LABELS-mmaq_n64s4x mmaq_n64s2x mmaq_n64s2xl_w2n128}
+MOE_LABELS=${MOE_LABELS-mmaq_n64s4xl mmaq_n64s4xl_w2n128 mmaq_n64s2x}
 MOE_BUILDS=${MOE_BUILDS:-sm89 native}
 MOE_T=${MOE_T:-1 16 4}
 extra=(--numerics-t "${MOE_NUMERICS_T:-16}")
