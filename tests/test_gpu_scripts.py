@@ -63,3 +63,16 @@ def test_compress_1l_script_smoke_and_exits_1_without_cuda(tmp_path):
                        text=True, env={**_env(tmp_path), "OUT": "o2", "COMP1_TIMEOUT": "60"}, timeout=90)
     assert r.returncode == 1 and "COMPRESS_1L sm89 FAILED" in r.stdout, r.stdout + r.stderr
     assert (tmp_path / "o2" / "compress_1l_sm89.log").is_file()
+
+
+def test_step_ab_reports_the_steps_rc_and_keeps_its_log(tmp_path):
+    """scripts/gpu/step_ab.sh (sourced by the device calls' run scripts): `step NAME TIMEOUT ARGS...` writes the step's
+    console to $OUT/NAME.log and prints its exit status; without CUDA the step fails, and that status is what shows."""
+    out = tmp_path / "o"
+    out.mkdir()
+    r = subprocess.run(["bash", "-c", f". {ROOT}/scripts/gpu/step_ab.sh; T0=$SECONDS; step nogpu 120 --batch 1"],
+                       cwd=ROOT, capture_output=True, text=True, env={**_env(tmp_path), "OUT": str(out)}, timeout=150)
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("nogpu: rc=") and not first.startswith("nogpu: rc=0 "), r.stdout
+    assert (out / "nogpu.log").is_file() and (out / "nogpu.log").read_text().strip()

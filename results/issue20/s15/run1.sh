@@ -18,11 +18,7 @@ set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../../.."
 T0=$SECONDS
-step() {  # NAME TIMEOUT ARGS...: rows straight to $OUT/NAME/decode_step.csv (kept when the timeout cuts it)
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m ds4lab.harness.step --tp 4 --ctx 8192 --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: rc=$? ($((SECONDS - T0)) s)"; grep -E "^TP=" "$OUT/$name.log" | cut -c1-200
-}
+. scripts/gpu/step_ab.sh   # step NAME TIMEOUT ARGS...
 W="moe_w4a16.DECODE_ROW_WIDE"
 step b16_sm89 190 --arch sm89 --batch 16 --mode plain --mode mtp --abba \
   --ab "$W={'sm_89': 'mmaq_n64s4xl_w2n128', 'sm_90': None}" --ab "$W={'sm_89': 'mmaq_n64s1xl_w2n128', 'sm_90': None}" \

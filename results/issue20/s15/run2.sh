@@ -13,11 +13,7 @@ set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../../.."
 T0=$SECONDS
-step() {  # NAME TIMEOUT ARGS...: rows straight to $OUT/NAME/decode_step.csv (kept when the timeout cuts it)
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m ds4lab.harness.step --tp 4 --ctx 8192 --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: rc=$? ($((SECONDS - T0)) s)"; grep -E "^TP=" "$OUT/$name.log" | sed -E 's/\[(.{60}).*\]/[\1...]/'
-}
+. scripts/gpu/step_ab.sh   # step NAME TIMEOUT ARGS...
 W="moe_w4a16.DECODE_ROW_WIDE"
 step b16_sm89_s8 110 --arch sm89 --batch 16 --mode plain --mode mtp --abba \
   --ab "$W={'sm_89': 'mmaq_n64s8xl_w2n128', 'sm_90': 'mmaq_n64s2xl_w2n128'}"

@@ -10,11 +10,7 @@ set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../../.."
 T0=$SECONDS
-step() {  # NAME TIMEOUT ARGS...: rows straight to $OUT/NAME/decode_step.csv (kept when the timeout cuts it)
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m ds4lab.harness.step --tp 4 --ctx 8192 --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: rc=$? ($((SECONDS - T0)) s)"; grep -E "^TP=" "$OUT/$name.log" | sed -E 's/\[(.{60}).*\]/[\1...]/'
-}
+. scripts/gpu/step_ab.sh   # step NAME TIMEOUT ARGS...
 step b4b8_native 110 --arch native --batch 4 --batch 8 --mode plain --abba \
   --ab "moe_w4a16.DECODE_ROW={'sm_89': 'mmaq_n64s4xl', 'sm_90': 'mmaq_n64s4xl'}"
 step b1_sm89_narrow 80 --arch sm89 --batch 1 --mode plain --mode mtp --abba --ab "moe_w4a16.DECODE_ROW_NARROW='mmaq_n64s4xl'"
