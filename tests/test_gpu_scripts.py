@@ -76,3 +76,28 @@ def test_step_ab_reports_the_steps_rc_and_keeps_its_log(tmp_path):
     first = r.stdout.splitlines()[0]
     assert first.startswith("nogpu: rc=") and not first.startswith("nogpu: rc=0 "), r.stdout
     assert (out / "nogpu.log").is_file() and (out / "nogpu.log").read_text().strip()
+
+
+def test_ncu_decode_pool_routing_replaces_the_ids():
+    """``fused_moe_w4a16:T=16,routing=pool19``: the profiled call's ids come from one seeded pool of 19 experts (the
+    step's routing), each token's top-k distinct; ``routing`` on a kernel without ids, or not ``poolN``, raises."""
+    import importlib.util
+    import pytest
+    import torch
+    spec = importlib.util.spec_from_file_location("ncu_decode", ROOT / "scripts" / "gpu" / "ncu_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    inp = {"topk_ids": torch.arange(96, dtype=torch.int32).view(16, 6), "w13_packed": torch.zeros(256, 1, 1),
+           "x": torch.zeros(16, 8)}
+    got = mod.with_routing("fused_moe_w4a16", inp, "pool19")
+    ids = got["topk_ids"]
+    assert ids.shape == (16, 6) and ids.dtype == torch.int32 and got["x"] is inp["x"]
+    assert ids.unique().numel() <= 19 and all(row.unique().numel() == 6 for row in ids)
+    assert torch.equal(ids, mod.with_routing("fused_moe_w4a16", inp, "pool19")["topk_ids"])   # seeded
+    assert mod.with_routing("fused_moe_w4a16", inp, None) is inp
+    with pytest.raises(ValueError, match="routing='pool19'"):
+        mod.with_routing("o_proj", {"x": torch.zeros(1)}, "pool19")
+    with pytest.raises(ValueError, match="routing='uniform'"):
+        mod.with_routing("fused_moe_w4a16", inp, "uniform")
+    with pytest.raises(ValueError, match="routing='poolx'"):
+        mod.with_routing("fused_moe_w4a16", inp, "poolx")

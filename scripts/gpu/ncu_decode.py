@@ -8,7 +8,9 @@ three warm-up calls, then ONE call inside ``cudaProfilerStart/Stop``, so
 
 Usage: python3 scripts/gpu/ncu_decode.py --arch sm89|native [CASE ...]
   CASE: ``kernel[:key=value,...]`` picks the first bench shape (TP=4 rank) whose keys match, e.g.
-  ``fused_moe_w4a16:T=1``. Default: the T=1 set below.
+  ``fused_moe_w4a16:T=1``. Default: the T=1 set below. ``routing=poolN`` (fused_moe_w4a16 only) replaces the
+  bench's distinct-expert ids by the step's concentrated routing (every token's top-k from one seeded pool of N
+  experts, :func:`ds4lab.harness.moe_bench.pool_ids`), e.g. ``fused_moe_w4a16:T=16,routing=pool19``.
 """
 import argparse
 import os
@@ -32,6 +34,21 @@ def _parse(case: str) -> tuple[str, dict]:
     return name, want
 
 
+def with_routing(name: str, inputs: dict, routing: str | None, seed: int = 0) -> dict:
+    """``inputs`` with ``topk_ids`` drawn by ``routing`` (``"poolN"``; None: unchanged). ValueError naming
+    ``routing`` for a kernel without ``topk_ids`` or a name other than ``poolN``."""
+    if routing is None:
+        return inputs
+    from ds4lab.harness.moe_bench import pool_ids, routing_pool
+    pool = routing_pool(routing)
+    if pool is None or "topk_ids" not in inputs:
+        raise ValueError(f"routing={routing!r}: expected 'poolN' on a kernel with topk_ids ({name} has "
+                         f"{'topk_ids' if 'topk_ids' in inputs else 'none'})")
+    T, K = inputs["topk_ids"].shape
+    ids = pool_ids(T, inputs["w13_packed"].shape[0], K, pool, seed, inputs["topk_ids"].device)
+    return {**inputs, "topk_ids": ids}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm89", choices=["native", "sm89"])
@@ -47,6 +64,7 @@ def main(argv=None) -> int:
     rc = 0
     for case in a.cases:
         name, want = _parse(case)
+        routing = want.pop("routing", None)
         spec = registry.get(name)
         shapes = [s for s in spec.bench_shapes(DEFAULT_CONFIG, 4) if all(s.get(k) == v for k, v in want.items())]
         if not shapes:
@@ -55,8 +73,8 @@ def main(argv=None) -> int:
             continue
         shape = shapes[0]
         fn = spec.launcher_fn()
-        inputs = spec.make_inputs(shape, spec.cases[0], 0, dev)
         try:
+            inputs = with_routing(name, spec.make_inputs(shape, spec.cases[0], 0, dev), routing)
             for _ in range(3):
                 fn(**inputs)
             torch.cuda.synchronize()
@@ -64,11 +82,11 @@ def main(argv=None) -> int:
             fn(**inputs)
             torch.cuda.synchronize()
             cudart.cudaProfilerStop()
-            print(f"PROFILED {name} {shape}", flush=True)
+            print(f"PROFILED {name} {shape}{' routing=' + routing if routing else ''}", flush=True)
         except Exception as e:   # one failing case must not stop the rest
             print(f"{case}: {type(e).__name__}: {e}", flush=True)
             rc = 1
-        del inputs
+        inputs = None
         torch.cuda.empty_cache()
     return rc
 
