@@ -5,6 +5,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/../../.."
-timeout 150 python3 -m ds4lab.harness.step --tp 4 --ctx 8192 --out "$OUT/b1_native_narrow" --arch native --batch 1 \
-  --mode plain --mode mtp --abba --ab "moe_w4a16.DECODE_ROW_NARROW='mmaq_n64s4x'" > "$OUT/b1_native_narrow.log" 2>&1
-echo "rc=$?"; grep -E "^TP=" "$OUT/b1_native_narrow.log"
+T0=$SECONDS
+. scripts/gpu/step_ab.sh   # step NAME TIMEOUT ARGS...
+step b1_native_narrow 150 --arch native --batch 1 --mode plain --mode mtp --abba \
+  --ab "moe_w4a16.DECODE_ROW_NARROW='mmaq_n64s4x'"

@@ -13,7 +13,7 @@ T0=$SECONDS
 . scripts/gpu/step_ab.sh   # step NAME TIMEOUT ARGS...
 OUT="$OUT/ncu" timeout 200 bash scripts/gpu/ncu_decode.sh "fused_moe_w4a16:T=16,routing=pool19" "fused_moe_w4a16:T=16" \
   "fused_moe_w4a16:T=1" > "$OUT/ncu.log" 2>&1
-echo "ncu: rc=$? ($((SECONDS - T0)) s)"; cat "$OUT/ncu.log" | cut -c1-220 | tail -20
+echo "ncu: rc=$? ($((SECONDS - T0)) s)"; cut -c1-220 "$OUT/ncu.log" | tail -20
 OUT="$OUT" timeout 160 bash results/issue20/s15/run4.sh
 step defaults_sm89 130 --arch sm89 --batch 1 --batch 16 --mode plain --mode mtp
 step defaults_native 130 --arch native --batch 1 --batch 16 --mode plain --mode mtp
