@@ -528,6 +528,79 @@ def _plane_col(n):
 
 
 @triton.jit
+def _w13_groups(w_ptr, s_ptr, a_ptr, a_stride, x_ptr, stride_xt, e, n, tok, mvalid, g_lo, g_hi, I,
+                stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, ASM: tl.constexpr,
+                XPERM: tl.constexpr):
+    """gate/up partial sums of one w13 tile over the 128-groups ``[g_lo, g_hi)``: ``(acc_g, acc_u)``, fp32
+    ``[BLOCK_M, BLOCK_N]`` (rows ``tok`` of the A operand ``a_ptr``, columns ``n`` and ``n + I`` of expert ``e``)."""
+    e64 = e.to(tl.int64)
+    c = tl.arange(0, 16)
+    g_off = e64 * stride_we + n.to(tl.int64)[None, :] * stride_wn + c[:, None]
+    u_off = g_off + I * stride_wn
+    gs_off = e64 * stride_se + n.to(tl.int64) * stride_sn
+    us_off = gs_off + I * stride_sn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(g_lo, g_hi):
+        pg = tl.load(w_ptr + g_off + g * 16)
+        pu = tl.load(w_ptr + u_off + g * 16)
+        sg = tl.load(s_ptr + gs_off + g * stride_sk).to(tl.float32)
+        su = tl.load(s_ptr + us_off + g * stride_sk).to(tl.float32)
+        zg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        zu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if DEQ:
+            zg = _mma_group_q(zg, a_ptr, a_stride, tok, mvalid, g * 128, pg, tl.bfloat16, ASM, XPERM)
+            zu = _mma_group_q(zu, a_ptr, a_stride, tok, mvalid, g * 128, pu, tl.bfloat16, ASM, XPERM)
+        else:
+            zg = _mma_group(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, BLOCK_M)
+            zu = _mma_group(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, BLOCK_M)
+        acc_g += zg * sg[None, :]
+        acc_u += zu * su[None, :]
+    return acc_g, acc_u
+
+
+@triton.jit
+def _w13_finish(acc_g, acc_u, h_ptr, part_ptr, cnt_ptr, cidx, split, nsplit, prow, mvalid, n, I, limit,
+                stride_hp, stride_ps, stride_pp, SMAX: tl.constexpr, HPERM: tl.constexpr):
+    """The w13 tile's epilogue. ``SMAX == 1``: h = swiglu(gate, up) stored fp16 ``h[pair, n]``. Else fp32 partials
+    ``part[split, pair, :]``, a ticket on counter ``cnt_ptr + cidx``; the last of the ``nsplit`` (<= SMAX) programs sums
+    the partials in split order (deterministic; every load in flight), applies the SwiGLU, stores h and resets the
+    counter to 0."""
+    p64 = prow.to(tl.int64)
+    smask = mvalid[:, None] & (n < I)[None, :]
+    if HPERM:  # h in plane order: the w2 kernel's A loads are contiguous
+        hcol = _plane_col(n)
+    else:
+        hcol = n
+    if SMAX == 1:
+        h = _swiglu(acc_g, acc_u, limit)
+        tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
+    else:
+        base = part_ptr + p64[:, None] * stride_pp + n[None, :]
+        tl.store(base + split * stride_ps, acc_g, mask=smask)
+        tl.store(base + split * stride_ps + I, acc_u, mask=smask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu")
+        if ticket == nsplit - 1:
+            gs = tl.zeros(acc_g.shape, dtype=tl.float32)
+            us = tl.zeros(acc_u.shape, dtype=tl.float32)
+            if SMAX <= 4:
+                for s in tl.static_range(SMAX):
+                    gs += tl.load(base + s * stride_ps, mask=smask & (s < nsplit), other=0.0, cache_modifier=".cg")
+                    us += tl.load(base + s * stride_ps + I, mask=smask & (s < nsplit), other=0.0, cache_modifier=".cg")
+            else:   # 4 splits' loads in flight at a time (all SMAX at once: ~16 fp32 tiles of registers)
+                for s0 in range(0, nsplit, 4):
+                    for j in tl.static_range(4):
+                        sm = smask & (s0 + j < nsplit)
+                        gs += tl.load(base + (s0 + j) * stride_ps, mask=sm, other=0.0, cache_modifier=".cg")
+                        us += tl.load(base + (s0 + j) * stride_ps + I, mask=sm, other=0.0, cache_modifier=".cg")
+            h = _swiglu(gs, us, limit)
+            tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
+            tl.atomic_xchg(cnt_ptr + cidx, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _dec_mma_w13_kernel(
     x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr, xs_ptr,
     P, I, E, limit,
@@ -544,7 +617,8 @@ def _dec_mma_w13_kernel(
     bf16 nibbles, fp32 accumulation, scale per 128-group in fp32). SPLIT == 1: h = swiglu(gate, up)
     stored fp16 ``h[pair, n]``. SPLIT > 1: fp32 partials ``part[split, pair, :]``, then a ticket
     (atomic counter per (leader, column block)); the last of the SPLIT programs sums the partials
-    in split order (deterministic), applies the SwiGLU, stores h and resets the counter to 0.
+    in split order (deterministic), applies the SwiGLU, stores h and resets the counter to 0
+    (:func:`_w13_finish`).
 
     XPERM (needs DEQ): the program first copies its x rows' K split into ``xs [tokens, K]`` in plane
     order (:func:`_plane_col`) and reads the A operand from there (contiguous 32 B rows, pipelined
@@ -561,15 +635,7 @@ def _dec_mma_w13_kernel(
     if lead:
         KS: tl.constexpr = K // SPLIT
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        e64 = e.to(tl.int64)
-        c = tl.arange(0, 16)
-        g_off = e64 * stride_we + n.to(tl.int64)[None, :] * stride_wn + c[:, None]
-        u_off = g_off + I * stride_wn
-        gs_off = e64 * stride_se + n.to(tl.int64) * stride_sn
-        us_off = gs_off + I * stride_sn
         tok = (prow // TOPK).to(tl.int64)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if XPERM:
             # one contiguous load + a permuted store per valid row (the valid rows are a prefix of the
             # tile: at decode sizes usually 1 of 16)
@@ -585,45 +651,94 @@ def _dec_mma_w13_kernel(
         else:
             a_ptr = x_ptr
             a_stride = stride_xt
-        for g in range(split * (KS // 128), (split + 1) * (KS // 128)):
-            pg = tl.load(w_ptr + g_off + g * 16)
-            pu = tl.load(w_ptr + u_off + g * 16)
-            sg = tl.load(s_ptr + gs_off + g * stride_sk).to(tl.float32)
-            su = tl.load(s_ptr + us_off + g * stride_sk).to(tl.float32)
-            zg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            zu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if DEQ:
-                zg = _mma_group_q(zg, a_ptr, a_stride, tok, mvalid, g * 128, pg, tl.bfloat16, ASM, XPERM)
-                zu = _mma_group_q(zu, a_ptr, a_stride, tok, mvalid, g * 128, pu, tl.bfloat16, ASM, XPERM)
-            else:
-                zg = _mma_group(zg, x_ptr, stride_xt, tok, mvalid, g * 128, pg, tl.bfloat16, BLOCK_M)
-                zu = _mma_group(zu, x_ptr, stride_xt, tok, mvalid, g * 128, pu, tl.bfloat16, BLOCK_M)
-            acc_g += zg * sg[None, :]
-            acc_u += zu * su[None, :]
-        p64 = prow.to(tl.int64)
-        smask = mvalid[:, None] & (n < I)[None, :]
-        if HPERM:  # h in plane order: the w2 kernel's A loads are contiguous
-            hcol = _plane_col(n)
-        else:
-            hcol = n
-        if SPLIT == 1:
-            h = _swiglu(acc_g, acc_u, limit)
-            tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
-        else:
-            base = part_ptr + p64[:, None] * stride_pp + n[None, :]
-            tl.store(base + split * stride_ps, acc_g, mask=smask)
-            tl.store(base + split * stride_ps + I, acc_u, mask=smask)
+        acc_g, acc_u = _w13_groups(w_ptr, s_ptr, a_ptr, a_stride, x_ptr, stride_xt, e, n, tok, mvalid,
+                                   split * (KS // 128), (split + 1) * (KS // 128), I,
+                                   stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                                   BLOCK_M, BLOCK_N, DEQ, ASM, XPERM)
+        _w13_finish(acc_g, acc_u, h_ptr, part_ptr, cnt_ptr, pair0 * tl.num_programs(1) + nb, split, SPLIT, prow,
+                    mvalid, n, I, limit, stride_hp, stride_ps, stride_pp, SPLIT, HPERM)
+
+
+@triton.jit
+def _moe_tiles(ids_ptr, P, E, PB: tl.constexpr, BLOCK_M: tl.constexpr, CH: tl.constexpr):
+    """Every tile of the ``P`` pairs at once (the persistent kernels' schedule), no sort: pair ``q`` leads a tile
+    when its id is valid (``0 <= id < E``) and it is occurrence ``c * BLOCK_M`` of its expert (the tiles of
+    :func:`_expert_rows`). Returns ``(key [PB], n_tiles)``: ``key[q]`` the tile index of leader ``q`` (tiles in
+    ascending leader order), -1 for the other pairs. Occurrences come from a ``[PB, CH]`` comparison per ``CH``
+    pairs (``PB * PB`` in all)."""
+    q = tl.arange(0, PB)
+    idq = tl.load(ids_ptr + q, mask=q < P, other=-1)
+    valid = (idq >= 0) & (idq < E) & (q < P)
+    occ = tl.zeros([PB], dtype=tl.int32)
+    for r0 in tl.static_range(0, PB, CH):
+        r = r0 + tl.arange(0, CH)
+        idr = tl.load(ids_ptr + r, mask=r < P, other=-2)
+        occ += tl.sum(((idr[None, :] == idq[:, None]) & (r[None, :] < q[:, None])).to(tl.int32), axis=1)
+    li = (valid & (occ % BLOCK_M == 0)).to(tl.int32)
+    return tl.where(li > 0, tl.cumsum(li, axis=0) - li, -1), tl.sum(li, axis=0)
+
+
+@triton.jit
+def _dec_mma_w13_persist_kernel(
+    x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr, xs_ptr,
+    P, I, E, limit, NB,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp, stride_ps, stride_pp,
+    K: tl.constexpr, SMAX: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, ASM: tl.constexpr,
+    HPERM: tl.constexpr, XPERM: tl.constexpr, OVH: tl.constexpr, CH: tl.constexpr, XCH: tl.constexpr,
+):
+    """Grid ``(programs,)`` (one wave: SMs x resident CTAs), issue 20 session 17: :func:`_dec_mma_w13_kernel`'s tiles
+    without its grid of one program per (pair, column block, split). Every program builds the tile list
+    (:func:`_moe_tiles`), picks the K split count ``S`` (1..SMAX) that fits the work into the programs best:
+    ``S`` minimising ``ceil(tiles * NB * S / programs) * (ceil(G / S) + OVH)`` (G = K / 128 groups; OVH a unit's fixed
+    cost in groups; ties to fewer splits), then loops over the units ``(tile, column block, split)`` from its own
+    index in steps of the grid. Split ``s`` of ``S`` covers the groups ``[s*G//S, (s+1)*G//S)``; the last of a tile's
+    ``S`` programs reduces the partials in split order (:func:`_w13_finish`). The same rows, columns and arithmetic as
+    the grid kernel; the bits depend on ``S``, so on how many tiles the batch's routing makes (deterministic for a
+    given batch; permuting its tokens changes no bits). The x copy (XPERM) covers the unit's groups in XCH-column
+    chunks."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    G: tl.constexpr = K // 128
+    key, n_tiles = _moe_tiles(ids_ptr, P, E, PB, BLOCK_M, CH)
+    tiles_nb = n_tiles * NB
+    S = 1
+    best = (tiles_nb + nprog - 1) // nprog * (G + OVH)
+    for s in tl.static_range(2, SMAX + 1):
+        cost = (tiles_nb * s + nprog - 1) // nprog * ((G + s - 1) // s + OVH)
+        S = tl.where(cost < best, s, S)
+        best = tl.minimum(cost, best)
+    per_tile = NB * S
+    for w in range(pid, tiles_nb * S, nprog):
+        ti = w // per_tile
+        nb = (w % per_tile) // S
+        split = w % S
+        pair0 = tl.sum(tl.where(key == ti, tl.arange(0, PB), 0), axis=0)
+        _, e, prow, mvalid = _expert_rows_loop(ids_ptr, pair0, P, E, PB, BLOCK_M)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        tok = (prow // TOPK).to(tl.int64)
+        g_lo = split * G // S
+        g_hi = (split + 1) * G // S
+        if XPERM:
+            m_ar = tl.arange(0, BLOCK_M)
+            for m in range(tl.sum(mvalid.to(tl.int32), axis=0)):
+                t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
+                for k0 in range(g_lo * 128, g_hi * 128, XCH):
+                    kq = k0 + tl.arange(0, XCH)
+                    km = kq < g_hi * 128
+                    tl.store(xs_ptr + t_m * K + _plane_col(kq), tl.load(x_ptr + t_m * stride_xt + kq, mask=km),
+                             mask=km)
             tl.debug_barrier()
-            ticket = tl.atomic_add(cnt_ptr + pair0 * tl.num_programs(1) + nb, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT - 1:
-                gs = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                us = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
-                    gs += tl.load(base + s * stride_ps, mask=smask, other=0.0, cache_modifier=".cg")
-                    us += tl.load(base + s * stride_ps + I, mask=smask, other=0.0, cache_modifier=".cg")
-                h = _swiglu(gs, us, limit)
-                tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
-                tl.atomic_xchg(cnt_ptr + pair0 * tl.num_programs(1) + nb, 0, sem="relaxed", scope="gpu")
+            a_ptr = xs_ptr
+            a_stride = K
+        else:
+            a_ptr = x_ptr
+            a_stride = stride_xt
+        acc_g, acc_u = _w13_groups(w_ptr, s_ptr, a_ptr, a_stride, x_ptr, stride_xt, e, n, tok, mvalid, g_lo, g_hi, I,
+                                   stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                                   BLOCK_M, BLOCK_N, DEQ, ASM, XPERM)
+        _w13_finish(acc_g, acc_u, h_ptr, part_ptr, cnt_ptr, pair0 * NB + nb, split, S, prow, mvalid, n, I, limit,
+                    stride_hp, stride_ps, stride_pp, SMAX, HPERM)
 
 
 @triton.jit
@@ -901,6 +1016,38 @@ def _counters(dev, n: int) -> torch.Tensor:
     return buf
 
 
+#: programs of a persistent w13 launch in the interpreter (no device to size a wave on): few, so each loops
+INTERP_PERSIST_PROGRAMS = 3
+_SMS: dict = {}
+#: (device index, row, PB) -> CTAs an SM holds at once, from the registers of the build that ran
+_RESIDENT: dict = {}
+REGS_PER_SM = 65536   # sm_89 and sm_90
+
+
+def _row_key(dev, cfg: dict, pb: int):
+    return (dev.index, tuple(sorted(cfg.items())), pb)
+
+
+def persist_programs(dev: torch.device, cfg: dict, pb: int) -> int:
+    """Programs of a ``"sched": "persist"`` launch: the device's SMs x the CTAs an SM holds at once, so every
+    program is resident from the start: ``cfg["CTAS"]`` until a launch has run, then at most what the compiled
+    kernel's registers allow (``REGS_PER_SM / (regs x threads)``). CUDA-graph safe: fixed per device and row once
+    the first (eager) call has run."""
+    if dev.type != "cuda":
+        return INTERP_PERSIST_PROGRAMS
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SMS[key] * _RESIDENT.get(_row_key(dev, cfg, pb), cfg.get("CTAS", 4))
+
+
+def _note_resident(dev, cfg: dict, pb: int, compiled) -> None:
+    regs = getattr(compiled, "n_regs", 0)
+    if dev.type == "cuda" and regs:
+        fit = REGS_PER_SM // (regs * 32 * cfg["num_warps"])
+        _RESIDENT[_row_key(dev, cfg, pb)] = max(1, min(cfg.get("CTAS", 4), fit))
+
+
 def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, accumulate=False):
     """Decode variant "mma" (candidate configs ``mma_*``): pairs grouped by expert in-kernel, int4
     dequantized to bf16/fp16 in registers and multiplied on tensor cores (BLOCK_M 16 pairs of one
@@ -915,7 +1062,9 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     if I % BN or D % BN2 or BN < 16 or BN2 < 16:
         raise ValueError(f"config: BLOCK_N={BN} / BLOCK_N2={BN2} must be >= 16 and divide inter={I} / hidden={D}")
     splits = cfg.get("SPLIT_K", 1)
-    while splits > 1 and D % (splits * GROUP):
+    if cfg.get("sched") == "persist":   # uneven splits: any count up to one 128-group each
+        splits = min(splits, D // GROUP)
+    while splits > 1 and D % (splits * GROUP) and cfg.get("sched") != "persist":
         splits //= 2
     ws = workspace or {}
     dev = x.device
@@ -956,12 +1105,27 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     if scan is None:
         raise ValueError(f"config['scan']={cfg.get('scan')!r}: expected 'onehot' or 'loop'")
     sk = {"SCAN": 1} if scan else {}   # absent when 0: the old rows' kernels compile exactly as before
-    _dec_mma_w13_kernel[(P, nb1, splits)](
-        x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit),
-        x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
-        h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
-        K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm, XPERM=xperm,
-        **sk, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
+    sched = cfg.get("sched", "grid")
+    if sched == "persist":
+        # one wave of programs looping over (tile, column block, split) units; the split count 1..SPLIT_K is
+        # picked in-kernel from the tile count (_dec_mma_w13_persist_kernel)
+        ck = _dec_mma_w13_persist_kernel[(persist_programs(dev, cfg, PB),)](
+            x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit), nb1,
+            x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
+            h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
+            K=D, SMAX=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm,
+            XPERM=xperm, OVH=cfg.get("OVH", 4), CH=min(PB, 32), XCH=512,
+            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
+        _note_resident(dev, cfg, PB, ck)
+    elif sched == "grid":
+        _dec_mma_w13_kernel[(P, nb1, splits)](
+            x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit),
+            x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
+            h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
+            K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm,
+            XPERM=xperm, **sk, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
+    else:
+        raise ValueError(f"config['sched']={sched!r}: expected 'grid' or 'persist'")
     _dec_mma_w2_kernel[(P, nb2)](
         h, w2p, w2s, ids, tw, y, out, cnt2, T, P, D, E,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2),
@@ -1126,6 +1290,19 @@ _DECODE = {
     "mmaq_n64s4xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                             "scan": "loop", "BLOCK_N": 64, "SPLIT_K": 4, "num_warps": 4, "BLOCK_N2": 128,
                             "num_warps2": 4, "num_stages": 3},
+    # candidates (issue 20, session 17): the w13 launch as one wave of persistent programs (SMs x CTAS) looping over
+    # the tiles' (tile, column block, split) units, with the split count (1..SPLIT_K) picked in-kernel to fill the
+    # wave: at batch 16 under the step's routing (~18.5 experts, 148 tile-column blocks) the grid rows run ~592 units
+    # of 8 groups on 528 resident CTAs (ncu, results/issue20/s16/call1: SMs busy 38-69 of 78 K cycles: a second
+    # round on about half the SMs), and ~2,480 non-leader programs that only scan and exit. Other bits than the grid
+    # rows where the picked split count differs from 4 (checked against the float64 reference)
+    # (sm_89 AOT at TP4, triton 3.7.1: w13 128 registers, 0 spills, 24 KB shared: 4 CTAs an SM; sm_90 128-164)
+    "mmaq_n64p8xl": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                     "scan": "loop", "sched": "persist", "CTAS": 4, "OVH": 4, "BLOCK_N": 64, "SPLIT_K": 8,
+                     "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3},
+    "mmaq_n64p8xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                            "scan": "loop", "sched": "persist", "CTAS": 4, "OVH": 4, "BLOCK_N": 64, "SPLIT_K": 8,
+                            "num_warps": 4, "BLOCK_N2": 128, "num_warps2": 4, "num_stages": 3},
     # (session 15, NOTES "Session 15 (lead)": 8 K splits, mmaq_n64s8xl_w2n128, lost in the batch-16 step, +400 us, and
     # in the bench, 77.0 vs 68.4 us at pool19 T=16; the x copy 4 rows a step, "xperm": 4, lost 2x: rows removed)
 }

@@ -11,8 +11,11 @@ Usage: python3 scripts/gpu/ncu_decode.py --arch sm89|native [CASE ...]
   ``fused_moe_w4a16:T=1``. Default: the T=1 set below. ``routing=poolN`` (fused_moe_w4a16 only) replaces the
   bench's distinct-expert ids by the step's concentrated routing (every token's top-k from one seeded pool of N
   experts, :func:`ds4lab.harness.moe_bench.pool_ids`), e.g. ``fused_moe_w4a16:T=16,routing=pool19``.
+  ``row=LABEL`` runs that row of the build's config table instead of the default, e.g.
+  ``fused_moe_w4a16:T=16,routing=pool19,row=mmaq_n64p8xl_w2n128``.
 """
 import argparse
+import functools
 import os
 import sys
 
@@ -59,12 +62,14 @@ def main(argv=None) -> int:
     import torch
     from ds4lab.geometry import DEFAULT_CONFIG
     from ds4lab.harness import registry
+    from ds4lab_kernels._arch import arch_of
     dev = torch.device("cuda")
     cudart = torch.cuda.cudart()
     rc = 0
     for case in a.cases:
         name, want = _parse(case)
         routing = want.pop("routing", None)
+        row = want.pop("row", None)
         spec = registry.get(name)
         shapes = [s for s in spec.bench_shapes(DEFAULT_CONFIG, 4) if all(s.get(k) == v for k, v in want.items())]
         if not shapes:
@@ -74,6 +79,11 @@ def main(argv=None) -> int:
         shape = shapes[0]
         fn = spec.launcher_fn()
         try:
+            if row is not None:
+                table = spec.configs["sm_89" if a.arch == "sm89" else arch_of(dev)]
+                if row not in table:
+                    raise ValueError(f"row={row!r}: not a row of {name}'s table ({', '.join(sorted(table))})")
+                fn = functools.partial(fn, config=table[row])
             inputs = with_routing(name, spec.make_inputs(shape, spec.cases[0], 0, dev), routing)
             for _ in range(3):
                 fn(**inputs)
@@ -82,7 +92,8 @@ def main(argv=None) -> int:
             fn(**inputs)
             torch.cuda.synchronize()
             cudart.cudaProfilerStop()
-            print(f"PROFILED {name} {shape}{' routing=' + routing if routing else ''}", flush=True)
+            print(f"PROFILED {name} {shape}{' routing=' + routing if routing else ''}{' row=' + row if row else ''}",
+                  flush=True)
         except Exception as e:   # one failing case must not stop the rest
             print(f"{case}: {type(e).__name__}: {e}", flush=True)
             rc = 1
