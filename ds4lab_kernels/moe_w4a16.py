@@ -687,8 +687,9 @@ def _dec_mma_w13_persist_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, ASM: tl.constexpr,
     HPERM: tl.constexpr, XPERM: tl.constexpr, OVH: tl.constexpr, CH: tl.constexpr, XCH: tl.constexpr,
 ):
-    """Grid ``(programs,)`` (one wave: SMs x resident CTAs), issue 20 session 17: :func:`_dec_mma_w13_kernel`'s tiles
-    without its grid of one program per (pair, column block, split). Every program builds the tile list
+    """Grid ``(programs,)`` (one wave: SMs x resident CTAs; issue 20, session 17).
+    One program loops over units (tile, column block, split) of :func:`_dec_mma_w13_kernel`'s tiles, without that
+    kernel's grid of one program per (pair, column block, split). Every program builds the tile list
     (:func:`_moe_tiles`), picks the K split count ``S`` (1..SMAX) that fits the work into the programs best:
     ``S`` minimising ``ceil(tiles * NB * S / programs) * (ceil(G / S) + OVH)`` (G = K / 128 groups; OVH a unit's fixed
     cost in groups; ties to fewer splits), then loops over the units ``(tile, column block, split)`` from its own
