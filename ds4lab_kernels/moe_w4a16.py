@@ -565,7 +565,7 @@ def _w13_finish(acc_g, acc_u, h_ptr, part_ptr, cnt_ptr, cidx, split, nsplit, pro
                 stride_hp, stride_ps, stride_pp, SMAX: tl.constexpr, HPERM: tl.constexpr):
     """The w13 tile's epilogue. ``SMAX == 1``: h = swiglu(gate, up) stored fp16 ``h[pair, n]``. Else fp32 partials
     ``part[split, pair, :]``, a ticket on counter ``cnt_ptr + cidx``; the last of the ``nsplit`` (<= SMAX) programs sums
-    the partials in split order (deterministic; every load in flight), applies the SwiGLU, stores h and resets the
+    the partials in split order (deterministic; every split's loads in flight up to 4 splits, then 4 at a time), applies the SwiGLU, stores h and resets the
     counter to 0."""
     p64 = prow.to(tl.int64)
     smask = mvalid[:, None] & (n < I)[None, :]
@@ -1062,11 +1062,15 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     BN, BN2, BM = min(cfg["BLOCK_N"], I), min(cfg["BLOCK_N2"], D), 16
     if I % BN or D % BN2 or BN < 16 or BN2 < 16:
         raise ValueError(f"config: BLOCK_N={BN} / BLOCK_N2={BN2} must be >= 16 and divide inter={I} / hidden={D}")
+    sched = cfg.get("sched", "grid")
+    if sched not in ("grid", "persist"):
+        raise ValueError(f"config['sched']={sched!r}: expected 'grid' or 'persist'")
     splits = cfg.get("SPLIT_K", 1)
-    if cfg.get("sched") == "persist":   # uneven splits: any count up to one 128-group each
+    if sched == "persist":   # uneven splits: any count up to one 128-group each
         splits = min(splits, D // GROUP)
-    while splits > 1 and D % (splits * GROUP) and cfg.get("sched") != "persist":
-        splits //= 2
+    else:
+        while splits > 1 and D % (splits * GROUP):
+            splits //= 2
     ws = workspace or {}
     dev = x.device
 
@@ -1106,7 +1110,6 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     if scan is None:
         raise ValueError(f"config['scan']={cfg.get('scan')!r}: expected 'onehot' or 'loop'")
     sk = {"SCAN": 1} if scan else {}   # absent when 0: the old rows' kernels compile exactly as before
-    sched = cfg.get("sched", "grid")
     if sched == "persist":
         # one wave of programs looping over (tile, column block, split) units; the split count 1..SPLIT_K is
         # picked in-kernel from the tile count (_dec_mma_w13_persist_kernel)
@@ -1118,15 +1121,13 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
             XPERM=xperm, OVH=cfg.get("OVH", 4), CH=min(PB, 32), XCH=512,
             num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
         _note_resident(dev, cfg, PB, ck)
-    elif sched == "grid":
+    else:
         _dec_mma_w13_kernel[(P, nb1, splits)](
             x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit),
             x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
             h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
             K=D, SPLIT=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm,
             XPERM=xperm, **sk, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
-    else:
-        raise ValueError(f"config['sched']={sched!r}: expected 'grid' or 'persist'")
     _dec_mma_w2_kernel[(P, nb2)](
         h, w2p, w2s, ids, tw, y, out, cnt2, T, P, D, E,
         h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2),
