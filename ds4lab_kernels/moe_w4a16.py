@@ -566,13 +566,14 @@ def _w13_finish(acc_g, acc_u, h_ptr, part_ptr, cnt_ptr, cidx, split, nsplit, pro
     """The w13 tile's epilogue. ``SMAX == 1``: h = swiglu(gate, up) stored fp16 ``h[pair, n]``. Else fp32 partials
     ``part[split, pair, :]``, a ticket on counter ``cnt_ptr + cidx``; the last of the ``nsplit`` (<= SMAX) programs sums
     the partials in split order (deterministic; every split's loads in flight up to 4 splits, then 4 at a time), applies the SwiGLU, stores h and resets the
-    counter to 0."""
+    counter to 0. Returns whether this program stored h (always with ``SMAX == 1``)."""
     p64 = prow.to(tl.int64)
     smask = mvalid[:, None] & (n < I)[None, :]
     if HPERM:  # h in plane order: the w2 kernel's A loads are contiguous
         hcol = _plane_col(n)
     else:
         hcol = n
+    done = True
     if SMAX == 1:
         h = _swiglu(acc_g, acc_u, limit)
         tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
@@ -582,7 +583,8 @@ def _w13_finish(acc_g, acc_u, h_ptr, part_ptr, cnt_ptr, cidx, split, nsplit, pro
         tl.store(base + split * stride_ps + I, acc_u, mask=smask)
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu")
-        if ticket == nsplit - 1:
+        done = ticket == nsplit - 1
+        if done:
             gs = tl.zeros(acc_g.shape, dtype=tl.float32)
             us = tl.zeros(acc_u.shape, dtype=tl.float32)
             if SMAX <= 4:
@@ -598,6 +600,7 @@ def _w13_finish(acc_g, acc_u, h_ptr, part_ptr, cnt_ptr, cidx, split, nsplit, pro
             h = _swiglu(gs, us, limit)
             tl.store(h_ptr + p64[:, None] * stride_hp + hcol[None, :], h.to(tl.float16), mask=smask)
             tl.atomic_xchg(cnt_ptr + cidx, 0, sem="relaxed", scope="gpu")
+    return done
 
 
 @triton.jit
@@ -679,6 +682,64 @@ def _moe_tiles(ids_ptr, P, E, PB: tl.constexpr, BLOCK_M: tl.constexpr, CH: tl.co
 
 
 @triton.jit
+def _pick_splits(tiles_nb, nprog, G: tl.constexpr, SMAX: tl.constexpr, OVH: tl.constexpr):
+    """The K split count ``S`` in 1..SMAX of a persistent launch's w13 units: the ``S`` minimising
+    ``ceil(tiles_nb * S / nprog) * (ceil(G / S) + OVH)`` (``tiles_nb`` tile-column blocks, ``nprog`` programs, ``G``
+    128-groups, ``OVH`` a unit's fixed cost in groups), ties to fewer splits."""
+    S = 1
+    best = (tiles_nb + nprog - 1) // nprog * (G + OVH)
+    for s in tl.static_range(2, SMAX + 1):
+        cost = (tiles_nb * s + nprog - 1) // nprog * ((G + s - 1) // s + OVH)
+        S = tl.where(cost < best, s, S)
+        best = tl.minimum(cost, best)
+    return S
+
+
+@triton.jit
+def _w13_unit(w, S, key, x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr, xs_ptr, P, I, E, limit, NB,
+              stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp, stride_ps, stride_pp,
+              K: tl.constexpr, SMAX: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr, ASM: tl.constexpr,
+              HPERM: tl.constexpr, XPERM: tl.constexpr, XCH: tl.constexpr):
+    """w13 unit ``w`` of a persistent launch: (tile ``w // (NB * S)``, column block, split ``w % S``) of
+    :func:`_dec_mma_w13_kernel`'s tiles (``key``: :func:`_moe_tiles`). Split ``s`` of ``S`` covers the 128-groups
+    ``[s*G//S, (s+1)*G//S)``; the last of the tile's ``S`` programs reduces the partials (:func:`_w13_finish`).
+    Returns ``(tile, done)``: ``done`` when this program stored the tile column block's h."""
+    G: tl.constexpr = K // 128
+    per_tile = NB * S
+    ti = w // per_tile
+    nb = (w % per_tile) // S
+    split = w % S
+    pair0 = tl.sum(tl.where(key == ti, tl.arange(0, PB), 0), axis=0)
+    _, e, prow, mvalid = _expert_rows_loop(ids_ptr, pair0, P, E, PB, BLOCK_M)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    tok = (prow // TOPK).to(tl.int64)
+    g_lo = split * G // S
+    g_hi = (split + 1) * G // S
+    if XPERM:
+        m_ar = tl.arange(0, BLOCK_M)
+        for m in range(tl.sum(mvalid.to(tl.int32), axis=0)):
+            t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
+            for k0 in range(g_lo * 128, g_hi * 128, XCH):
+                kq = k0 + tl.arange(0, XCH)
+                km = kq < g_hi * 128
+                tl.store(xs_ptr + t_m * K + _plane_col(kq), tl.load(x_ptr + t_m * stride_xt + kq, mask=km),
+                         mask=km)
+        tl.debug_barrier()
+        a_ptr = xs_ptr
+        a_stride = K
+    else:
+        a_ptr = x_ptr
+        a_stride = stride_xt
+    acc_g, acc_u = _w13_groups(w_ptr, s_ptr, a_ptr, a_stride, x_ptr, stride_xt, e, n, tok, mvalid, g_lo, g_hi, I,
+                               stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                               BLOCK_M, BLOCK_N, DEQ, ASM, XPERM)
+    done = _w13_finish(acc_g, acc_u, h_ptr, part_ptr, cnt_ptr, pair0 * NB + nb, split, S, prow, mvalid, n, I, limit,
+                       stride_hp, stride_ps, stride_pp, SMAX, HPERM)
+    return ti, done
+
+
+@triton.jit
 def _dec_mma_w13_persist_kernel(
     x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr, xs_ptr,
     P, I, E, limit, NB,
@@ -690,56 +751,130 @@ def _dec_mma_w13_persist_kernel(
     """Grid ``(programs,)`` (one wave: SMs x resident CTAs; issue 20, session 17).
     One program loops over units (tile, column block, split) of :func:`_dec_mma_w13_kernel`'s tiles, without that
     kernel's grid of one program per (pair, column block, split). Every program builds the tile list
-    (:func:`_moe_tiles`), picks the K split count ``S`` (1..SMAX) that fits the work into the programs best:
-    ``S`` minimising ``ceil(tiles * NB * S / programs) * (ceil(G / S) + OVH)`` (G = K / 128 groups; OVH a unit's fixed
-    cost in groups; ties to fewer splits), then loops over the units ``(tile, column block, split)`` from its own
-    index in steps of the grid. Split ``s`` of ``S`` covers the groups ``[s*G//S, (s+1)*G//S)``; the last of a tile's
-    ``S`` programs reduces the partials in split order (:func:`_w13_finish`). The same rows, columns and arithmetic as
-    the grid kernel; the bits depend on ``S``, so on how many tiles the batch's routing makes (deterministic for a
-    given batch; permuting its tokens changes no bits). The x copy (XPERM) covers the unit's groups in XCH-column
-    chunks."""
+    (:func:`_moe_tiles`), picks the K split count ``S`` (1..SMAX) that fits the work into the programs best
+    (:func:`_pick_splits`), then loops over the units (:func:`_w13_unit`) from its own index in steps of the grid.
+    The same rows, columns and arithmetic as the grid kernel; the bits depend on ``S``, so on how many tiles the
+    batch's routing makes (deterministic for a given batch; permuting its tokens changes no bits). The x copy
+    (XPERM) covers the unit's groups in XCH-column chunks."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    G: tl.constexpr = K // 128
     key, n_tiles = _moe_tiles(ids_ptr, P, E, PB, BLOCK_M, CH)
-    tiles_nb = n_tiles * NB
-    S = 1
-    best = (tiles_nb + nprog - 1) // nprog * (G + OVH)
-    for s in tl.static_range(2, SMAX + 1):
-        cost = (tiles_nb * s + nprog - 1) // nprog * ((G + s - 1) // s + OVH)
-        S = tl.where(cost < best, s, S)
-        best = tl.minimum(cost, best)
-    per_tile = NB * S
-    for w in range(pid, tiles_nb * S, nprog):
-        ti = w // per_tile
-        nb = (w % per_tile) // S
-        split = w % S
-        pair0 = tl.sum(tl.where(key == ti, tl.arange(0, PB), 0), axis=0)
-        _, e, prow, mvalid = _expert_rows_loop(ids_ptr, pair0, P, E, PB, BLOCK_M)
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        tok = (prow // TOPK).to(tl.int64)
-        g_lo = split * G // S
-        g_hi = (split + 1) * G // S
-        if XPERM:
-            m_ar = tl.arange(0, BLOCK_M)
-            for m in range(tl.sum(mvalid.to(tl.int32), axis=0)):
-                t_m = tl.sum(tl.where(m_ar == m, tok, 0), axis=0)
-                for k0 in range(g_lo * 128, g_hi * 128, XCH):
-                    kq = k0 + tl.arange(0, XCH)
-                    km = kq < g_hi * 128
-                    tl.store(xs_ptr + t_m * K + _plane_col(kq), tl.load(x_ptr + t_m * stride_xt + kq, mask=km),
-                             mask=km)
-            tl.debug_barrier()
-            a_ptr = xs_ptr
-            a_stride = K
+    S = _pick_splits(n_tiles * NB, nprog, K // 128, SMAX, OVH)
+    for w in range(pid, n_tiles * NB * S, nprog):
+        _w13_unit(w, S, key, x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr, xs_ptr, P, I, E, limit, NB,
+                  stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hp, stride_ps, stride_pp,
+                  K, SMAX, TOPK, PB, BLOCK_M, BLOCK_N, DEQ, ASM, HPERM, XPERM, XCH)
+
+
+@triton.jit
+def _w2_tile(h_ptr, w_ptr, s_ptr, e, prow, mvalid, n, stride_hp, stride_we, stride_wn, stride_se, stride_sn,
+             stride_sk, IK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQ: tl.constexpr,
+             ASM: tl.constexpr, HPERM: tl.constexpr):
+    """y[pair_m, n] = sum_k h[pair_m, k] * dequant(w2[e, n, k]) over the ``IK`` inputs of one w2 tile: fp32
+    ``[BLOCK_M, BLOCK_N]`` (fp16 h x exact fp16 nibbles on tensor cores, scale per 128-group)."""
+    e64 = e.to(tl.int64)
+    c = tl.arange(0, 16)
+    w_off = e64 * stride_we + n.to(tl.int64)[None, :] * stride_wn + c[:, None]
+    s_off = e64 * stride_se + n.to(tl.int64) * stride_sn
+    p64 = prow.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(0, IK // 128):
+        p = tl.load(w_ptr + w_off + g * 16)
+        s = tl.load(s_ptr + s_off + g * stride_sk).to(tl.float32)
+        z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if DEQ:
+            z = _mma_group_q(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, ASM, HPERM)
         else:
-            a_ptr = x_ptr
-            a_stride = stride_xt
-        acc_g, acc_u = _w13_groups(w_ptr, s_ptr, a_ptr, a_stride, x_ptr, stride_xt, e, n, tok, mvalid, g_lo, g_hi, I,
-                                   stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                                   BLOCK_M, BLOCK_N, DEQ, ASM, XPERM)
-        _w13_finish(acc_g, acc_u, h_ptr, part_ptr, cnt_ptr, pair0 * NB + nb, split, S, prow, mvalid, n, I, limit,
-                    stride_hp, stride_ps, stride_pp, SMAX, HPERM)
+            z = _mma_group(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, BLOCK_M)
+        acc += z * s[None, :]
+    return acc
+
+
+@triton.jit
+def _topk_sum_block(y_ptr, ids_ptr, tw_ptr, out_ptr, T, E, n, nmask, stride_yp, stride_ot,
+                    TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, ACCUM: tl.constexpr):
+    """out[t, n] = sum_{j in slot order, valid ids} topk_weights[t, j] * y[t*TOPK + j, n] for every token and the
+    columns ``n`` (skipped pairs never read; y read past L1). ACCUM: ``out`` (fp32) += that sum."""
+    for t0 in range(0, T, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T)
+        tmask = tt < T
+        o = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            pr = tt.to(tl.int64) * TOPK + j
+            eid = tl.load(ids_ptr + pr, mask=tmask, other=-1)
+            ok = tmask & (eid >= 0) & (eid < E)
+            yv = tl.load(y_ptr + pr[:, None] * stride_yp + n[None, :], mask=ok[:, None] & nmask[None, :],
+                         other=0.0, cache_modifier=".cg")
+            wt = tl.load(tw_ptr + pr, mask=ok, other=0.0)
+            o += tl.where(ok[:, None], wt[:, None] * yv, 0.0)
+        o_ptrs = out_ptr + tt.to(tl.int64)[:, None] * stride_ot + n[None, :]
+        if ACCUM:
+            o = tl.load(o_ptrs, mask=tmask[:, None] & nmask[None, :], other=0.0) + o
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _dec_mma_fused_kernel(
+    x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, h_ptr, part_ptr, y_ptr, out_ptr, cnt_ptr, cnt2_ptr,
+    rdy_ptr, xs_ptr,
+    T, P, I, N, E, limit, NB, NB2,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_s2k,
+    stride_hp, stride_ps, stride_pp, stride_yp, stride_ot,
+    K: tl.constexpr, IK: tl.constexpr, SMAX: tl.constexpr, TOPK: tl.constexpr, PB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_T: tl.constexpr,
+    DEQ: tl.constexpr, ASM: tl.constexpr, HPERM: tl.constexpr, XPERM: tl.constexpr, ACCUM: tl.constexpr,
+    OVH: tl.constexpr, CH: tl.constexpr, XCH: tl.constexpr,
+):
+    """Grid ``(programs,)``: the whole decode MoE in one launch, every program resident at once (issue 20, session 18).
+    One program loops over units, tile-major, from its index in steps of the grid: first the w13 units of
+    :func:`_dec_mma_w13_persist_kernel` (:func:`_w13_unit`, the split count by :func:`_pick_splits`), then one w2
+    unit per (tile, column block of BLOCK_N2 hidden columns). The program that stores a tile column block's h
+    bumps the tile's ready counter ``rdy[tile]`` (release); a w2 unit spins on it (acquire) until all ``NB`` column
+    blocks are in, then computes its y tile (:func:`_w2_tile`, the grid w2 kernel's arithmetic) and takes a ticket
+    on its column block's counter: the last of the ``tiles`` w2 units of a column block writes its top-k sum
+    (:func:`_topk_sum_block`). Deadlock-free: a program only waits for units of lower index, which resident
+    programs reach first. Counters: ``rdy[tile]`` and the tile's w2 consumer count ``rdy[P + tile]`` are reset by
+    the tile's last w2 unit, the others as in the two-launch rows; all are 0 again when the launch ends."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    key, n_tiles = _moe_tiles(ids_ptr, P, E, PB, BLOCK_M, CH)
+    S = _pick_splits(n_tiles * NB, nprog, K // 128, SMAX, OVH)
+    u13 = n_tiles * NB * S
+    for u in range(pid, u13 + n_tiles * NB2, nprog):
+        if u < u13:
+            ti, done = _w13_unit(u, S, key, x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr, xs_ptr, P, I, E,
+                                 limit, NB, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                                 stride_hp, stride_ps, stride_pp, K, SMAX, TOPK, PB, BLOCK_M, BLOCK_N, DEQ, ASM,
+                                 HPERM, XPERM, XCH)
+            if done:
+                tl.debug_barrier()
+                tl.atomic_add(rdy_ptr + ti, 1, sem="release", scope="gpu")
+        else:
+            v = u - u13
+            ti = v // NB2
+            nb2 = v % NB2
+            pair0 = tl.sum(tl.where(key == ti, tl.arange(0, PB), 0), axis=0)
+            _, e, prow, mvalid = _expert_rows_loop(ids_ptr, pair0, P, E, PB, BLOCK_M)
+            n = nb2 * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+            nmask = n < N
+            ready = tl.atomic_add(rdy_ptr + ti, 0, sem="acquire", scope="gpu")
+            while ready < NB:
+                ready = tl.atomic_add(rdy_ptr + ti, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()
+            acc = _w2_tile(h_ptr, w2_ptr, s2_ptr, e, prow, mvalid, n, stride_hp, stride_w2e, stride_w2n, stride_s2e,
+                           stride_s2n, stride_s2k, IK, BLOCK_M, BLOCK_N2, DEQ, ASM, HPERM)
+            tl.store(y_ptr + prow.to(tl.int64)[:, None] * stride_yp + n[None, :], acc,
+                     mask=mvalid[:, None] & nmask[None, :])
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt2_ptr + nb2, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_tiles - 1:
+                _topk_sum_block(y_ptr, ids_ptr, tw_ptr, out_ptr, T, E, n, nmask, stride_yp, stride_ot,
+                                TOPK, BLOCK_T, BLOCK_N2, ACCUM)
+                tl.atomic_xchg(cnt2_ptr + nb2, 0, sem="relaxed", scope="gpu")
+            if tl.atomic_add(rdy_ptr + P + ti, 1, sem="relaxed", scope="gpu") == NB2 - 1:
+                tl.atomic_xchg(rdy_ptr + ti, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(rdy_ptr + P + ti, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -769,41 +904,14 @@ def _dec_mma_w2_kernel(
     else:
         lead, e, prow, mvalid = _expert_rows(ids_ptr, pair0, P, E, TOPK, PB, BLOCK_M)
     if lead:
-        e64 = e.to(tl.int64)
-        c = tl.arange(0, 16)
-        w_off = e64 * stride_we + n.to(tl.int64)[None, :] * stride_wn + c[:, None]
-        s_off = e64 * stride_se + n.to(tl.int64) * stride_sn
-        p64 = prow.to(tl.int64)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for g in range(0, IK // 128):
-            p = tl.load(w_ptr + w_off + g * 16)
-            s = tl.load(s_ptr + s_off + g * stride_sk).to(tl.float32)
-            z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if DEQ:
-                z = _mma_group_q(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, ASM, HPERM)
-            else:
-                z = _mma_group(z, h_ptr, stride_hp, p64, mvalid, g * 128, p, tl.float16, BLOCK_M)
-            acc += z * s[None, :]
-        tl.store(y_ptr + p64[:, None] * stride_yp + n[None, :], acc, mask=mvalid[:, None] & nmask[None, :])
+        acc = _w2_tile(h_ptr, w_ptr, s_ptr, e, prow, mvalid, n, stride_hp, stride_we, stride_wn, stride_se, stride_sn,
+                       stride_sk, IK, BLOCK_M, BLOCK_N, DEQ, ASM, HPERM)
+        tl.store(y_ptr + prow.to(tl.int64)[:, None] * stride_yp + n[None, :], acc, mask=mvalid[:, None] & nmask[None, :])
     tl.debug_barrier()
     ticket = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu")
     if ticket == P - 1:
-        for t0 in range(0, T, BLOCK_T):
-            tt = t0 + tl.arange(0, BLOCK_T)
-            tmask = tt < T
-            o = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(TOPK):
-                pr = tt.to(tl.int64) * TOPK + j
-                eid = tl.load(ids_ptr + pr, mask=tmask, other=-1)
-                ok = tmask & (eid >= 0) & (eid < E)
-                yv = tl.load(y_ptr + pr[:, None] * stride_yp + n[None, :], mask=ok[:, None] & nmask[None, :],
-                             other=0.0, cache_modifier=".cg")
-                wt = tl.load(tw_ptr + pr, mask=ok, other=0.0)
-                o += tl.where(ok[:, None], wt[:, None] * yv, 0.0)
-            o_ptrs = out_ptr + tt.to(tl.int64)[:, None] * stride_ot + n[None, :]
-            if ACCUM:
-                o = tl.load(o_ptrs, mask=tmask[:, None] & nmask[None, :], other=0.0) + o
-            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
+        _topk_sum_block(y_ptr, ids_ptr, tw_ptr, out_ptr, T, E, n, nmask, stride_yp, stride_ot, TOPK, BLOCK_T, BLOCK_N,
+                        ACCUM)
         tl.atomic_xchg(cnt_ptr + nb, 0, sem="relaxed", scope="gpu")
 
 
@@ -1017,25 +1125,30 @@ def _counters(dev, n: int) -> torch.Tensor:
     return buf
 
 
-#: programs of a persistent w13 launch in the interpreter (no device to size a wave on): few, so each loops
+#: programs of a persistent w13 launch in the interpreter (no device to size a wave on): few, so each loops. The
+#: fused launch (``"sched": "fused"``) runs one there: the interpreter runs programs one after another, and a w2 unit
+#: waits for w13 units of later programs
 INTERP_PERSIST_PROGRAMS = 3
 _SMS: dict = {}
-#: (device index, row, PB) -> CTAs an SM holds at once, from the registers of the build that ran
+#: (device index, row, PB) -> CTAs an SM holds at once, from the registers and shared memory of the build that ran
 _RESIDENT: dict = {}
 REGS_PER_SM = 65536   # sm_89 and sm_90
+#: shared memory the driver reserves per CTA (sm_80 on), bytes
+SMEM_RESERVED_PER_CTA = 1024
 
 
 def _row_key(dev, cfg: dict, pb: int):
     return (dev.index, tuple(sorted(cfg.items())), pb)
 
 
-def persist_programs(dev: torch.device, cfg: dict, pb: int) -> int:
-    """Programs of a ``"sched": "persist"`` launch: the device's SMs x the CTAs an SM holds at once, so every
-    program is resident from the start: ``cfg["CTAS"]`` until a launch has run, then at most what the compiled
-    kernel's registers allow (``REGS_PER_SM / (regs x threads)``). CUDA-graph safe: fixed per device and row once
-    the first (eager) call has run."""
+def persist_programs(dev: torch.device, cfg: dict, pb: int, fused: bool = False) -> int:
+    """Programs of a ``"sched": "persist"`` or ``"fused"`` launch: the device's SMs x the CTAs an SM holds at once,
+    so every program is resident from the start: ``cfg["CTAS"]`` until a compiled kernel has been seen, then at most
+    what its registers and shared memory allow (:func:`_note_resident`; the fused launcher sees it before its first
+    launch). CUDA-graph safe: fixed per device and row once the first (eager) call has run. Off a GPU:
+    :data:`INTERP_PERSIST_PROGRAMS`, 1 when ``fused``."""
     if dev.type != "cuda":
-        return INTERP_PERSIST_PROGRAMS
+        return 1 if fused else INTERP_PERSIST_PROGRAMS
     key = dev.index if dev.index is not None else torch.cuda.current_device()
     if key not in _SMS:
         _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
@@ -1043,10 +1156,33 @@ def persist_programs(dev: torch.device, cfg: dict, pb: int) -> int:
 
 
 def _note_resident(dev, cfg: dict, pb: int, compiled) -> None:
+    """Record the CTAs an SM holds at once of ``compiled`` (a Triton CompiledKernel): the fewest that its registers
+    (``REGS_PER_SM / (regs x threads)``) and its shared memory (the device's per-SM bytes over the kernel's plus
+    :data:`SMEM_RESERVED_PER_CTA`) allow, at most ``cfg["CTAS"]``."""
     regs = getattr(compiled, "n_regs", 0)
     if dev.type == "cuda" and regs:
-        fit = REGS_PER_SM // (regs * 32 * cfg["num_warps"])
-        _RESIDENT[_row_key(dev, cfg, pb)] = max(1, min(cfg.get("CTAS", 4), fit))
+        smem = getattr(getattr(compiled, "metadata", None), "shared", 0) or 0
+        per_sm = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_multiprocessor", 0)
+        _RESIDENT[_row_key(dev, cfg, pb)] = resident_ctas(regs, 32 * cfg["num_warps"], smem, per_sm,
+                                                          cfg.get("CTAS", 4))
+
+
+def resident_ctas(regs: int, threads: int, smem: int, smem_per_sm: int, ctas: int) -> int:
+    """CTAs of a kernel an SM holds at once, at most ``ctas`` and at least 1: ``regs`` registers a thread x
+    ``threads`` threads a CTA against :data:`REGS_PER_SM`, and ``smem`` bytes a CTA plus
+    :data:`SMEM_RESERVED_PER_CTA` against ``smem_per_sm`` (0: not known, not checked)."""
+    fit = REGS_PER_SM // (regs * threads)
+    if smem and smem_per_sm:
+        fit = min(fit, smem_per_sm // (smem + SMEM_RESERVED_PER_CTA))
+    return max(1, min(ctas, fit))
+
+
+def _compiled(kernel, args, meta):
+    """``kernel`` compiled for ``args`` / ``meta`` without launching it, its registers known (Triton's ``warmup``)."""
+    ck = kernel.warmup(*args, grid=(1,), **meta)
+    if getattr(ck, "n_regs", None) is None or not ck.n_regs:
+        ck._init_handles()
+    return ck
 
 
 def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, accumulate=False):
@@ -1063,10 +1199,10 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     if I % BN or D % BN2 or BN < 16 or BN2 < 16:
         raise ValueError(f"config: BLOCK_N={BN} / BLOCK_N2={BN2} must be >= 16 and divide inter={I} / hidden={D}")
     sched = cfg.get("sched", "grid")
-    if sched not in ("grid", "persist"):
-        raise ValueError(f"config['sched']={sched!r}: expected 'grid' or 'persist'")
+    if sched not in ("grid", "persist", "fused"):
+        raise ValueError(f"config['sched']={sched!r}: expected 'grid', 'persist' or 'fused'")
     splits = cfg.get("SPLIT_K", 1)
-    if sched == "persist":   # uneven splits: any count up to one 128-group each
+    if sched != "grid":   # uneven splits: any count up to one 128-group each
         splits = min(splits, D // GROUP)
     else:
         while splits > 1 and D % (splits * GROUP):
@@ -1085,12 +1221,14 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     y = buf("y", (P, D), torch.float32)
     part = buf("part", (splits, P, N2), torch.float32) if splits > 1 else h
     nb1, nb2 = I // BN, D // BN2
+    # w13 split tickets (pair x column block), w2 tickets (column block); "fused": + ready / consumer counts (2 x tile)
+    n_cnt = P * nb1 + nb2 + (2 * P if sched == "fused" else 0)
     cnt = ws.get("counters")
     if cnt is None:
-        cnt = _counters(dev, P * nb1 + nb2)
-    elif cnt.dtype != torch.int32 or cnt.numel() < P * nb1 + nb2:
-        raise ValueError(f"workspace['counters']: expected zeroed int32 with >= {P * nb1 + nb2} elements")
-    cnt13, cnt2 = cnt, cnt[P * nb1:]
+        cnt = _counters(dev, n_cnt)
+    elif cnt.dtype != torch.int32 or cnt.numel() < n_cnt:
+        raise ValueError(f"workspace['counters']: expected zeroed int32 with >= {n_cnt} elements")
+    cnt13, cnt2, rdy = cnt, cnt[P * nb1:], cnt[P * nb1 + nb2:]
     # PB: the id vector _expert_rows scans. 128: one specialisation for every decode batch; "pb":
     # "tight" (mmaq_*x): 16 up to 16 pairs (T <= 2: a [16, 16] scan instead of [16, 128], the prologue
     # every program runs before its first weight load), 128 above (2 specialisations)
@@ -1110,6 +1248,28 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
     if scan is None:
         raise ValueError(f"config['scan']={cfg.get('scan')!r}: expected 'onehot' or 'loop'")
     sk = {"SCAN": 1} if scan else {}   # absent when 0: the old rows' kernels compile exactly as before
+    if sched == "fused":
+        if cfg["num_warps"] != cfg["num_warps2"]:
+            raise ValueError(f"config: sched 'fused' runs w13 and w2 in one launch: num_warps={cfg['num_warps']} "
+                             f"must equal num_warps2={cfg['num_warps2']}")
+        args = (x, w13p, w13s, w2p, w2s, ids, tw, h, part, y, out, cnt13, cnt2, rdy, xs if xperm else x,
+                T, P, I, D, E, float(limit), nb1, nb2,
+                x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
+                w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), w2s.stride(2),
+                h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
+                y.stride(0), out.stride(0))
+        meta = dict(K=D, IK=I, SMAX=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, BLOCK_N2=BN2,
+                    BLOCK_T=cfg.get("BLOCK_T", 16), DEQ=deq, ASM=asm, HPERM=hperm, XPERM=xperm,
+                    ACCUM=1 if accumulate else 0, OVH=cfg.get("OVH", 4), CH=min(PB, 32), XCH=512,
+                    num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
+        if cfg.get("maxnreg"):   # ptxas's register cap (.maxnreg): the two halves' union would hold fewer CTAs an SM
+            meta["maxnreg"] = cfg["maxnreg"]
+        # a w2 unit spins until its tile's h is in: every program must be resident before the first launch, so the
+        # compiled kernel's registers and shared memory size the wave before it runs (not after, as "persist")
+        if dev.type == "cuda" and _row_key(dev, cfg, PB) not in _RESIDENT:
+            _note_resident(dev, cfg, PB, _compiled(_dec_mma_fused_kernel, args, meta))
+        _dec_mma_fused_kernel[(persist_programs(dev, cfg, PB, fused=True),)](*args, **meta)
+        return out
     if sched == "persist":
         # one wave of programs looping over (tile, column block, split) units; the split count 1..SPLIT_K is
         # picked in-kernel from the tile count (_dec_mma_w13_persist_kernel)
@@ -1305,6 +1465,20 @@ _DECODE = {
     "mmaq_n64p8xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
                             "scan": "loop", "sched": "persist", "CTAS": 4, "OVH": 4, "BLOCK_N": 64, "SPLIT_K": 8,
                             "num_warps": 4, "BLOCK_N2": 128, "num_warps2": 4, "num_stages": 3},
+    # candidates (issue 20, session 18): the whole decode MoE as ONE launch (_dec_mma_fused_kernel): the persistent
+    # rows' w13 units, then one w2 unit per (tile, column block) that waits for its tile's h (a ready counter per
+    # tile) instead of a second launch: one launch a layer fewer, and w2 starts on the tiles whose h is in while w13
+    # finishes the rest (at batch 16 under the step's routing, w2 ran 592 units in two rounds after w13's two
+    # rounds). Every program must be resident (a w2 unit spins): the launcher sizes the wave from the compiled
+    # kernel before its first launch. The bits of the persistent rows at the same split count. The union of the two
+    # halves compiles to 226-233 registers (sm_89 AOT, triton 3.6.0; w13 alone 128, w2 alone 108): 2 CTAs an SM. Capped
+    # at 168 ("maxnreg", 0 spills, 3 CTAs an SM); at 128 (4 CTAs) ptxas spills 12-44 B in the unit loop's prologue
+    "mmaq_n64f8xl": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                     "scan": "loop", "sched": "fused", "CTAS": 3, "OVH": 4, "BLOCK_N": 64, "SPLIT_K": 8,
+                     "num_warps": 4, "BLOCK_N2": 64, "num_warps2": 4, "num_stages": 3, "maxnreg": 168},
+    "mmaq_n64f8xl_w2n128": {"path": "decode", "variant": "mma", "deq": "asm", "pb": "tight", "hperm": 1, "xperm": 1,
+                            "scan": "loop", "sched": "fused", "CTAS": 3, "OVH": 4, "BLOCK_N": 64, "SPLIT_K": 8,
+                            "num_warps": 4, "BLOCK_N2": 128, "num_warps2": 4, "num_stages": 3, "maxnreg": 168},
     # (session 15, NOTES "Session 15 (lead)": 8 K splits, mmaq_n64s8xl_w2n128, lost in the batch-16 step, +400 us, and
     # in the bench, 77.0 vs 68.4 us at pool19 T=16; the x copy 4 rows a step, "xperm": 4, lost 2x: rows removed)
 }

@@ -58,6 +58,7 @@ def _tiles(ids, E, bm=16):
     return sum(math.ceil(int((v == e).sum()) / bm) for e in v.unique())
 
 
+# the twins at the persistent row's w2 tile width (128): see test_moe16.TWIN on widths in the interpreter
 @pytest.mark.parametrize("programs,smax,twin", [(3, 8, "mmaq_n64s1xl_w2n128"), (64, 4, "mmaq_n64s4x")])
 def test_persist_bit_equal_to_grid_row_at_the_same_split(monkeypatch, programs, smax, twin):
     monkeypatch.setattr(K, "INTERP_PERSIST_PROGRAMS", programs)
@@ -68,16 +69,17 @@ def test_persist_bit_equal_to_grid_row_at_the_same_split(monkeypatch, programs, 
     n_tiles = _tiles(inp["topk_ids"].cpu(), 4)
     assert n_tiles == 5
     want_s = _picked(n_tiles, I // 64, programs, D // 128, smax, cfg["OVH"])
-    assert want_s == _T[twin]["SPLIT_K"] and n_tiles * (I // 64) * want_s != programs
+    twin = dict(_T[twin], BLOCK_N2=128)
+    assert want_s == twin["SPLIT_K"] and n_tiles * (I // 64) * want_s != programs
     ws = _ws(dict(cfg, SPLIT_K=min(smax, D // 128)), T, P, D, I)   # the launcher caps the splits at the groups
     got = K.fused_moe_w4a16(**inp, config=cfg, workspace=ws)
-    want = K.fused_moe_w4a16(**inp, config=_T[twin])
+    want = K.fused_moe_w4a16(**inp, config=twin)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and got.abs().max() > 0
     assert int(ws["counters"].abs().sum()) == 0
     assert torch.all(got[::6] == 0) and not got.isnan().any()
     out0 = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).float().to(DEVICE)
     acc = K.fused_moe_w4a16(**inp, config=cfg, out=out0.clone(), accumulate=True)
-    acc_t = K.fused_moe_w4a16(**inp, config=_T[twin], out=out0.clone(), accumulate=True)
+    acc_t = K.fused_moe_w4a16(**inp, config=twin, out=out0.clone(), accumulate=True)
     assert torch.equal(acc.view(torch.int32), acc_t.view(torch.int32))
 
 
