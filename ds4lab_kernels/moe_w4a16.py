@@ -841,6 +841,12 @@ def _dec_mma_fused_kernel(
     key, n_tiles = _moe_tiles(ids_ptr, P, E, PB, BLOCK_M, CH)
     S = _pick_splits(n_tiles * NB, nprog, K // 128, SMAX, OVH)
     u13 = n_tiles * NB * S
+    if not ACCUM:
+        if n_tiles == 0:   # no valid id: no w2 unit takes a ticket; the top-k sums (zeros) are still written
+            for nb2 in range(pid, NB2, nprog):
+                n = nb2 * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+                _topk_sum_block(y_ptr, ids_ptr, tw_ptr, out_ptr, T, E, n, n < N, stride_yp, stride_ot,
+                                TOPK, BLOCK_T, BLOCK_N2, ACCUM)
     for u in range(pid, u13 + n_tiles * NB2, nprog):
         if u < u13:
             ti, done = _w13_unit(u, S, key, x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, part_ptr, cnt_ptr, xs_ptr, P, I, E,
@@ -1129,7 +1135,7 @@ def _counters(dev, n: int) -> torch.Tensor:
 #: fused launch (``"sched": "fused"``) runs one there: the interpreter runs programs one after another, and a w2 unit
 #: waits for w13 units of later programs
 INTERP_PERSIST_PROGRAMS = 3
-_SMS: dict = {}
+_PROPS: dict = {}
 #: (device index, row, PB) -> CTAs an SM holds at once, from the registers and shared memory of the build that ran
 _RESIDENT: dict = {}
 REGS_PER_SM = 65536   # sm_89 and sm_90
@@ -1141,39 +1147,52 @@ def _row_key(dev, cfg: dict, pb: int):
     return (dev.index, tuple(sorted(cfg.items())), pb)
 
 
-def persist_programs(dev: torch.device, cfg: dict, pb: int, fused: bool = False) -> int:
-    """Programs of a ``"sched": "persist"`` or ``"fused"`` launch: the device's SMs x the CTAs an SM holds at once,
-    so every program is resident from the start: ``cfg["CTAS"]`` until a compiled kernel has been seen, then at most
-    what its registers and shared memory allow (:func:`_note_resident`; the fused launcher sees it before its first
-    launch). CUDA-graph safe: fixed per device and row once the first (eager) call has run. Off a GPU:
-    :data:`INTERP_PERSIST_PROGRAMS`, 1 when ``fused``."""
-    if dev.type != "cuda":
-        return 1 if fused else INTERP_PERSIST_PROGRAMS
+def _props(dev: torch.device):
     key = dev.index if dev.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key] * _RESIDENT.get(_row_key(dev, cfg, pb), cfg.get("CTAS", 4))
+    if key not in _PROPS:
+        _PROPS[key] = torch.cuda.get_device_properties(key)
+    return _PROPS[key]
+
+
+def persist_programs(dev: torch.device, cfg: dict, pb: int, fused: bool = False, compiled=None) -> int:
+    """Programs of a ``"sched": "persist"`` or ``"fused"`` launch: the device's SMs x the CTAs an SM holds at once,
+    so every program is resident from the start. ``compiled`` (the kernel about to run; the fused launcher passes it
+    on every eager call): what its registers, shared memory and threads allow (:func:`resident_ctas`), at most
+    ``cfg["CTAS"]``. Without it (the persistent rows, which never wait): ``cfg["CTAS"]`` until a launch has run, then
+    what that launch's kernel allowed (:func:`_note_resident`). CUDA-graph safe: fixed per device and row once the
+    first (eager) call has run. Off a GPU or in the interpreter: :data:`INTERP_PERSIST_PROGRAMS`, 1 when ``fused``."""
+    if dev.type != "cuda" or _interpreting():
+        return 1 if fused else INTERP_PERSIST_PROGRAMS
+    props = _props(dev)
+    if compiled is not None:
+        return props.multi_processor_count * _fit(props, cfg, compiled)
+    return props.multi_processor_count * _RESIDENT.get(_row_key(dev, cfg, pb), cfg.get("CTAS", 4))
+
+
+def _fit(props, cfg: dict, compiled) -> int:
+    smem = getattr(getattr(compiled, "metadata", None), "shared", 0) or 0
+    return resident_ctas(compiled.n_regs, 32 * cfg["num_warps"], smem,
+                         getattr(props, "shared_memory_per_multiprocessor", 0),
+                         getattr(props, "max_threads_per_multi_processor", 0), cfg.get("CTAS", 4))
 
 
 def _note_resident(dev, cfg: dict, pb: int, compiled) -> None:
-    """Record the CTAs an SM holds at once of ``compiled`` (a Triton CompiledKernel): the fewest that its registers
-    (``REGS_PER_SM / (regs x threads)``) and its shared memory (the device's per-SM bytes over the kernel's plus
-    :data:`SMEM_RESERVED_PER_CTA`) allow, at most ``cfg["CTAS"]``."""
-    regs = getattr(compiled, "n_regs", 0)
-    if dev.type == "cuda" and regs:
-        smem = getattr(getattr(compiled, "metadata", None), "shared", 0) or 0
-        per_sm = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_multiprocessor", 0)
-        _RESIDENT[_row_key(dev, cfg, pb)] = resident_ctas(regs, 32 * cfg["num_warps"], smem, per_sm,
-                                                          cfg.get("CTAS", 4))
+    """Record the CTAs an SM holds at once of ``compiled`` (a Triton CompiledKernel that ran; :func:`resident_ctas`)
+    for the next launches of the row."""
+    if dev.type == "cuda" and getattr(compiled, "n_regs", 0):
+        _RESIDENT[_row_key(dev, cfg, pb)] = _fit(_props(dev), cfg, compiled)
 
 
-def resident_ctas(regs: int, threads: int, smem: int, smem_per_sm: int, ctas: int) -> int:
-    """CTAs of a kernel an SM holds at once, at most ``ctas`` and at least 1: ``regs`` registers a thread x
-    ``threads`` threads a CTA against :data:`REGS_PER_SM`, and ``smem`` bytes a CTA plus
-    :data:`SMEM_RESERVED_PER_CTA` against ``smem_per_sm`` (0: not known, not checked)."""
-    fit = REGS_PER_SM // (regs * threads)
+def resident_ctas(regs: int, threads: int, smem: int, smem_per_sm: int, max_threads: int, ctas: int) -> int:
+    """CTAs of a kernel an SM holds at once, at most ``ctas`` and at least 1: ``regs`` registers a thread (allocated
+    in units of 8: 256 a warp) x ``threads`` threads a CTA against :data:`REGS_PER_SM`; ``smem`` bytes a CTA plus
+    :data:`SMEM_RESERVED_PER_CTA` against ``smem_per_sm``; ``threads`` against ``max_threads`` a SM (0: not known,
+    not checked)."""
+    fit = REGS_PER_SM // (-(-regs // 8) * 8 * threads)
     if smem and smem_per_sm:
         fit = min(fit, smem_per_sm // (smem + SMEM_RESERVED_PER_CTA))
+    if max_threads:
+        fit = min(fit, max_threads // threads)
     return max(1, min(ctas, fit))
 
 
@@ -1264,11 +1283,10 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
                     num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
         if cfg.get("maxnreg"):   # ptxas's register cap (.maxnreg): the two halves' union would hold fewer CTAs an SM
             meta["maxnreg"] = cfg["maxnreg"]
-        # a w2 unit spins until its tile's h is in: every program must be resident before the first launch, so the
-        # compiled kernel's registers and shared memory size the wave before it runs (not after, as "persist")
-        if dev.type == "cuda" and _row_key(dev, cfg, PB) not in _RESIDENT:
-            _note_resident(dev, cfg, PB, _compiled(_dec_mma_fused_kernel, args, meta))
-        _dec_mma_fused_kernel[(persist_programs(dev, cfg, PB, fused=True),)](*args, **meta)
+        # a w2 unit spins until its tile's h is in: every program must be resident, so the binary about to run (its
+        # registers and shared memory; specialisations differ by T, accumulate, shapes) sizes the wave on every call
+        ck = _compiled(_dec_mma_fused_kernel, args, meta) if dev.type == "cuda" and not _interpreting() else None
+        _dec_mma_fused_kernel[(persist_programs(dev, cfg, PB, fused=True, compiled=ck),)](*args, **meta)
         return out
     if sched == "persist":
         # one wave of programs looping over (tile, column block, split) units; the split count 1..SPLIT_K is

@@ -11,7 +11,9 @@ only. What is proven here:
   so a second call (a CUDA-graph replay) starts clean;
 - 5 groups, repeated and invalid ids against the float64 reference, the same bits under a token permutation; a
   broken output (one pair left out) fails the same check;
-- the wave size: :func:`resident_ctas` from registers and shared memory, and bad rows raise naming the field.
+- no valid id at all: the output is still written (zeros), and nothing is added in accumulate mode;
+- the wave size: :func:`resident_ctas` from registers, shared memory and threads, and bad rows raise naming the
+  field.
 """
 import pytest
 import torch
@@ -79,12 +81,27 @@ def test_fused_rejects_mismatched_warps_and_small_counters():
         K.fused_moe_w4a16(**dinp, config=_T["mmaq_n64f8xl"], workspace=small)
 
 
+def test_fused_no_valid_id_writes_zeros():
+    inp, E = _uneven_case()
+    inp["topk_ids"] = torch.where(torch.arange(inp["topk_ids"].numel()).view_as(inp["topk_ids"]) % 2 == 0,
+                                  torch.full_like(inp["topk_ids"], -1), torch.full_like(inp["topk_ids"], E))
+    T, D = inp["x"].shape
+    dinp = _dev(inp)
+    out = torch.full((T, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    assert torch.all(K.fused_moe_w4a16(**dinp, config=_T["mmaq_n64f8xl"], out=out) == 0)
+    out0 = torch.randn(T, D, generator=torch.Generator().manual_seed(2)).float().to(DEVICE)
+    acc = K.fused_moe_w4a16(**dinp, config=_T["mmaq_n64f8xl"], out=out0.clone(), accumulate=True)
+    assert torch.equal(acc, out0)
+
+
 def test_wave_size():
     assert K.persist_programs(torch.device("cpu"), _T["mmaq_n64f8xl"], 16, fused=True) == 1
-    # sm_89: 128 registers x 128 threads -> 4 CTAs by registers; 24,576 B shared -> 4 of 102,400 B (100 KB a SM)
-    assert K.resident_ctas(128, 128, 24576, 102400, 4) == 4
+    # sm_89 (1,536 threads, 100 KB an SM): 128 registers x 128 threads -> 4 CTAs by registers; 24,576 B shared -> 4
+    assert K.resident_ctas(128, 128, 24576, 102400, 1536, 4) == 4
     # 24,832 B: 4 x (24,832 + 1,024) > 102,400 -> 3
-    assert K.resident_ctas(128, 128, 24832, 102400, 4) == 3
-    assert K.resident_ctas(161, 128, 24576, 233472, 4) == 3      # sm_90: registers bind
-    assert K.resident_ctas(255, 256, 0, 0, 4) == 1               # never below one
-    assert K.resident_ctas(64, 128, 0, 0, 4) == 4                # never above the row's CTAS
+    assert K.resident_ctas(128, 128, 24832, 102400, 1536, 4) == 3
+    assert K.resident_ctas(161, 128, 24576, 233472, 2048, 4) == 3      # sm_90: registers bind
+    assert K.resident_ctas(100, 128, 0, 0, 0, 8) == 4                  # registers in units of 8: 104 x 128 -> 4, not 5
+    assert K.resident_ctas(32, 512, 0, 0, 1536, 8) == 3                # threads bind
+    assert K.resident_ctas(255, 256, 0, 0, 0, 4) == 1                  # never below one
+    assert K.resident_ctas(64, 128, 0, 0, 0, 4) == 4                   # never above the row's CTAS
