@@ -37,6 +37,7 @@ def rows(tmp_path_factory):
     return [r for _, out in jobs for r in json.loads(out.read_text())]
 
 
+@pytest.mark.timeout(1800)   # the first test of the module pays the report's build (the fixture's own limit)
 def test_every_registered_config_compiles_for_every_arch(rows):
     from ds4lab.harness.registry import all_specs
     assert DEFAULT_ARCHS == ("sm_89", "sm_90", "sm_120") and table_of("sm_120") == "sm_89"
@@ -47,6 +48,7 @@ def test_every_registered_config_compiles_for_every_arch(rows):
             assert got == want and got, (spec.name, arch)
 
 
+@pytest.mark.timeout(1800)
 def test_limits(rows):
     assert SMEM_LIMIT["sm_89"] == SMEM_LIMIT["sm_120"] == 101_376 and SMEM_LIMIT["sm_90"] == 232_448
     for r in rows:
@@ -55,6 +57,7 @@ def test_limits(rows):
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0
 
 
+@pytest.mark.timeout(1800)
 def test_fp8_mma_on_sm89_and_sm120(rows):
     from ds4lab.harness.registry import all_specs
     for spec in all_specs():
