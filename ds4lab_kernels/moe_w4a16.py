@@ -1136,15 +1136,9 @@ def _counters(dev, n: int) -> torch.Tensor:
 #: waits for w13 units of later programs
 INTERP_PERSIST_PROGRAMS = 3
 _PROPS: dict = {}
-#: (device index, row, PB) -> CTAs an SM holds at once, from the registers and shared memory of the build that ran
-_RESIDENT: dict = {}
 REGS_PER_SM = 65536   # sm_89 and sm_90
 #: shared memory the driver reserves per CTA (sm_80 on), bytes
 SMEM_RESERVED_PER_CTA = 1024
-
-
-def _row_key(dev, cfg: dict, pb: int):
-    return (dev.index, tuple(sorted(cfg.items())), pb)
 
 
 def _props(dev: torch.device):
@@ -1154,19 +1148,21 @@ def _props(dev: torch.device):
     return _PROPS[key]
 
 
-def persist_programs(dev: torch.device, cfg: dict, pb: int, fused: bool = False, compiled=None) -> int:
+def persist_programs(dev: torch.device, cfg: dict, fused: bool = False, compiled=None) -> int:
     """Programs of a ``"sched": "persist"`` or ``"fused"`` launch: the device's SMs x the CTAs an SM holds at once,
-    so every program is resident from the start. ``compiled`` (the kernel about to run; the fused launcher passes it
-    on every eager call): what its registers, shared memory and threads allow (:func:`resident_ctas`), at most
-    ``cfg["CTAS"]``. Without it (the persistent rows, which never wait): ``cfg["CTAS"]`` until a launch has run, then
-    what that launch's kernel allowed (:func:`_note_resident`). CUDA-graph safe: fixed per device and row once the
-    first (eager) call has run. Off a GPU or in the interpreter: :data:`INTERP_PERSIST_PROGRAMS`, 1 when ``fused``."""
+    so every program is resident from the start. ``compiled`` (the binary about to run, from :func:`_compiled`; the
+    launcher passes it on every eager call, since Triton specialises by T, accumulate and shapes): what its
+    registers, shared memory and threads allow (:func:`resident_ctas`), at most ``cfg["CTAS"]`` (default 4).
+    CUDA-graph safe: a graph replays the wave its capture computed. Off a GPU or in the interpreter:
+    :data:`INTERP_PERSIST_PROGRAMS`, 1 when ``fused``.
+
+    Raises ValueError when a CUDA launch passes no ``compiled``."""
     if dev.type != "cuda" or _interpreting():
         return 1 if fused else INTERP_PERSIST_PROGRAMS
+    if compiled is None:
+        raise ValueError("compiled: a CUDA persistent launch sizes its wave from the binary about to run")
     props = _props(dev)
-    if compiled is not None:
-        return props.multi_processor_count * _fit(props, cfg, compiled)
-    return props.multi_processor_count * _RESIDENT.get(_row_key(dev, cfg, pb), cfg.get("CTAS", 4))
+    return props.multi_processor_count * _fit(props, cfg, compiled)
 
 
 def _fit(props, cfg: dict, compiled) -> int:
@@ -1174,13 +1170,6 @@ def _fit(props, cfg: dict, compiled) -> int:
     return resident_ctas(compiled.n_regs, 32 * cfg["num_warps"], smem,
                          getattr(props, "shared_memory_per_multiprocessor", 0),
                          getattr(props, "max_threads_per_multi_processor", 0), cfg.get("CTAS", 4))
-
-
-def _note_resident(dev, cfg: dict, pb: int, compiled) -> None:
-    """Record the CTAs an SM holds at once of ``compiled`` (a Triton CompiledKernel that ran; :func:`resident_ctas`)
-    for the next launches of the row."""
-    if dev.type == "cuda" and getattr(compiled, "n_regs", 0):
-        _RESIDENT[_row_key(dev, cfg, pb)] = _fit(_props(dev), cfg, compiled)
 
 
 def resident_ctas(regs: int, threads: int, smem: int, smem_per_sm: int, max_threads: int, ctas: int) -> int:
@@ -1286,19 +1275,20 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
         # a w2 unit spins until its tile's h is in: every program must be resident, so the binary about to run (its
         # registers and shared memory; specialisations differ by T, accumulate, shapes) sizes the wave on every call
         ck = _compiled(_dec_mma_fused_kernel, args, meta) if dev.type == "cuda" and not _interpreting() else None
-        _dec_mma_fused_kernel[(persist_programs(dev, cfg, PB, fused=True, compiled=ck),)](*args, **meta)
+        _dec_mma_fused_kernel[(persist_programs(dev, cfg, fused=True, compiled=ck),)](*args, **meta)
         return out
     if sched == "persist":
         # one wave of programs looping over (tile, column block, split) units; the split count 1..SPLIT_K is
         # picked in-kernel from the tile count (_dec_mma_w13_persist_kernel)
-        ck = _dec_mma_w13_persist_kernel[(persist_programs(dev, cfg, PB),)](
-            x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit), nb1,
-            x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
-            h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
-            K=D, SMAX=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm,
-            XPERM=xperm, OVH=cfg.get("OVH", 4), CH=min(PB, 32), XCH=512,
-            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
-        _note_resident(dev, cfg, PB, ck)
+        args = (x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit), nb1,
+                x.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), w13s.stride(2),
+                h.stride(0), part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0)
+        meta = dict(K=D, SMAX=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm,
+                    XPERM=xperm, OVH=cfg.get("OVH", 4), CH=min(PB, 32), XCH=512,
+                    num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
+        # no program waits on another here, but the wave is sized the fused launch's way: from the binary about to run
+        ck = _compiled(_dec_mma_w13_persist_kernel, args, meta) if dev.type == "cuda" and not _interpreting() else None
+        _dec_mma_w13_persist_kernel[(persist_programs(dev, cfg, compiled=ck),)](*args, **meta)
     else:
         _dec_mma_w13_kernel[(P, nb1, splits)](
             x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit),

@@ -95,7 +95,8 @@ def test_fused_no_valid_id_writes_zeros():
 
 
 def test_wave_size():
-    assert K.persist_programs(torch.device("cpu"), _T["mmaq_n64f8xl"], 16, fused=True) == 1
+    assert K.persist_programs(torch.device("cpu"), _T["mmaq_n64f8xl"], fused=True) == 1
+    assert K.persist_programs(torch.device("cpu"), _T["mmaq_n64p8xl"]) == K.INTERP_PERSIST_PROGRAMS
     # sm_89 (1,536 threads, 100 KB an SM): 128 registers x 128 threads -> 4 CTAs by registers; 24,576 B shared -> 4
     assert K.resident_ctas(128, 128, 24576, 102400, 1536, 4) == 4
     # 24,832 B: 4 x (24,832 + 1,024) > 102,400 -> 3

@@ -1,7 +1,7 @@
 """Issue 20, session 17: the persistent w13 launch of the W4A16 MoE decode (``"sched": "persist"``, rows
 ``mmaq_n64p8xl*``), on the interpreter.
 
-One wave of programs (``persist_programs``: SMs x CTAS on a GPU, ``INTERP_PERSIST_PROGRAMS`` here) builds the tile
+One wave of programs (``persist_programs``: SMs x the CTAs of the binary about to run an SM holds, on a GPU; ``INTERP_PERSIST_PROGRAMS`` here) builds the tile
 list in-kernel, picks the K split count from it and loops over (tile, column block, split) units. What is proven:
 - where the picked split count equals a grid row's (1 or 4 at the shapes below), the bits equal that row's (both
   output modes; ragged experts with two 16-row tiles, padding tokens with NaN x, an id == E, NaN-filled
