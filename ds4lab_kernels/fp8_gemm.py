@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as check
+from ._counters import zeroed_counters
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import ACT_QUANT_EPS, fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2, ue8m0_to_fp32
 
@@ -382,7 +383,6 @@ def _check_out(out, M: int, N: int, device, out_dtype=torch.bfloat16) -> torch.T
 
 # split-K arrival counters, one int32 per output tile, zero between launches (the last program of
 # each tile resets its own); one buffer per device, grown outside CUDA-graph capture only
-_COUNTERS: dict = {}
 _MIN_COUNTERS = 4096
 
 
@@ -396,16 +396,7 @@ def splitk_counters(device: torch.device, tiles: int) -> torch.Tensor:
     Raises:
         RuntimeError: the buffer would have to grow while a CUDA graph is being captured (run the
             same call once before capturing)."""
-    key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"fp8_gemm_nt: split-K needs {tiles} tile counters on {device}; they are "
-                               f"allocated on first use, which cannot happen during CUDA-graph capture "
-                               f"(run the call once before capturing)")
-        buf = torch.zeros(max(_MIN_COUNTERS, tiles), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    return zeroed_counters("fp8_gemm", device, tiles, _MIN_COUNTERS)
 
 
 def _launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out, cfg, a_bf16: bool, eps: float, act: int = 0,

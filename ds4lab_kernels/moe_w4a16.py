@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as check
+from ._counters import zeroed_counters
 from ._arch import arch_of
 
 GROUP = 128
@@ -1114,21 +1115,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_COUNTERS: dict = {}
 COUNTER_SLOTS = 1 << 16
 
 
 def _counters(dev, n: int) -> torch.Tensor:
-    """Zeroed int32 ticket counters, one cached buffer per device (the kernels reset every counter
-    they use before they finish, so the buffer stays zero between calls and CUDA-graph replays).
-    One buffer per device assumes the launches of one device are ordered (one stream)."""
-    if n > COUNTER_SLOTS:
-        return torch.zeros(n, dtype=torch.int32, device=dev)
-    key = (dev.type, dev.index)
-    buf = _COUNTERS.get(key)
-    if buf is None:
-        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=dev)
-    return buf
+    """Zeroed int32 ticket counters of this module on ``dev`` (:func:`ds4lab_kernels._counters.zeroed_counters`:
+    the kernels reset every counter they use before they finish; launches of one device must be stream-ordered)."""
+    return zeroed_counters("moe_w4a16", dev, n, COUNTER_SLOTS)
 
 
 #: programs of a persistent w13 launch in the interpreter (no device to size a wave on): few, so each loops. The

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as check
+from ._counters import zeroed_counters
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import fp32_pow2_to_ue8m0, quant_rows_e4m3, quant_rows_e4m3_pow2, ue8m0_to_fp32
 
@@ -656,22 +657,14 @@ def _wo_b(z: torch.Tensor, wo_b: torch.Tensor, wo_b_s, scale_fmt: str, config) -
 #: int32 tile counters of the in-launch split-K reduction, one buffer per device, zeroed once; every
 #: launch leaves them at 0 again (the last split of a tile resets its counter). Launches that share
 #: the buffer must be stream-ordered (one stream per device, as the decode step and its CUDA graph).
-_COUNTERS: dict = {}
 COUNTER_SLOTS = 4096
 FUSED_MAX_T = 64        # the fused path is a decode path: above this many tokens o_proj runs the parts
 _QUANT_Z = ("wo_a", "wo_b")
 
 
 def _counters(device, n: int) -> torch.Tensor:
-    """The device's counter buffer, at least ``n`` slots (allocated zeroed on first use)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, COUNTER_SLOTS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    """The device's counter buffer, at least ``n`` slots (:func:`ds4lab_kernels._counters.zeroed_counters`)."""
+    return zeroed_counters("o_proj", device, n, COUNTER_SLOTS)
 
 
 def _fused_split(cfg: dict, tiles: int, steps: int, T: int, N: int, K: int, device) -> int:

@@ -22,6 +22,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import _checks as check
 from ._arch import arch_of, num_sms, require_fp8
+from ._counters import zeroed_counters
 from ._fp8 import ue8m0_to_fp32
 from .mla_cache import check_cache, flat_views
 from .norm_rope import head_rmsnorm_rope
@@ -86,15 +87,28 @@ def _sparse_mla_split_kernel(
     b_u8_ptr, b_bf16_ptr, b_idx_ptr, b_len_ptr, b_stride_blk, b_slots, b_stride_it, b_n,
     H, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale, tiles_per_split,
     pos_ptr, cs_ptr, max_pos, q_eps,
+    cnt_ptr, workers, m_x_ptr, m_xs_ptr, m_stride_xt, m_stride_xst, m_pos_ptr, m_cs_ptr, m_stride_cs, m_max_pos,
+    m_eps,
     A_BS: tl.constexpr, B_BS: tl.constexpr, HAS_B: tl.constexpr, KV_FP8: tl.constexpr,
     A_HAS_LEN: tl.constexpr, B_HAS_LEN: tl.constexpr, SPLITS, ONE_SPLIT: tl.constexpr, HAS_LSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, Q_NORM: tl.constexpr, R: tl.constexpr,
+    FUSED: tl.constexpr = False, M_SB: tl.constexpr = 8, M_BH: tl.constexpr = 16, M_BD: tl.constexpr = 32,
+    M_OQ: tl.constexpr = False, M_ROPE: tl.constexpr = 64, M_SCALE_FMT: tl.constexpr = 2,
+    M_EXACT: tl.constexpr = False,
 ):
     """Grid ``(cdiv(num_heads, BLOCK_H), SPLITS, num_tokens)``.
     One program: BLOCK_H heads of one token over one contiguous split of its candidate tiles.
     ``Q_NORM``: q is the raw ``wq_b`` output; the program norms its BLOCK_H heads (weight-free RMSNorm,
     ``q_eps``) and rotates their last ``R`` dims at ``positions[tok]`` (norm_rope's helper, the same
-    float32 operations as ``rmsnorm_rope``), then rounds to bf16 as that launch's output would be."""
+    float32 operations as ``rmsnorm_rope``), then rounds to bf16 as that launch's output would be.
+    ``FUSED`` (SPLITS > 1; the merge in this launch): after storing its partial, a program takes a ticket
+    on its (token, head block) counter ``cnt_ptr[tok * cdiv(H, BLOCK_H) + hg]``. The last ``workers``
+    programs to arrive merge: worker ``w`` spins until all SPLITS partials are in, then runs
+    :func:`_merge_tile` on merge tiles ``w, w + workers, ...`` of its head block (``M_BH`` heads x
+    ``M_BD`` dims each, ``M_*`` as the merge kernel's constexprs, ``m_*`` its arguments). Only the last
+    arrivals wait, and only for programs that have not yet arrived, so a launch cannot deadlock while the
+    device holds more than ``groups x (workers - 1)`` programs at once (the launcher's bound). The last
+    worker to finish resets the counter to 0."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     tok = tl.program_id(2).to(tl.int64)
@@ -156,31 +170,36 @@ def _sparse_mla_split_kernel(
         tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=hmask)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=hmask)
+        if FUSED:
+            c = cnt_ptr + tok * tl.num_programs(0) + hg
+            tl.debug_barrier()                                        # every thread's partial stored
+            ticket = tl.atomic_add(c, 1, sem="acq_rel", scope="gpu")
+            w = ticket - (SPLITS - workers)
+            if w >= 0:                                                # one of the last `workers` to arrive
+                seen = ticket + 1
+                while seen < SPLITS:
+                    seen = tl.atomic_add(c, 0, sem="acquire", scope="gpu")
+                tl.debug_barrier()
+                NBD: tl.constexpr = D // M_BD
+                for u in range(w, (BLOCK_H // M_BH) * NBD, workers):
+                    _merge_tile(out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh,
+                                SPLITS, m_pos_ptr, m_max_pos, m_x_ptr, m_xs_ptr, m_stride_xt, m_stride_xst, m_cs_ptr,
+                                m_stride_cs, m_eps, hg * BLOCK_H + (u // NBD) * M_BH, u % NBD, tok, M_SB, HAS_LSE,
+                                M_BH, M_BD, D, Q_NORM, M_OQ, M_ROPE, M_SCALE_FMT, M_EXACT)
+                if tl.atomic_add(c, 1, sem="relaxed", scope="gpu") == SPLITS + workers - 1:
+                    tl.atomic_xchg(c, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _sparse_mla_merge_kernel(
-    out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S, pos_ptr, max_pos,
-    x_ptr, xs_ptr, stride_xt, stride_xst, cs_ptr, stride_cs, eps,
-    SB: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, D: tl.constexpr, Q_NORM: tl.constexpr,
-    OQ: tl.constexpr = False, ROPE: tl.constexpr = 64, SCALE_FMT: tl.constexpr = 2, EXACT: tl.constexpr = False,
-):
-    """Grid ``(cdiv(num_heads, BLOCK_H), D // BLOCK_D, num_tokens)``.
-    One program: BLOCK_H heads x BLOCK_D dims of one token: merges the S split partials with the
-    sink. The (max, sum) pairs and the partials are read SB splits at a time as
-    ``(SB, BLOCK_H, BLOCK_D)`` tiles, so a token's merge is D // BLOCK_D programs wide and a few
-    dependent loads deep (not one program walking S x 512 floats). ``Q_NORM``: a token whose
-    position is outside the fused q norm's table (``[0, max_pos)``) gets NaN, as the one-split path.
-    ``OQ`` (o_proj's input quant, BLOCK_D == 128 = one quant group): instead of the bf16 ``o``, the
-    program writes ``inv_rope_fp8_quant``'s bytes of it: ``o`` rounded to bf16, the last ``ROPE`` dims
-    of the head rotated back at ``positions[tok]`` (o_proj's ``rope_back_rows``, the pair partners by a
-    register split/join; ``EXACT``: products in ``mul.rn`` so the fp-fusion build cannot contract them),
-    NaN for a position outside the table, then ``quant_store_rows`` (e4m3 ``x`` + one scale per row)."""
-    hg = tl.program_id(0)
-    dg = tl.program_id(1)
-    tok = tl.program_id(2).to(tl.int64)
-    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+def _merge_tile(out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S, pos_ptr, max_pos,
+                x_ptr, xs_ptr, stride_xt, stride_xst, cs_ptr, stride_cs, eps, h0, dg, tok,
+                SB: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                D: tl.constexpr, Q_NORM: tl.constexpr, OQ: tl.constexpr, ROPE: tl.constexpr,
+                SCALE_FMT: tl.constexpr, EXACT: tl.constexpr):
+    """Merge heads ``[h0, h0 + BLOCK_H)`` x dims ``[dg * BLOCK_D, (dg + 1) * BLOCK_D)`` of token ``tok`` over
+    its S split partials with the sink (:func:`_sparse_mla_merge_kernel`'s program; the fused tail of
+    :func:`_sparse_mla_split_kernel` runs it too)."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     offs_d = dg * BLOCK_D + tl.arange(0, BLOCK_D)
     sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0) * 1.4426950408889634
@@ -238,6 +257,31 @@ def _sparse_mla_merge_kernel(
                            float("inf"))
             tl.store(lse_ptr + tok * H + offs_h, lse, mask=hmask)
             tl.store(mlog_ptr + tok * H + offs_h, mc * 0.6931471805599453, mask=hmask)
+
+
+@triton.jit
+def _sparse_mla_merge_kernel(
+    out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S, pos_ptr, max_pos,
+    x_ptr, xs_ptr, stride_xt, stride_xst, cs_ptr, stride_cs, eps,
+    SB: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, D: tl.constexpr, Q_NORM: tl.constexpr,
+    OQ: tl.constexpr = False, ROPE: tl.constexpr = 64, SCALE_FMT: tl.constexpr = 2, EXACT: tl.constexpr = False,
+):
+    """Grid ``(cdiv(num_heads, BLOCK_H), D // BLOCK_D, num_tokens)``.
+    One program: BLOCK_H heads x BLOCK_D dims of one token: merges the S split partials with the
+    sink. The (max, sum) pairs and the partials are read SB splits at a time as
+    ``(SB, BLOCK_H, BLOCK_D)`` tiles, so a token's merge is D // BLOCK_D programs wide and a few
+    dependent loads deep (not one program walking S x 512 floats). ``Q_NORM``: a token whose
+    position is outside the fused q norm's table (``[0, max_pos)``) gets NaN, as the one-split path.
+    ``OQ`` (o_proj's input quant, BLOCK_D == 128 = one quant group): instead of the bf16 ``o``, the
+    program writes ``inv_rope_fp8_quant``'s bytes of it: ``o`` rounded to bf16, the last ``ROPE`` dims
+    of the head rotated back at ``positions[tok]`` (o_proj's ``rope_back_rows``, the pair partners by a
+    register split/join; ``EXACT``: products in ``mul.rn`` so the fp-fusion build cannot contract them),
+    NaN for a position outside the table, then ``quant_store_rows`` (e4m3 ``x`` + one scale per row)."""
+    _merge_tile(out_ptr, part_ptr, ml_ptr, sink_ptr, mlog_ptr, lse_ptr, H, stride_ot, stride_oh, S, pos_ptr, max_pos,
+                x_ptr, xs_ptr, stride_xt, stride_xst, cs_ptr, stride_cs, eps, tl.program_id(0) * BLOCK_H,
+                tl.program_id(1), tl.program_id(2).to(tl.int64), SB, HAS_LSE, BLOCK_H, BLOCK_D, D, Q_NORM, OQ, ROPE,
+                SCALE_FMT, EXACT)
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -345,6 +389,15 @@ OQ_MERGE_TILE = 4096
 OQ_EPS = 1e-10      # inv_rope_fp8_quant's (and o_proj's) amax floor
 
 
+def fused_merge_workers(units: int, splits: int, groups: int, sms: int) -> int:
+    """Programs of a (token, head block) group that merge in a ``FUSE_MERGE`` launch: as many as the group has
+    merge tiles (``units``) and split programs (``splits``), and few enough that the spinning ones
+    (``groups x (workers - 1)`` at most) leave a free SM (``sms``; one program each at least) for every
+    program still to arrive, so the launch cannot deadlock. 1 in the interpreter (``sms`` = 1: programs
+    run one after another, the last arrival of a group merges alone). Always >= 1."""
+    return max(1, min(units, splits, (sms - 1) // max(groups, 1) + 1))
+
+
 def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None, o_fp8=None, positions=None,
             cos_sin=None):
     """srcs: [(u8, bf16, idx, lens, stride_blk, n_slots, block_size)] (one or two sources);
@@ -393,37 +446,59 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None, 
     a_len = a[3] if a[3] is not None else a[2]
     b_len = b[3] if b[3] is not None else b[2]
     eps, pos, cs = q_norm if q_norm is not None else (0.0, sink, sink)
-    _sparse_mla_split_kernel[(n_hg, S, T)](
-        q, out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)),
-        a[0], a[1], a[2], a_len, a[4], a[5], a[2].stride(0), a[2].shape[1],
-        b[0], b[1], b[2], b_len, b[4], b[5], b[2].stride(0), b[2].shape[1],
-        H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E, tps,
-        pos, cs, cs.shape[0] if q_norm is not None else 0, float(eps),
-        A_BS=a[6], B_BS=b[6], HAS_B=len(srcs) > 1, KV_FP8=a[0] is not None and a[0].dtype == torch.uint8,
-        A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S, ONE_SPLIT=S == 1, HAS_LSE=return_lse,
-        BLOCK_H=BH, BLOCK_N=BN, D=D, Q_NORM=q_norm is not None, R=cs.shape[1] if q_norm is not None else 2,
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
+    merge = None
     if S > 1:
         sb = cfg.get("MERGE_SB", 8)
         if o_fp8 is None:
             bhm = min(cfg.get("MERGE_BH", 16), triton.next_power_of_2(H))
             bd = cfg.get("MERGE_BD", 32)
             oq = dict(x_ptr=sink, xs_ptr=sink, stride_xt=0, stride_xst=0, cs_ptr=sink, stride_cs=0, eps=0.0)
+            oqc = {}
         else:
             bd = _oproj.QUANT_GROUP
             bhm = min(cfg.get("OQ_MERGE_BH") or max(1, OQ_MERGE_TILE // (sb * bd)), triton.next_power_of_2(H))
             oq = dict(x_ptr=x, xs_ptr=xs, stride_xt=x.stride(0), stride_xst=xs.stride(0), cs_ptr=cos_sin,
-                      stride_cs=cos_sin.stride(0), eps=OQ_EPS, OQ=True, ROPE=rope, SCALE_FMT=_oproj._FMT_CODE[fmt],
-                      EXACT=not isinstance(_sparse_mla_merge_kernel, InterpretedFunction))
-            if q_norm is None:
-                pos = positions
+                      stride_cs=cos_sin.stride(0), eps=OQ_EPS)
+            oqc = dict(OQ=True, ROPE=rope, SCALE_FMT=_oproj._FMT_CODE[fmt],
+                       EXACT=not isinstance(_sparse_mla_merge_kernel, InterpretedFunction))
+        m_pos = positions if (o_fp8 is not None and q_norm is None) else pos
         max_pos = cs.shape[0] if q_norm is not None else (cos_sin.shape[0] if o_fp8 is not None else 0)
+        merge = (sb, bhm, bd, oq, oqc, m_pos, max_pos)
+    # "FUSE_MERGE": the merge runs in the split launch (its last arrivals; _sparse_mla_split_kernel's FUSED)
+    fused = merge is not None and bool(cfg.get("FUSE_MERGE"))
+    fk = {}
+    if fused:
+        sb, bhm, bd, oq, oqc, m_pos, max_pos = merge
+        bhm = min(bhm, BH)
+        groups = T * n_hg
+        units = (BH // bhm) * (D // bd)
+        sms = num_sms(q.device) if q.is_cuda and not isinstance(_sparse_mla_split_kernel, InterpretedFunction) else 1
+        workers = fused_merge_workers(units, S, groups, sms)
+        cnt = zeroed_counters("sparse_mla", q.device, groups)
+        fk = dict(FUSED=True, M_SB=sb, M_BH=bhm, M_BD=bd, **{"M_" + k: v for k, v in oqc.items()})
+        margs = (cnt, workers, oq["x_ptr"], oq["xs_ptr"], oq["stride_xt"], oq["stride_xst"], m_pos, oq["cs_ptr"],
+                 oq["stride_cs"], max_pos, oq["eps"])
+    else:
+        margs = (sink, 1, sink, sink, 0, 0, sink, sink, 0, 0, 0.0)
+    _sparse_mla_split_kernel[(n_hg, S, T)](
+        q, out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)),
+        a[0], a[1], a[2], a_len, a[4], a[5], a[2].stride(0), a[2].shape[1],
+        b[0], b[1], b[2], b_len, b[4], b[5], b[2].stride(0), b[2].shape[1],
+        H, q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * LOG2E, tps,
+        pos, cs,
+        cs.shape[0] if q_norm is not None else 0, float(eps), *margs,
+        A_BS=a[6], B_BS=b[6], HAS_B=len(srcs) > 1, KV_FP8=a[0] is not None and a[0].dtype == torch.uint8,
+        A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S, ONE_SPLIT=S == 1, HAS_LSE=return_lse,
+        BLOCK_H=BH, BLOCK_N=BN, D=D, Q_NORM=q_norm is not None, R=cs.shape[1] if q_norm is not None else 2, **fk,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
+    if merge is not None and not fused:
+        sb, bhm, bd, oq, oqc, m_pos, max_pos = merge
         _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), D // bd, T)](
             out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)), H, out.stride(0),
-            out.stride(1), S, pos, max_pos, **oq, SB=sb,
+            out.stride(1), S, m_pos, max_pos, **oq, **oqc, SB=sb,
             HAS_LSE=return_lse, BLOCK_H=bhm, BLOCK_D=bd, D=D, Q_NORM=q_norm is not None,
             num_warps=cfg.get("MERGE_WARPS", 4), num_stages=1)
-    elif o_fp8 is not None:
+    if S == 1 and o_fp8 is not None:
         res = _oproj.inv_rope_fp8_quant(out, positions, cos_sin, hpg, True, fmt, eps=OQ_EPS, check_positions=False,
                                         config=_oproj.unfused3_config(q.device).get("rope") if q.is_cuda else None)
     return (res, stats) if return_lse else res
@@ -590,6 +665,9 @@ CONFIGS = {
     "sm_89": {
         "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
         "h16n16m1": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1},
+        # "f" rows (issue 20, session 19; untimed candidates): the merge in the split launch (FUSE_MERGE)
+        "h16n16m1f": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1, "FUSE_MERGE": True},
+        "h16n16f": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "FUSE_MERGE": True},
         # h32n16 (never the sm_89 default) left the table: its one-pass form (SPLITS=1, what a 128-SM
         # RTX 4090 takes for prefill at 64 tokens x 64 heads) spills 8/4 B on sm_89 (ds4lab aot; the
         # split form the report used to build at 132 SMs does not)
@@ -606,6 +684,8 @@ CONFIGS = {
         # dependent gather per program), and both with one tile per split
         "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
         "h16n16m1": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1},
+        "h16n16m1f": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1, "FUSE_MERGE": True},
+        "h16n16f": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "FUSE_MERGE": True},
         "h16n32s2m1": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **_T1},
     },
 }
