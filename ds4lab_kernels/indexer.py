@@ -25,6 +25,7 @@ import triton.language as tl
 
 from . import _checks as check
 from . import _arch
+from ._counters import zeroed_counters
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import quant_rows_e4m3
 from .o_proj import _mul_once
@@ -708,7 +709,6 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
 
 # per-request arrival counters of the one-launch logits + top-k, zero between launches (the program
 # that draws a request's last ticket resets it); one buffer per device, grown outside CUDA-graph capture
-_ARRIVALS: dict = {}
 _MIN_ARRIVALS = 1024
 
 
@@ -750,16 +750,7 @@ def paged_topk_arrivals(device: torch.device, n: int) -> torch.Tensor:
     Raises:
         RuntimeError: the buffer would have to grow while a CUDA graph is being captured (run the
             same call once before capturing, or pass ``arrivals``)."""
-    key = (device.type, device.index)
-    buf = _ARRIVALS.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"fp8_paged_mqa_topk: needs {n} arrival counters on {device}; they are "
-                               "allocated on first use, which cannot happen during CUDA-graph capture "
-                               "(run the call once before capturing)")
-        buf = torch.zeros(max(_MIN_ARRIVALS, n), dtype=torch.int32, device=device)
-        _ARRIVALS[key] = buf
-    return buf
+    return zeroed_counters("indexer.paged_topk", device, n, _MIN_ARRIVALS)
 
 
 def fp8_paged_mqa_topk(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as check
+from ._counters import zeroed_counters
 from ._arch import arch_of, num_sms, require_fp8
 from ._fp8 import ACT_QUANT_EPS, fp32_pow2_to_ue8m0, quant_rows_e4m3_pow2
 from ._l2 import prefetch_kwargs, prefetch_regions, prefetch_regions_l2
@@ -1495,20 +1496,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_SYNC: dict = {}
 
 
 def _sync_buffer(device) -> torch.Tensor:
     """The seam's grid-barrier words (count, generation; 64 int32 per token block), zeroed once per
     device and self-resetting, so any number of launches and CUDA-graph replays reuse it. Shared by every
     seam launch on the device: seam launches must not run concurrently on two streams (the model runs
-    them in one stream order); the first call should be eager (a first call inside graph capture makes
-    the zeroing a node of that graph, harmless but an extra memset per replay)."""
-    key = str(device)
-    buf = _SYNC.get(key)
-    if buf is None:
-        buf = _SYNC[key] = torch.zeros(64 * SEAM_MAX_TILES, dtype=torch.int32, device=device)
-    return buf
+    them in one stream order); the first call must be eager (:func:`ds4lab_kernels._counters.zeroed_counters`
+    raises during CUDA-graph capture)."""
+    return zeroed_counters("mhc.seam", device, 64 * SEAM_MAX_TILES, 0)
 
 
 def seam_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dict:
@@ -1585,7 +1581,6 @@ def _seam_prefetch(pf, S, launches, num_warps) -> tuple[dict, dict]:
     return (kw, {}) if launches == 1 else ({}, kw)
 
 
-_SYNC1: dict = {}
 SEAM1_STEP = 1024  # the counter step of _count_sync: at most this many column programs per token block
 SEAM1_MAX_T = 4    # seam1 rows: 1-4 token blocks (fp32 FMA mixes); above, the two-pass kernels (`decode`)
 
@@ -1594,11 +1589,7 @@ def _count_buffer(device) -> torch.Tensor:
     """The seam1 counters (one int32 per token block, 128 bytes apart), zeroed once per device; the
     protocol of :func:`_count_sync` keeps them valid across launches and graph replays without a reset.
     Not shared with the ``seam_*`` barrier (a different protocol); the same one-stream rule applies."""
-    key = str(device)
-    buf = _SYNC1.get(key)
-    if buf is None:
-        buf = _SYNC1[key] = torch.zeros(32 * SEAM_MAX_TILES, dtype=torch.int32, device=device)
-    return buf
+    return zeroed_counters("mhc.seam1", device, 32 * SEAM_MAX_TILES, 0)
 
 
 def seam1_plan(T: int, D: int, device, cfg, compiled: bool | None = None) -> dict:

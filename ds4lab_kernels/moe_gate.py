@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as check
+from ._counters import zeroed_counters
 from ._arch import arch_of
 from .moe_routing import _sqrt_softplus, check_routing_args, route_tile, slot_sum
 
@@ -280,17 +281,10 @@ def _topk_payload(lg, rows, rmask, bias_v, w_ptr, ids_ptr, E, scaling, TOPK: tl.
     tl.store(ids_ptr + out_off, sel_ids, mask=omask)
 
 
-_ARRIVALS: dict = {}
-
-
 def _arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """The per-device zeroed int32 arrival counters (grown, never shrunk; the kernel re-zeroes them)."""
-    key = (device.type, device.index)
-    buf = _ARRIVALS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _ARRIVALS[key] = buf
-    return buf
+    """The per-device zeroed int32 arrival counters (grown, never shrunk; the kernel re-zeroes them;
+    :func:`ds4lab_kernels._counters.zeroed_counters`)."""
+    return zeroed_counters("moe_gate", device, n, 1024)
 
 
 def gate_sqrtsoftplus_topk(hidden_states: torch.Tensor, gate_weight: torch.Tensor,

@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     from ds4lab.harness.numerics import compare_exact
     from ds4lab.harness.registry import get
     from ds4lab_kernels._arch import arch_of
-    from ds4lab_kernels.moe_gate import _ARRIVALS, ROWS_CANDIDATES, SPREAD_CANDIDATES, gate_sqrtsoftplus_topk
+    from ds4lab_kernels._counters import left_nonzero
+    from ds4lab_kernels.moe_gate import ROWS_CANDIDATES, SPREAD_CANDIDATES, gate_sqrtsoftplus_topk
     spec = get("gate_sqrtsoftplus_topk")
     dev = torch.device("cuda" if gpu else "cpu")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
                     g.replay()
                     sync()
                     bad += sum(not compare_exact(x, y) for o, wv in zip(outs, want) for x, y in zip(o, wv))
-                left = int(sum(int(b.abs().sum()) for b in _ARRIVALS.values()))
+                left = left_nonzero("moe_gate")
                 return bad == 0 and left == 0, f"{bad} differing outputs over 3 replays; counters left {left}"
             attempt("graph", f"T={T} {lb or 'default'}", graph)
     t_num = time.time() - t0

@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     from ds4lab.harness.specs import indexer as S
     from ds4lab_kernels import indexer as K
     from ds4lab_kernels._arch import arch_of
+    from ds4lab_kernels._counters import left_nonzero
     dev = torch.device("cuda" if gpu else "cpu")
     table = arch_of(dev)
     spec = get("fp8_paged_mqa_topk")
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     rows, attempt = ck.rows, ck.attempt
 
     def left():
-        return int(sum(int(b.abs().sum()) for b in K._ARRIVALS.values()))
+        return left_nonzero("indexer.paged_topk")
 
     t0 = time.time()
     ns = (2048,) if args.quick or not gpu else S.PAGED_TOPK_N

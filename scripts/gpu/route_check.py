@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     from ds4lab.harness.specs import indexer_q as SQ
     from ds4lab.harness.specs import moe_gate as SG
     from ds4lab_kernels.indexer import indexer_q_rope_quant
-    from ds4lab_kernels.moe_gate import _ARRIVALS, gate_sqrtsoftplus_topk
+    from ds4lab_kernels._counters import left_nonzero
+    from ds4lab_kernels.moe_gate import gate_sqrtsoftplus_topk
     qshape = {"H": DEFAULT_CONFIG.index_n_heads, "D": DEFAULT_CONFIG.index_head_dim}
     for T in SQ.DECODE_T:
         for case in SQ.Q_CASES:
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
                 g.replay()
                 torch.cuda.synchronize()
                 bad += sum(not compare_exact(x, y) for o, wv in zip(outs, want) for x, y in zip(o, wv))
-            left = int(sum(int(b.abs().sum()) for b in _ARRIVALS.values()))
+            left = left_nonzero("moe_gate")
             return bad == 0 and left == 0, f"{bad} differing outputs over 3 replays; counters left {left}"
         attempt("graph", f"gate T={T}", graph)
 
