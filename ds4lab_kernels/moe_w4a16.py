@@ -1528,9 +1528,13 @@ DECODE_MAX_PAIRS = 256
 #: 8,203 -> 7,682 (the 128-wide-w2 row from 24 pairs instead: 7,980 / 7,715); sm_90 too (native, call3, ABBA):
 #: batch 4 8,236 -> 8,199, batch 8 8,336 -> 7,912. The narrow row with the loop scan (``mmaq_n64s4xl``, bit-equal
 #: to ``mmaq_n64s4x``; sm_89 build, call3, ABBA): batch 1 4,965 -> 4,931 us, batch-1 MTP 6,174 -> 6,141 (one A/B pair:
-#: the run was cut there)
+#: the run was cut there). The narrow row since session 19: ``mmaq_n64f8xl``, the one-launch MoE (``"sched": "fused"``;
+#: H100 80GB HBM3, results/issue20/s19/call5 and call6, ``ds4lab step --ab moe_w4a16.DECODE_ROW_NARROW='mmaq_n64f8xl'
+#: --abba``, p50 means of the A and B pairs): sm_89 build batch 1 4,959 -> 4,928 us, batch-1 MTP 6,127 -> 5,979; native
+#: 5,646 -> 5,624 and 6,412 -> 6,229; 21.1 -> 20.1 launches a layer. The fused wide row (``mmaq_n64f8xl_w2n128``)
+#: stays a candidate: batch 16 8,855 -> 8,774 us but batch-16 MTP (192 pairs) 12,446 -> 14,609 (call2)
 DECODE_ROW = {"sm_89": "mmaq_n64s4xl", "sm_90": "mmaq_n64s4xl"}
-DECODE_ROW_NARROW = "mmaq_n64s4xl"
+DECODE_ROW_NARROW = "mmaq_n64f8xl"
 DECODE_NARROW_MAX_PAIRS = 12
 #: the decode row from :data:`DECODE_WIDE_MIN_PAIRS` pairs up (batch 16 = 96 pairs, batch 16 MTP = 192), per table
 #: (None: :data:`DECODE_ROW` serves every size above the narrow bound). Issue 20, moe16; session 13, H100 80GB HBM3,
