@@ -665,9 +665,9 @@ CONFIGS = {
     "sm_89": {
         "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
         "h16n16m1": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1},
-        # "f" rows (issue 20, session 19; untimed candidates): the merge in the split launch (FUSE_MERGE)
+        # "f" rows (issue 20, session 19): the merge in the split launch (FUSE_MERGE; any row takes the key); slower on the H100 (T=1 C4A
+        # 13.59 vs 12.22 us, step batch 1 +156 us; NOTES "Session 19"), kept as candidates
         "h16n16m1f": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1, "FUSE_MERGE": True},
-        "h16n16f": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "FUSE_MERGE": True},
         # h32n16 (never the sm_89 default) left the table: its one-pass form (SPLITS=1, what a 128-SM
         # RTX 4090 takes for prefill at 64 tokens x 64 heads) spills 8/4 B on sm_89 (ds4lab aot; the
         # split form the report used to build at 132 SMs does not)
@@ -685,7 +685,6 @@ CONFIGS = {
         "h16n16": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
         "h16n16m1": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1},
         "h16n16m1f": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, **_T1, "FUSE_MERGE": True},
-        "h16n16f": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "FUSE_MERGE": True},
         "h16n32s2m1": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **_T1},
     },
 }

@@ -8,6 +8,10 @@ with ``DS4LAB_TEST_SEED=random`` (``make test-fuzz``); a failing test prints the
 reproduces it."""
 import os
 import random
+import shutil
+import subprocess
+import sys
+import tempfile
 import zlib
 
 import torch
@@ -98,7 +102,45 @@ def _no_avx512() -> str | None:
             "without it); this CPU has no avx512f, so the real vLLM server cannot run here")
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the compile report started at collection (tests/test_aot.py's ``rows`` waits for it): proc, json, log, dir
+_AOT_BACKGROUND: dict = {}
+
+
+def _start_aot_report(items) -> None:
+    """Start ``ds4lab aot`` (sm_89, sm_90, sm_120; one process) when test_aot's report tests are collected, so it
+    compiles on the second core while the suite runs its other tests on the first (the suite is single-process);
+    ``DS4LAB_AOT_INLINE=1``: not here, the fixture runs it when its first test starts."""
+    if os.environ.get("DS4LAB_AOT_INLINE") or not any(
+            os.path.basename(str(it.fspath)) == "test_aot.py" and "rows" in getattr(it, "fixturenames", ())
+            for it in items):
+        return
+    d = tempfile.mkdtemp(prefix="ds4lab-aot-")
+    out, log = os.path.join(d, "rows.json"), os.path.join(d, "aot.log")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "ds4lab", "aot", "--arch", "sm_89", "--arch", "sm_90",
+                                 "--arch", "sm_120", "--json", out], cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
+    _AOT_BACKGROUND.update(proc=proc, json=out, log=log, dir=d)
+
+
+def aot_background() -> dict | None:
+    """The compile report started at collection (``proc``, ``json``, ``log``), or None."""
+    return _AOT_BACKGROUND or None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    proc = _AOT_BACKGROUND.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if _AOT_BACKGROUND:
+        shutil.rmtree(_AOT_BACKGROUND["dir"], ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
+    _start_aot_report(items)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     why = _no_avx512()
     skip_vllm = pytest.mark.skip(reason=why) if why else None

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from conftest import aot_background
 from ds4lab.harness.aot import DEFAULT_ARCHS, SMEM_LIMIT, _aot_shapes, labels_for, table_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,9 +17,20 @@ pytestmark = pytest.mark.aot
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    """``ds4lab aot`` for all three targets, as two processes in parallel: the suite itself runs on
-    one core, so the sm_120 half (81 functions) runs on the other and the test takes about the
-    wall time of the sm_89 + sm_90 half (288 functions) alone."""
+    """``ds4lab aot`` for all three targets. Normally started at collection (conftest's ``_start_aot_report``: one
+    process on the second core while the single-process suite runs its other tests on the first), so this waits for
+    it. With ``DS4LAB_AOT_INLINE=1``: run here, as two processes in parallel (sm_89 + sm_90, and sm_120)."""
+    bg = aot_background()
+    if bg is not None:
+        try:
+            rc = bg["proc"].wait(timeout=1800)
+        except subprocess.TimeoutExpired:
+            bg["proc"].kill()
+            raise
+        log = open(bg["log"]).read()
+        print(log[-5000:])
+        assert rc == 0, log[-6000:]
+        return json.loads(open(bg["json"]).read())
     d = tmp_path_factory.mktemp("aot")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     jobs = [(("sm_89", "sm_90"), d / "a.json"), (("sm_120",), d / "b.json")]

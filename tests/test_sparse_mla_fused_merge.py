@@ -1,6 +1,6 @@
-"""Issue 20, session 19: sparse MLA decode with its split merge in the split launch (``"FUSE_MERGE": True``, rows
-``h16n16m1f`` / ``h16n16f``): the last programs of each (token, head block) to arrive merge its partials, so the
-decode is one launch where it was two (split + merge).
+"""Issue 20, session 19: sparse MLA decode with its split merge in the split launch (``"FUSE_MERGE": True``; row
+``h16n16m1f``, and ``h16n16`` with the key): the last programs of each (token, head block) to arrive merge its
+partials, so the decode is one launch where it was two (split + merge).
 
 What is proven here (interpreter; the cross-program wait itself runs only on a GPU):
 - bit for bit the two-launch path's output in every output mode the launcher has: bf16 ``o``, ``return_lse``
@@ -22,7 +22,7 @@ from ds4lab_kernels.sparse_mla import CONFIGS, fused_merge_workers, sparse_mla_d
 
 pytestmark = pytest.mark.interp
 
-ROWS = CONFIGS["sm_89"]
+ROWS = {**CONFIGS["sm_89"], "h16n16f": {**CONFIGS["sm_89"]["h16n16"], "FUSE_MERGE": True}}
 
 
 def _launched(monkeypatch):
