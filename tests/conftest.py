@@ -107,14 +107,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _AOT_BACKGROUND: dict = {}
 
 
+def _is_aot_report(item) -> bool:
+    return os.path.basename(str(item.fspath)) == "test_aot.py" and "rows" in getattr(item, "fixturenames", ())
+
+
 def _start_aot_report(items) -> None:
-    """Start ``ds4lab aot`` (sm_89, sm_90, sm_120; one process) when test_aot's report tests are collected, so it
-    compiles on the second core while the suite runs its other tests on the first (the suite is single-process);
-    ``DS4LAB_AOT_INLINE=1``: not here, the fixture runs it when its first test starts."""
-    if os.environ.get("DS4LAB_AOT_INLINE") or not any(
-            os.path.basename(str(it.fspath)) == "test_aot.py" and "rows" in getattr(it, "fixturenames", ())
-            for it in items):
+    """Start ``ds4lab aot`` (sm_89, sm_90, sm_120; one process) when test_aot's report tests are collected, and move
+    those tests to the end of the run: the report compiles on the second core while the suite (single-process) runs
+    every other test on the first, and its tests then read the finished report. ``DS4LAB_AOT_INLINE=1``: none of
+    this; the fixture runs the report when its first test starts."""
+    if os.environ.get("DS4LAB_AOT_INLINE") or not any(_is_aot_report(it) for it in items):
         return
+    items[:] = [it for it in items if not _is_aot_report(it)] + [it for it in items if _is_aot_report(it)]
     d = tempfile.mkdtemp(prefix="ds4lab-aot-")
     out, log = os.path.join(d, "rows.json"), os.path.join(d, "aot.log")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

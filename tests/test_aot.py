@@ -18,8 +18,9 @@ pytestmark = pytest.mark.aot
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     """``ds4lab aot`` for all three targets. Normally started at collection (conftest's ``_start_aot_report``: one
-    process on the second core while the single-process suite runs its other tests on the first), so this waits for
-    it. With ``DS4LAB_AOT_INLINE=1``: run here, as two processes in parallel (sm_89 + sm_90, and sm_120)."""
+    process on the second core while the single-process suite runs its other tests on the first; these tests run
+    last), so this waits for it (1800 s at most from here). With ``DS4LAB_AOT_INLINE=1``: run here, as two processes
+    in parallel (sm_89 + sm_90, and sm_120)."""
     bg = aot_background()
     if bg is not None:
         try:
