@@ -446,7 +446,10 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None, 
     a_len = a[3] if a[3] is not None else a[2]
     b_len = b[3] if b[3] is not None else b[2]
     eps, pos, cs = q_norm if q_norm is not None else (0.0, sink, sink)
-    merge = None
+    # "FUSE_MERGE": the merge runs in the split launch (its last arrivals; _sparse_mla_split_kernel's FUSED)
+    fused = S > 1 and bool(cfg.get("FUSE_MERGE"))
+    fk = {}
+    margs = (sink, 1, sink, sink, 0, 0, sink, sink, 0, 0, 0.0)
     if S > 1:
         sb = cfg.get("MERGE_SB", 8)
         if o_fp8 is None:
@@ -463,23 +466,15 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None, 
                        EXACT=not isinstance(_sparse_mla_merge_kernel, InterpretedFunction))
         m_pos = positions if (o_fp8 is not None and q_norm is None) else pos
         max_pos = cs.shape[0] if q_norm is not None else (cos_sin.shape[0] if o_fp8 is not None else 0)
-        merge = (sb, bhm, bd, oq, oqc, m_pos, max_pos)
-    # "FUSE_MERGE": the merge runs in the split launch (its last arrivals; _sparse_mla_split_kernel's FUSED)
-    fused = merge is not None and bool(cfg.get("FUSE_MERGE"))
-    fk = {}
-    if fused:
-        sb, bhm, bd, oq, oqc, m_pos, max_pos = merge
-        bhm = min(bhm, BH)
-        groups = T * n_hg
-        units = (BH // bhm) * (D // bd)
-        sms = num_sms(q.device) if q.is_cuda and not isinstance(_sparse_mla_split_kernel, InterpretedFunction) else 1
-        workers = fused_merge_workers(units, S, groups, sms)
-        cnt = zeroed_counters("sparse_mla", q.device, groups)
-        fk = dict(FUSED=True, M_SB=sb, M_BH=bhm, M_BD=bd, **{"M_" + k: v for k, v in oqc.items()})
-        margs = (cnt, workers, oq["x_ptr"], oq["xs_ptr"], oq["stride_xt"], oq["stride_xst"], m_pos, oq["cs_ptr"],
-                 oq["stride_cs"], max_pos, oq["eps"])
-    else:
-        margs = (sink, 1, sink, sink, 0, 0, sink, sink, 0, 0, 0.0)
+        if fused:
+            bhm = min(bhm, BH)
+            groups = T * n_hg
+            sms = num_sms(q.device) if q.is_cuda and not isinstance(_sparse_mla_split_kernel, InterpretedFunction) \
+                else 1
+            workers = fused_merge_workers((BH // bhm) * (D // bd), S, groups, sms)
+            fk = dict(FUSED=True, M_SB=sb, M_BH=bhm, M_BD=bd, **{"M_" + k: v for k, v in oqc.items()})
+            margs = (zeroed_counters("sparse_mla", q.device, groups), workers, oq["x_ptr"], oq["xs_ptr"],
+                     oq["stride_xt"], oq["stride_xst"], m_pos, oq["cs_ptr"], oq["stride_cs"], max_pos, oq["eps"])
     _sparse_mla_split_kernel[(n_hg, S, T)](
         q, out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)),
         a[0], a[1], a[2], a_len, a[4], a[5], a[2].stride(0), a[2].shape[1],
@@ -491,8 +486,7 @@ def _launch(q, srcs, attn_sink, scale, cfg, out, return_lse=False, q_norm=None, 
         A_HAS_LEN=a[3] is not None, B_HAS_LEN=b[3] is not None, SPLITS=S, ONE_SPLIT=S == 1, HAS_LSE=return_lse,
         BLOCK_H=BH, BLOCK_N=BN, D=D, Q_NORM=q_norm is not None, R=cs.shape[1] if q_norm is not None else 2, **fk,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
-    if merge is not None and not fused:
-        sb, bhm, bd, oq, oqc, m_pos, max_pos = merge
+    if S > 1 and not fused:
         _sparse_mla_merge_kernel[(triton.cdiv(H, bhm), D // bd, T)](
             out, part, ml, sink, *((stats[0], stats[1]) if return_lse else (sink, sink)), H, out.stride(0),
             out.stride(1), S, m_pos, max_pos, **oq, **oqc, SB=sb,
