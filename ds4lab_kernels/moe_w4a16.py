@@ -1186,6 +1186,13 @@ def _compiled(kernel, args, meta):
     return ck
 
 
+def _launch_wave(kernel, args, meta, dev, cfg: dict, fused: bool = False) -> None:
+    """Launch a ``"persist"`` / ``"fused"`` kernel as one wave: on a GPU the binary about to run is compiled first
+    (:func:`_compiled`) and sizes the grid (:func:`persist_programs`)."""
+    ck = _compiled(kernel, args, meta) if dev.type == "cuda" and not _interpreting() else None
+    kernel[(persist_programs(dev, cfg, fused=fused, compiled=ck),)](*args, **meta)
+
+
 def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, accumulate=False):
     """Decode variant "mma" (candidate configs ``mma_*``): pairs grouped by expert in-kernel, int4
     dequantized to bf16/fp16 in registers and multiplied on tensor cores (BLOCK_M 16 pairs of one
@@ -1267,8 +1274,7 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
             meta["maxnreg"] = cfg["maxnreg"]
         # a w2 unit spins until its tile's h is in: every program must be resident, so the binary about to run (its
         # registers and shared memory; specialisations differ by T, accumulate, shapes) sizes the wave on every call
-        ck = _compiled(_dec_mma_fused_kernel, args, meta) if dev.type == "cuda" and not _interpreting() else None
-        _dec_mma_fused_kernel[(persist_programs(dev, cfg, fused=True, compiled=ck),)](*args, **meta)
+        _launch_wave(_dec_mma_fused_kernel, args, meta, dev, cfg, fused=True)
         return out
     if sched == "persist":
         # one wave of programs looping over (tile, column block, split) units; the split count 1..SPLIT_K is
@@ -1279,9 +1285,8 @@ def _decode_mma(x, w13p, w13s, w2p, w2s, tw, ids, limit, cfg, out, workspace, ac
         meta = dict(K=D, SMAX=splits, TOPK=K_TOP, PB=PB, BLOCK_M=BM, BLOCK_N=BN, DEQ=deq, ASM=asm, HPERM=hperm,
                     XPERM=xperm, OVH=cfg.get("OVH", 4), CH=min(PB, 32), XCH=512,
                     num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2))
-        # no program waits on another here, but the wave is sized the fused launch's way: from the binary about to run
-        ck = _compiled(_dec_mma_w13_persist_kernel, args, meta) if dev.type == "cuda" and not _interpreting() else None
-        _dec_mma_w13_persist_kernel[(persist_programs(dev, cfg, compiled=ck),)](*args, **meta)
+        # no program waits on another here; one wave all the same (_launch_wave)
+        _launch_wave(_dec_mma_w13_persist_kernel, args, meta, dev, cfg)
     else:
         _dec_mma_w13_kernel[(P, nb1, splits)](
             x, w13p, w13s, ids, h, part, cnt13, xs, P, I, E, float(limit),
