@@ -1555,8 +1555,15 @@ DECODE_NARROW_MAX_PAIRS = 12
 #: (read per call by :func:`pick_config`)
 DECODE_ROW_WIDE = {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s4xl_w2n128"}
 DECODE_WIDE_MIN_PAIRS = 96
+#: the one-launch wide row (``"sched": "fused"``) from :data:`DECODE_WIDE_MIN_PAIRS` up to
+#: :data:`DECODE_FUSED_WIDE_MAX_PAIRS` pairs (batch 16 = 96 pairs; not batch-16 MTP's 192, where the fused wide row lost
+#: 12,446 -> 14,609 us in session 19), per table (None: :data:`DECODE_ROW_WIDE` there). Time it with
+#: ``ds4lab step --ab "moe_w4a16.DECODE_ROW_FUSED_WIDE={'sm_89': 'mmaq_n64f8xl_w2n128', 'sm_90': None}"``
+DECODE_ROW_FUSED_WIDE = {"sm_89": None, "sm_90": None}
+DECODE_FUSED_WIDE_MAX_PAIRS = 128
 GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW[a],
-                                        *((DECODE_ROW_WIDE[a],) if DECODE_ROW_WIDE[a] else ()), "prefill")))
+                                        *(r for r in (DECODE_ROW_WIDE[a], DECODE_ROW_FUSED_WIDE[a]) if r),
+                                        "prefill")))
                 for a in ("sm_89", "sm_90")}
 
 
@@ -1578,6 +1585,7 @@ def pick_config(pairs: int, device: torch.device) -> dict:
         # moe16: the wide row for 16-32 tokens where its table has one (module globals read here, per call)
         wide = DECODE_ROW_WIDE.get(arch)
         if wide and pairs >= DECODE_WIDE_MIN_PAIRS:
-            return CONFIGS[arch][wide]
+            fused = DECODE_ROW_FUSED_WIDE.get(arch)
+            return CONFIGS[arch][fused if fused and pairs <= DECODE_FUSED_WIDE_MAX_PAIRS else wide]
         return CONFIGS[arch][DECODE_ROW[arch]]
     return CONFIGS[arch][path]

@@ -167,6 +167,7 @@ def test_pick_config_wide_row_per_table_and_read_per_call(monkeypatch):
     # 95 (DECODE_ROW, session 15), the wide row (128-wide w2 tiles) from 96
     assert K.DECODE_ROW_WIDE == {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s4xl_w2n128"}
     assert K.DECODE_WIDE_MIN_PAIRS == 96
+    assert K.DECODE_ROW_FUSED_WIDE == {"sm_89": None, "sm_90": None}
     assert K.pick_config(96, Dev()) is t["mmaq_n64s4xl_w2n128"] and K.pick_config(192, Dev()) is t["mmaq_n64s4xl_w2n128"]
     assert K.pick_config(95, Dev()) is t["mmaq_n64s4xl"] and K.pick_config(13, Dev()) is t["mmaq_n64s4xl"]
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_90")
@@ -181,6 +182,13 @@ def test_pick_config_wide_row_per_table_and_read_per_call(monkeypatch):
     assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS - 1, Dev()) is t[K.DECODE_ROW["sm_89"]]
     assert K.pick_config(6, Dev()) is t[K.DECODE_ROW_NARROW]
     assert K.pick_config(K.DECODE_MAX_PAIRS + 1, Dev()) is t["prefill"]
+    # the one-launch wide row, when a table names one: from the wide bound up to DECODE_FUSED_WIDE_MAX_PAIRS only
+    monkeypatch.setattr(K, "DECODE_ROW_FUSED_WIDE", {"sm_89": "mmaq_n64f8xl_w2n128", "sm_90": None})
+    assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS, Dev()) is t["mmaq_n64f8xl_w2n128"]
+    assert K.pick_config(K.DECODE_FUSED_WIDE_MAX_PAIRS, Dev()) is t["mmaq_n64f8xl_w2n128"]
+    assert K.pick_config(K.DECODE_FUSED_WIDE_MAX_PAIRS + 1, Dev()) is t["mmaq_n32s1xl_w2n128"]
+    assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS - 1, Dev()) is t[K.DECODE_ROW["sm_89"]]
+    monkeypatch.setattr(K, "DECODE_ROW_FUSED_WIDE", {"sm_89": None, "sm_90": None})
     monkeypatch.setattr(K, "DECODE_ROW_WIDE", {"sm_89": None, "sm_90": None})
     assert K.pick_config(192, Dev()) is t[K.DECODE_ROW["sm_89"]]
     for label in ROWS:

@@ -236,7 +236,8 @@ def check_moe(out, ref, inputs) -> list:
     return [compare(out, ref, tol, name="moe out")]
 
 
-DECODE_T = (1, 4, 16)
+# the step's decode calls at TP=4: batch 1, 4, 16 and batch-16 MTP (32 tokens, 192 pairs: still the decode path)
+DECODE_T = (1, 4, 16, 32)
 PREFILL_T = 4096
 
 

@@ -184,14 +184,18 @@ def check(out, ref, inputs) -> list:
 
 
 def decode_bench_shapes(cfg, tp: int) -> list[dict]:
-    """T=1 (issue 20's <= 8 us target: C4A, C128A at 8K and 128K context) and the batched rows
+    """T=1 (issue 20's <= 8 us target: C4A, C128A at 8K and 128K context; C4A and C128A 8K again with the merge
+    writing o_proj's fp8 input, the step's form) and the batched rows
     (the step's T = 2, 16, 32). ``DS4LAB_BENCH_SHAPES=targets`` keeps the T=1 rows only
     (scripts/gpu/attn.sh), ``=batched`` the T > 1 rows only (re-timing the T > 1 defaults)."""
     op = op_shapes(cfg, tp)["sparse_mla"].dims
     H, W, K = op["H"], op["window"], op["topk"]
     t1 = [{"T": 1, "H": H, "W": W, "Kc": K, "comp_bs": 64},
           {"T": 1, "H": H, "W": W, "Kc": 64, "comp_bs": 2},        # C128A at 8K context (the step's)
-          {"T": 1, "H": H, "W": W, "Kc": 1024, "comp_bs": 2}]      # C128A at 128K context
+          {"T": 1, "H": H, "W": W, "Kc": 1024, "comp_bs": 2},      # C128A at 128K context
+          # as the step calls it (issue 20, session 20): the merge writes o_proj's fp8 input (o_fp8), C4A and C128A 8K
+          {"T": 1, "H": H, "W": W, "Kc": K, "comp_bs": 64, "o_fp8": 1},
+          {"T": 1, "H": H, "W": W, "Kc": 64, "comp_bs": 2, "o_fp8": 1}]
     which = os.environ.get("DS4LAB_BENCH_SHAPES")
     if which == "targets":
         return t1
