@@ -184,3 +184,41 @@ def test_spills_are_flagged_on_every_arch(tmp_path):
         (bad,), (good,) = out[f"{arch}/spills"], out[f"{arch}/fits"]
         assert not bad["ok"] and "spills" in bad["why"] and bad["spill_stores"] > 0 and bad["local"] > 0, bad
         assert good["ok"] and good["spill_stores"] == 0 and good["local"] == 0, good
+
+
+MEMO_PROBE = SPILL_PROBE.split("out = {")[0] + r"""
+import os, subprocess
+from ds4lab.harness import aot
+first = [r.to_dict() for r in compile_spec(spec, "sm_89", "spills", {})]
+real_run = subprocess.run
+def no_tools(*a, **k):
+    raise RuntimeError(f"a tool ran: {a[0][:1]}")
+subprocess.run = no_tools          # the memo must answer without cuobjdump or ptxas
+again = [r.to_dict() for r in compile_spec(spec, "sm_89", "spills", {})]
+os.environ["DS4LAB_AOT_CACHE"] = "0"
+off = [r.to_dict() for r in compile_spec(spec, "sm_89", "spills", {})]   # the tools run: the patched run fails the row
+subprocess.run = real_run
+cfgs["spills"]["N"] = 8192         # another kernel: another key, inspected afresh (and still spilling)
+os.environ["DS4LAB_AOT_CACHE"] = "1"
+other = [r.to_dict() for r in compile_spec(spec, "sm_89", "spills", {})]
+print(json.dumps({"first": first, "again": again, "off": off, "other": other}))
+"""
+
+
+def test_inspection_memo_returns_the_same_row_without_running_the_tools(tmp_path):
+    """``aot._inspect`` is memoised in Triton's cache (``TRITON_CACHE_DIR``): a second compile of the same kernel
+    gives the same row (spill bytes, stack, registers) with cuobjdump and ptxas never run; ``DS4LAB_AOT_CACHE=0``
+    runs them again; another kernel is a miss."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DS4LAB_AOT_CACHE")}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    (tmp_path / "memo_probe.py").write_text(MEMO_PROBE)
+    p = subprocess.run([sys.executable, str(tmp_path / "memo_probe.py")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    (first,), (again,), (off,), (other,) = out["first"], out["again"], out["off"], out["other"]
+    assert not first["ok"] and first["spill_stores"] > 0 and first["local"] > 0, first
+    assert again == first
+    assert not off["ok"] and "a tool ran" in off["why"], off
+    assert not other["ok"] and other["spill_stores"] > 0 and other["spill_stores"] != first["spill_stores"], other
+    assert list((tmp_path / "triton").rglob("ds4lab_aot_inspect.json"))
