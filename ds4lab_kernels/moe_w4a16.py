@@ -1557,9 +1557,12 @@ DECODE_ROW_WIDE = {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s4xl_w2n128
 DECODE_WIDE_MIN_PAIRS = 96
 #: the one-launch wide row (``"sched": "fused"``) from :data:`DECODE_WIDE_MIN_PAIRS` up to
 #: :data:`DECODE_FUSED_WIDE_MAX_PAIRS` pairs (batch 16 = 96 pairs; not batch-16 MTP's 192, where the fused wide row lost
-#: 12,446 -> 14,609 us in session 19), per table (None: :data:`DECODE_ROW_WIDE` there). Time it with
-#: ``ds4lab step --ab "moe_w4a16.DECODE_ROW_FUSED_WIDE={'sm_89': 'mmaq_n64f8xl_w2n128', 'sm_90': None}"``
-DECODE_ROW_FUSED_WIDE = {"sm_89": None, "sm_90": None}
+#: 12,446 -> 14,609 us in session 19, and 143.0 vs 128.7 us in the kernel bench at T=32 pool49, session 20), per table
+#: (None: :data:`DECODE_ROW_WIDE` there). Issue 20, session 20 (H100 80GB HBM3, results/issue20/s20/call1b and call2,
+#: step ABBA, ``--ab "moe_w4a16.DECODE_ROW_FUSED_WIDE={...}"``): batch 16, sm_89 build 8,837 -> 8,724 us (moe.experts
+#: 2,907 -> 2,815; 22.1 -> 21.1 launches a layer), native 8,961 -> 8,797. Time another row with
+#: ``ds4lab step --ab "moe_w4a16.DECODE_ROW_FUSED_WIDE={'sm_89': 'ROW', 'sm_90': None}"``
+DECODE_ROW_FUSED_WIDE = {"sm_89": "mmaq_n64f8xl_w2n128", "sm_90": "mmaq_n64f8xl_w2n128"}
 DECODE_FUSED_WIDE_MAX_PAIRS = 128
 GPU_DEFAULTS = {a: tuple(dict.fromkeys((DECODE_ROW_NARROW, DECODE_ROW[a],
                                         *(r for r in (DECODE_ROW_WIDE[a], DECODE_ROW_FUSED_WIDE[a]) if r),

@@ -381,11 +381,14 @@ def _check_q_norm(q, q_norm_eps, positions, cos_sin, o_fp8=False):
 
 
 #: the fused output quant's merge: programs of BLOCK_D = 128 dims (one quant group) and, by default,
-#: OQ_MERGE_TILE // (MERGE_SB * 128) heads, so its (SB, heads, dims) partial tile has the bf16 merge's
-#: size (MERGE_SB 16 x 16 heads x 16 dims of the T=1 rows = 16 x 2 x 128; 8 x 16 x 32 = 8 x 4 x 128): at T=1
-#: with 16 heads that is 8 x 4 = 32 programs, as many as the bf16 merge's 1 x 32 (fewer, wider programs
-#: would put the token's merge on fewer SMs; the config may set OQ_MERGE_BH)
-OQ_MERGE_TILE = 4096
+#: OQ_MERGE_TILE // (MERGE_SB * 128) heads (the config may set OQ_MERGE_BH). 2048 since issue 20, session 20: with
+#: the T=1 rows' MERGE_SB 16 that is one head a program, 16 x 4 = 64 programs at T=1 with 16 heads (4096: two heads,
+#: 32 programs, the bf16 merge's count). The merge reads ~1.3 MB of fp32 partials at T=1 C4A (ncu, session 19: 8.38 us,
+#: as long as the split); twice the programs halve each one's serial chain. Bit-equal to 4096 at the step's o_fp8
+#: shapes, every case (scripts/gpu/merge_tile_check.py). Step ABBA (H100 80GB HBM3, results/issue20/s20/call1b and
+#: call2, ``--ab sparse_mla.OQ_MERGE_TILE=2048``): sm_89 build batch 1 4,895 -> 4,857 us (attn.sparse_mla 531 -> 479),
+#: batch-1 MTP 5,957 -> 5,892; native batch 1 5,586 -> 5,538; batch 16 within noise (8,837 -> 8,789 sm_89)
+OQ_MERGE_TILE = 2048
 OQ_EPS = 1e-10      # inv_rope_fp8_quant's (and o_proj's) amax floor
 
 

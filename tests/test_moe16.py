@@ -167,15 +167,20 @@ def test_pick_config_wide_row_per_table_and_read_per_call(monkeypatch):
     # 95 (DECODE_ROW, session 15), the wide row (128-wide w2 tiles) from 96
     assert K.DECODE_ROW_WIDE == {"sm_89": "mmaq_n64s4xl_w2n128", "sm_90": "mmaq_n64s4xl_w2n128"}
     assert K.DECODE_WIDE_MIN_PAIRS == 96
-    assert K.DECODE_ROW_FUSED_WIDE == {"sm_89": None, "sm_90": None}
-    assert K.pick_config(96, Dev()) is t["mmaq_n64s4xl_w2n128"] and K.pick_config(192, Dev()) is t["mmaq_n64s4xl_w2n128"]
+    # session 20: the one-launch wide row from 96 up to 128 pairs (batch 16), the grid wide row above (batch-16 MTP)
+    assert K.DECODE_ROW_FUSED_WIDE == {"sm_89": "mmaq_n64f8xl_w2n128", "sm_90": "mmaq_n64f8xl_w2n128"}
+    assert K.DECODE_FUSED_WIDE_MAX_PAIRS == 128
+    assert K.pick_config(96, Dev()) is t["mmaq_n64f8xl_w2n128"] and K.pick_config(128, Dev()) is t["mmaq_n64f8xl_w2n128"]
+    assert K.pick_config(129, Dev()) is t["mmaq_n64s4xl_w2n128"] and K.pick_config(192, Dev()) is t["mmaq_n64s4xl_w2n128"]
     assert K.pick_config(95, Dev()) is t["mmaq_n64s4xl"] and K.pick_config(13, Dev()) is t["mmaq_n64s4xl"]
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_90")
     t90 = K.CONFIGS["sm_90"]
-    assert K.pick_config(96, Dev()) is t90["mmaq_n64s4xl_w2n128"] and K.pick_config(95, Dev()) is t90["mmaq_n64s4xl"]
+    assert K.pick_config(96, Dev()) is t90["mmaq_n64f8xl_w2n128"] and K.pick_config(95, Dev()) is t90["mmaq_n64s4xl"]
+    assert K.pick_config(192, Dev()) is t90["mmaq_n64s4xl_w2n128"]
     assert K.DECODE_ROW == {"sm_89": "mmaq_n64s4xl", "sm_90": "mmaq_n64s4xl"} and K.DECODE_ROW_NARROW == "mmaq_n64f8xl"
     assert K.pick_config(12, Dev()) is t90["mmaq_n64f8xl"] and K.pick_config(6, Dev()) is t90["mmaq_n64f8xl"]
     monkeypatch.setattr(K, "arch_of", lambda d: "sm_89")
+    monkeypatch.setattr(K, "DECODE_ROW_FUSED_WIDE", {"sm_89": None, "sm_90": None})   # DECODE_ROW_WIDE alone
     monkeypatch.setattr(K, "DECODE_ROW_WIDE", {"sm_89": "mmaq_n32s1xl_w2n128", "sm_90": None})
     assert K.pick_config(K.DECODE_WIDE_MIN_PAIRS, Dev()) is t["mmaq_n32s1xl_w2n128"]
     assert K.pick_config(192, Dev()) is t["mmaq_n32s1xl_w2n128"]
