@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Sparse MLA's fused o_proj input quant merge (issue 20, session 20): the output with ``OQ_MERGE_TILE`` 2048 (one head
-a merge program) must be bit-equal to 4096's (two heads a program) at the step's o_fp8 shapes (TP=4 rank, 16 heads,
+a merge program) must be bit-equal to 4096's (two heads a program; the default until session 20) at the step's o_fp8 shapes (TP=4 rank, 16 heads,
 T = 1 and 2, C4A and C128A at 8K), every case of the spec. Prints one line per (shape, case); exits 1 on a mismatch.
 Usage (device): python3 scripts/gpu/merge_tile_check.py [--arch sm89|native]"""
 import argparse
@@ -19,7 +19,7 @@ def main() -> int:
     import torch
     import ds4lab_kernels.sparse_mla as K
     from ds4lab.harness.specs import sparse_mla as S
-    bad = 0
+    bad, default = 0, K.OQ_MERGE_TILE
     for T in (1, 2):
         for kc, bs in ((512, 64), (64, 2)):
             shape = {"T": T, "H": 16, "W": 128, "Kc": kc, "comp_bs": bs, "o_fp8": 1}
@@ -35,7 +35,7 @@ def main() -> int:
                                                                            outs[1][1].view(torch.uint8))
                 bad += not same
                 print(f"T={T} Kc={kc} bs={bs} {case}: {'bit-equal' if same else 'DIFFER'}")
-    K.OQ_MERGE_TILE = 4096
+    K.OQ_MERGE_TILE = default
     print("FAIL" if bad else "PASS", bad)
     return 1 if bad else 0
 
